@@ -1,0 +1,22 @@
+"""commfold: torch.compile / Inductor passes that take tensor-parallel communication
+out of LLM inference graphs, without touching model source.
+
+    torch.compile(model, backend="commfold")
+    torch.compile(model, backend=commfold.backend(passes=["local_argmax"]))
+    torch._inductor.config.post_grad_custom_post_pass = commfold.CommfoldPass()
+
+Importing commfold registers its custom ops (namespace ``commfold``); it never
+imports vLLM.
+"""
+from . import ops  # noqa: F401  (registers torch.ops.commfold.*)
+from .backend import backend
+from .config import ALL_PASSES, Config
+from .manager import CommfoldPass
+from .report import Comm, NearMiss, Report, Rewrite, clear_reports, last_report, reports
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ALL_PASSES", "Comm", "CommfoldPass", "Config", "NearMiss", "Report", "Rewrite",
+    "backend", "clear_reports", "last_report", "reports",
+]

@@ -1,0 +1,32 @@
+"""The `commfold` torch.compile backend: Inductor with commfold's passes as the
+post-grad custom pass (composed with any pass the user already set)."""
+from __future__ import annotations
+
+from torch._inductor import config as inductor_config
+
+from .config import Config
+from .manager import CommfoldPass
+
+
+def backend(**options):
+    """A torch.compile backend with commfold's passes configured by ``options``
+    (the fields of ``commfold.Config``), e.g.
+    ``torch.compile(model, backend=commfold.backend(passes=["local_argmax"]))``."""
+    config = options.pop("config", None) or Config(**options)
+
+    def commfold_compile(gm, example_inputs, **kwargs):
+        from torch._inductor.compile_fx import compile_fx
+
+        user_pass = inductor_config.post_grad_custom_post_pass
+        if isinstance(user_pass, CommfoldPass):  # already composed (nested use)
+            user_pass = user_pass.then
+        pass_ = CommfoldPass(config, then=user_pass)
+        with inductor_config.patch(post_grad_custom_post_pass=pass_):
+            return compile_fx(gm, example_inputs, **kwargs)
+
+    commfold_compile.config = config
+    return commfold_compile
+
+
+# The entry point named in pyproject (torch_dynamo_backends): backend="commfold".
+commfold_backend = backend()

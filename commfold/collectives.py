@@ -1,0 +1,81 @@
+"""Collective adapters: run a collective on whichever communicator the graph used.
+
+A rewritten graph names its communicator by a spec string, taken from the matched
+collective, so the fused op talks to the same group the original program did:
+
+- ``c10d:<group_name>``  torch.distributed (functional collectives, DTensor, dist.*)
+- ``vllm:<group_name>``  vLLM's ``torch.ops.vllm.*`` custom-op collectives
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+
+@dataclass(frozen=True)
+class Communicator:
+    spec: str
+
+    @property
+    def kind(self) -> str:
+        return self.spec.split(":", 1)[0]
+
+    @property
+    def name(self) -> str:
+        return self.spec.split(":", 1)[1]
+
+    def rank(self) -> int:
+        if self.kind == "c10d":
+            return _c10d_group(self.name).rank()
+        if self.kind == "vllm":
+            return _vllm_group(self.name).rank_in_group
+        raise ValueError(f"commfold: unknown communicator {self.spec!r}")
+
+    def world_size(self) -> int:
+        if self.kind == "c10d":
+            return _c10d_group(self.name).size()
+        if self.kind == "vllm":
+            return _vllm_group(self.name).world_size
+        raise ValueError(f"commfold: unknown communicator {self.spec!r}")
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's x along dim 0, in rank order."""
+        world = self.world_size()
+        if self.kind == "c10d":
+            f = torch.ops._c10d_functional
+            return f.wait_tensor(f.all_gather_into_tensor(x.contiguous(), world, self.name))
+        if self.kind == "vllm":
+            return torch.ops.vllm.all_gather(x.contiguous(), 0, world, self.name)
+        raise ValueError(f"commfold: unknown communicator {self.spec!r}")
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of every rank's x (out of place)."""
+        if self.kind == "c10d":
+            f = torch.ops._c10d_functional
+            return f.wait_tensor(f.all_reduce(x.contiguous(), "sum", self.name))
+        if self.kind == "vllm":
+            return torch.ops.vllm.all_reduce(x.contiguous(), self.name)
+        raise ValueError(f"commfold: unknown communicator {self.spec!r}")
+
+
+def communicator(spec: str) -> Communicator:
+    return Communicator(spec)
+
+
+def _c10d_group(name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+@lru_cache(maxsize=None)
+def _vllm_group(name: str):
+    from vllm.distributed.parallel_state import _groups
+
+    ref = _groups.get(name)
+    group = ref() if ref is not None else None
+    if group is None:
+        raise RuntimeError(f"commfold: vLLM group {name!r} is not initialized in this process")
+    return group

@@ -1,0 +1,47 @@
+"""What commfold runs and with which thresholds.
+
+A Config is part of the pass's cache key (CommfoldPass.uuid), so two compiles with
+different configs never share a cached graph.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+ALL_PASSES = ("local_argmax",)
+
+
+@dataclass(frozen=True)
+class Config:
+    """Options of commfold's passes.
+
+    passes: which passes run, in this order (see ``ALL_PASSES``).
+    replicate_max_bytes: a vocab-parallel embedding / LM head whose FULL weight is at
+        most this many bytes is replicated on every rank (no per-step collective).
+    strict: raise on an internal pass error instead of leaving the graph unchanged
+        (for tests; users keep the default so a compile never breaks).
+    """
+
+    passes: tuple[str, ...] = ALL_PASSES
+    replicate_max_bytes: int = 64 * 2**20
+    strict: bool = False
+    extra: tuple[tuple[str, str], ...] = field(default=())
+
+    def __post_init__(self):
+        passes = (self.passes,) if isinstance(self.passes, str) else tuple(self.passes)
+        unknown = [p for p in passes if p not in ALL_PASSES]
+        if unknown:
+            raise ValueError(
+                f"commfold: unknown pass name(s) {unknown}; choose from {list(ALL_PASSES)}"
+            )
+        object.__setattr__(self, "passes", passes)
+        if self.replicate_max_bytes < 0:
+            raise ValueError("commfold: replicate_max_bytes must be >= 0")
+
+    def key(self) -> str:
+        """A stable text form, part of the cache key."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, default=str)
+
+    def replace(self, **changes) -> "Config":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,30 @@
+"""What a pass gets besides the graph: the config and a way to record decisions."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from .config import Config
+from .graph import source_location
+from .report import Comm, NearMiss, Report, Rewrite
+
+
+@dataclass
+class PassContext:
+    graph: fx.Graph
+    config: Config
+    report: Report
+    pass_name: str = ""
+
+    def rewrote(self, pattern: str, node: fx.Node, before: Comm, after: Comm,
+                extra_memory_bytes: int = 0, detail: str = "") -> None:
+        self.report.rewrites.append(Rewrite(
+            self.pass_name, pattern, source_location(node), before, after,
+            extra_memory_bytes, detail))
+
+    def skipped(self, pattern: str, node: fx.Node, reason: str) -> None:
+        """Record a near-miss. `reason` must not hold rank-local values (shard bounds,
+        handles): reasons enter the rank-consistency fingerprint."""
+        self.report.near_misses.append(
+            NearMiss(self.pass_name, pattern, source_location(node), reason))

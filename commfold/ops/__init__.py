@@ -1,0 +1,3 @@
+"""commfold's custom ops (namespace ``commfold``), each with a fake kernel so they
+trace under FakeTensorMode and Inductor treats them as extern kernels."""
+from . import local_argmax  # noqa: F401

@@ -1,0 +1,147 @@
+"""What each pass rewrote or declined to rewrite, for users, the CLI and tests.
+
+One Report per compiled graph. Reports are kept in process order; ``last_report()``
+is the newest, ``reports()`` all of them since ``clear_reports()``.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from dataclasses import dataclass, field, asdict
+
+log = logging.getLogger("commfold")
+
+
+@dataclass(frozen=True)
+class Comm:
+    """Communication of one call: bytes sent into collectives and collective calls."""
+
+    bytes: int | str = 0
+    calls: int = 0
+
+    def __str__(self) -> str:
+        return f"{_fmt_bytes(self.bytes)} in {self.calls} call{'s' if self.calls != 1 else ''}"
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    pass_name: str
+    pattern: str
+    location: str
+    comm_before: Comm
+    comm_after: Comm
+    extra_memory_bytes: int = 0
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class NearMiss:
+    pass_name: str
+    pattern: str
+    location: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class PassError:
+    pass_name: str
+    error: str
+
+
+@dataclass
+class Report:
+    graph_index: int = 0
+    passes: tuple[str, ...] = ()
+    rewrites: list[Rewrite] = field(default_factory=list)
+    near_misses: list[NearMiss] = field(default_factory=list)
+    errors: list[PassError] = field(default_factory=list)
+    pass_seconds: dict[str, float] = field(default_factory=dict)
+
+    def count(self, pass_name: str | None = None, pattern: str | None = None) -> int:
+        return sum(
+            1
+            for r in self.rewrites
+            if (pass_name is None or r.pass_name == pass_name)
+            and (pattern is None or r.pattern == pattern)
+        )
+
+    def fingerprint(self) -> str:
+        """Hash of every decision (pass, pattern, rewritten or why not).
+
+        Rank-local numbers (shard bounds, group handles) never enter reasons, so equal
+        graphs and configs give equal fingerprints on every rank.
+        """
+        h = hashlib.sha256()
+        for r in self.rewrites:
+            h.update(f"R|{r.pass_name}|{r.pattern}|{r.comm_before}|{r.comm_after}\n".encode())
+        for m in self.near_misses:
+            h.update(f"N|{m.pass_name}|{m.pattern}|{m.reason}\n".encode())
+        for e in self.errors:
+            h.update(f"E|{e.pass_name}\n".encode())
+        return h.hexdigest()[:16]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def summary(self) -> str:
+        lines = [f"commfold report, graph {self.graph_index}: "
+                 f"{len(self.rewrites)} rewrite(s), {len(self.near_misses)} near-miss(es), "
+                 f"{len(self.errors)} error(s)"]
+        if self.rewrites:
+            rows = [("pass", "pattern", "source", "comm/call before -> after", "extra mem")]
+            for r in self.rewrites:
+                rows.append((r.pass_name, r.pattern, r.location,
+                             f"{r.comm_before} -> {r.comm_after}",
+                             _fmt_bytes(r.extra_memory_bytes)))
+            lines += _table(rows)
+        for m in self.near_misses:
+            lines.append(f"  near-miss [{m.pass_name}/{m.pattern}] at {m.location}: {m.reason}")
+        for e in self.errors:
+            lines.append(f"  ERROR in {e.pass_name}: {e.error} (graph left unchanged by it)")
+        return "\n".join(lines)
+
+
+def _table(rows) -> list[str]:
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    return ["  " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows]
+
+
+def _fmt_bytes(n) -> str:
+    if isinstance(n, str):
+        return n + " B"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+_lock = threading.Lock()
+_reports: list[Report] = []
+
+
+def publish(report: Report) -> None:
+    with _lock:
+        report.graph_index = len(_reports)
+        _reports.append(report)
+    if report.errors:
+        for e in report.errors:
+            log.warning("commfold: pass %s failed and was skipped: %s", e.pass_name, e.error)
+    log.info("%s", report.summary())
+
+
+def last_report() -> Report | None:
+    """The report of the most recent graph commfold saw in this process (None if none)."""
+    with _lock:
+        return _reports[-1] if _reports else None
+
+
+def reports() -> list[Report]:
+    with _lock:
+        return list(_reports)
+
+
+def clear_reports() -> None:
+    with _lock:
+        _reports.clear()

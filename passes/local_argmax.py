@@ -1,0 +1,88 @@
+"""local_argmax: greedy token selection over vocab-sharded logits without gathering
+the logits.
+
+Uses: patterns.gather.VocabGather (the all-gather on the vocab dim, any spelling) and
+patterns.greedy.GreedyPick (slice to the valid vocab, monotone elementwise ops, argmax
+/ max(dim=-1) / topk(1)).
+
+Why it is safe:
+- nothing but the pick reads the gathered logits (the recognizer checks every node
+  on the way has one consumer), so the full row need not exist;
+- the elementwise ops are replayed on the shard, so each logit the pick compares is
+  bit-for-bit the value it compared before (no reliance on monotonicity for
+  exactness; monotone-only is kept as the conservative rule);
+- shards are concatenated in rank order (checked), so first-max-within-shard then
+  first-max-over-ranks is torch's first-max rule; commfold::local_argmax keeps NaN
+  as the maximum and masks padding columns past the valid vocab.
+- topk(1) becomes first-max too: torch leaves topk's choice among ties unspecified
+  (on CPU it varies with the row length); commfold picks the lowest index.
+
+Writes: shard -> replayed ops -> commfold::local_argmax(., valid_vocab, comm) whose
+one collective gathers a (value, index) int64 pair per row per rank.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from commfold.context import PassContext
+from commfold.graph import erase_if_dead, insert_call, nbytes, numel, tensor_val
+from commfold.ops.local_argmax import SUPPORTED_DTYPES
+from commfold.patterns.gather import gather_candidates, match_vocab_gather
+from commfold.patterns.greedy import GreedyPick, match_greedy
+from commfold.report import Comm
+
+PATTERN = "all_gather->argmax"
+
+
+def run(ctx: PassContext) -> None:
+    for coll in gather_candidates(ctx.graph):
+        if coll.graph is None:  # erased by an earlier rewrite
+            continue
+        gather = match_vocab_gather(coll)
+        if not gather:
+            continue  # a gather on another dim is not a vocab gather: nothing to note
+        pick = match_greedy(gather)
+        if pick is None:
+            continue
+        if not pick:
+            ctx.skipped(PATTERN, pick.node or coll, pick.reason)
+            continue
+        if tensor_val(pick.pick.args[0]).dtype not in SUPPORTED_DTYPES:
+            ctx.skipped(PATTERN, pick.pick, "logits dtype not supported")
+            continue
+        _rewrite(ctx, pick)
+
+
+def _rewrite(ctx: PassContext, m: GreedyPick) -> None:
+    graph = ctx.graph
+    full = tensor_val(m.gather.gathered)
+    before = Comm(nbytes(full), 1)
+    with graph.inserting_before(m.pick):
+        x = m.gather.shard
+        for op in m.elementwise:  # replay on the shard: same values per column
+            args = tuple(x if isinstance(a, torch.fx.Node) else a for a in op.args)
+            x = insert_call(graph, op.target, args, dict(op.kwargs), like=op)
+        best = insert_call(graph, torch.ops.commfold.local_argmax.default,
+                           (x, m.valid_vocab, m.gather.comm, m.keepdim), like=m.pick)
+        value = insert_call(graph, operator.getitem, (best, 0), like=m.pick)
+        index = insert_call(graph, operator.getitem, (best, 1), like=m.pick)
+    if m.kind == "argmax":
+        m.pick.replace_all_uses_with(index)
+    else:
+        for user in list(m.pick.users):
+            user.replace_all_uses_with(value if user.args[1] == 0 else index)
+            graph.erase_node(user)
+    erase_if_dead(m.pick, also=m.gather.comm_nodes)
+    rows = tensor_val(index)
+    pair_bytes = _pair_bytes(rows, m.gather.world_size)
+    ctx.rewrote(PATTERN, m.pick, before, Comm(pair_bytes, 1),
+                detail=f"{m.kind}, world {m.gather.world_size}, "
+                       f"{'valid vocab ' + str(m.valid_vocab) if m.valid_vocab else 'no padding'}")
+
+
+def _pair_bytes(index_val, world: int):
+    """One int64 (value bits, index) pair per row per rank, as the collective outputs."""
+    n = numel(index_val)
+    return n * 16 * world if isinstance(n, int) else f"{n}*{16 * world}"

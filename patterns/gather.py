@@ -1,0 +1,129 @@
+"""All-gathers of a tensor along its last dim (vocab-sharded logits), in every
+spelling commfold knows:
+
+1. funcol ``all_gather_tensor(x, -1)`` / DTensor ``Shard(-1) -> Replicate``:
+   ``all_gather_into_tensor(x, W, g)`` -> wait -> ``split(., rows)`` -> getitem x W
+   -> ``cat([...], -1)``;
+2. in-place ``dist.all_gather_into_tensor`` + view/movedim/reshape:
+   ... -> wait -> ``reshape([W, *lead, Vs])`` -> ``permute`` (rank dim to -2)
+   -> ``clone``? -> ``reshape([*lead, W*Vs])``;
+3. vLLM's ``torch.ops.vllm.all_gather(x, -1, W, group)``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .common import (Miss, aten, c10d, is_call, is_getitem, ndim, norm_dim, only_user,
+                     same_shape, waits_of)
+
+
+@dataclass(frozen=True)
+class VocabGather:
+    """`gathered` holds the ranks' `shard`s concatenated on the last dim, in rank order."""
+
+    shard: fx.Node
+    gathered: fx.Node
+    world_size: int
+    comm: str  # communicator spec (commfold.collectives)
+    collective: fx.Node
+    waits: tuple[fx.Node, ...] = ()
+
+    @property
+    def comm_nodes(self) -> tuple[fx.Node, ...]:
+        """The collective and its waits: what removing this gather must erase."""
+        return (self.collective, *self.waits)
+
+
+def _vllm_all_gather():
+    try:
+        return torch.ops.vllm.all_gather.default
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def gather_candidates(graph: fx.Graph) -> list[fx.Node]:
+    """Collective nodes that gather tensors (any dim)."""
+    vllm_ag = _vllm_all_gather()
+    targets = {c10d.all_gather_into_tensor.default} | ({vllm_ag} if vllm_ag else set())
+    return [n for n in graph.nodes if n.op == "call_function" and n.target in targets]
+
+
+def match_vocab_gather(coll: fx.Node) -> VocabGather | Miss:
+    if is_call(coll, c10d.all_gather_into_tensor.default):
+        return _match_c10d(coll)
+    vllm_ag = _vllm_all_gather()
+    if vllm_ag is not None and is_call(coll, vllm_ag):
+        return _match_vllm(coll)
+    return Miss("not an all-gather", coll)
+
+
+def _match_vllm(coll: fx.Node) -> VocabGather | Miss:
+    shard, dim, world, group = coll.args[:4]
+    rank = ndim(shard)
+    if rank is None or norm_dim(dim, rank) != rank - 1:
+        return Miss(f"all-gather on dim {dim}, not the last (vocab) dim", coll)
+    return VocabGather(shard, coll, int(world), f"vllm:{group}", coll)
+
+
+def _match_c10d(coll: fx.Node) -> VocabGather | Miss:
+    shard, world, group = coll.args[:3]
+    world = int(world)
+    rank = ndim(shard)
+    if rank is None or rank < 2:
+        return Miss("gathered tensor is not a [rows..., vocab] tensor", coll)
+    waits = waits_of(coll)
+    if not waits:
+        return Miss("all-gather without a wait_tensor", coll)
+    waited = waits[-1]
+    comm = f"c10d:{group}"
+    user = only_user(waited)
+    if user is None:
+        return Miss("the gathered buffer has several consumers", coll)
+    if is_call(user, aten.split.Tensor, aten.split_with_sizes.default):
+        return _match_split_cat(coll, waits, shard, user, world, comm, rank)
+    if is_call(user, aten.reshape.default, aten.view.default):
+        return _match_reshape_permute(coll, waits, shard, user, world, comm, rank)
+    return Miss("all-gather on dim 0 (rows), not re-laid on the vocab dim", coll)
+
+
+def _match_split_cat(coll, waits, shard, split, world, comm, rank) -> VocabGather | Miss:
+    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    getitems = list(split.users)
+    if len(getitems) != world or not all(is_getitem(g) for g in getitems):
+        return Miss("not every rank's chunk is used", coll)
+    if dim != 0 or not all(same_shape(g, shard) for g in getitems):
+        return Miss("gathered buffer split other than into per-rank chunks", coll)
+    cat = only_user(getitems[0])
+    if cat is None or not is_call(cat, aten.cat.default):
+        return Miss("per-rank chunks are not concatenated", coll)
+    parts = cat.args[0]
+    cat_dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+    if len(parts) != world or any(not is_getitem(p, i) or p.args[0] is not split
+                                  for i, p in enumerate(parts)):
+        return Miss("per-rank chunks concatenated out of rank order", coll)
+    if any(only_user(g) is not cat for g in getitems):
+        return Miss("a per-rank chunk has another consumer", coll)
+    if norm_dim(cat_dim, rank) != rank - 1:
+        return Miss(f"gather on dim {cat_dim}, not the last (vocab) dim", coll)
+    return VocabGather(shard, cat, world, comm, coll, tuple(waits))
+
+
+def _match_reshape_permute(coll, waits, shard, view, world, comm, rank) -> VocabGather | Miss:
+    shape = list(shard.meta["val"].shape)
+    if not same_shape(view, [world] + shape):
+        return Miss("gathered buffer viewed other than as [world, *shard]", coll)
+    perm = only_user(view)
+    want = list(range(1, rank)) + [0, rank]
+    if perm is None or not is_call(perm, aten.permute.default) or list(perm.args[1]) != want:
+        return Miss("rank dim is not moved next to the vocab dim", coll)
+    nxt = only_user(perm)
+    if nxt is not None and is_call(nxt, aten.clone.default):
+        nxt = only_user(nxt)
+    if nxt is None or not is_call(nxt, aten.reshape.default, aten.view.default, aten._unsafe_view.default):
+        return Miss("rank and vocab dims are not merged", coll)
+    if not same_shape(nxt, shape[:-1] + [world * shape[-1]]):
+        return Miss("rank and vocab dims are not merged into one vocab dim", coll)
+    return VocabGather(shard, nxt, world, comm, coll, tuple(waits))

@@ -1,0 +1,146 @@
+"""Greedy picks over gathered logits: optional slice to the valid vocab, optional
+monotone non-decreasing elementwise ops, then argmax / max(dim=-1) / topk(1) over the
+vocab dim, with nothing else reading the gathered row."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .common import Miss, aten, is_call, is_getitem, norm_dim, only_user, prims
+from .gather import VocabGather
+
+
+@dataclass(frozen=True)
+class GreedyPick:
+    gather: VocabGather
+    valid_vocab: int  # columns kept by the slice; 0 when there is no slice
+    elementwise: tuple[fx.Node, ...]  # monotone ops to replay on the shard, in order
+    pick: fx.Node  # the argmax / max.dim / topk node
+    kind: str  # "argmax" | "max" | "topk"
+    keepdim: bool
+
+
+_PICKS = {aten.argmax.default: "argmax", aten.max.dim: "max", aten.topk.default: "topk"}
+_FLOAT = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _positive_number(x) -> bool | None:
+    """True/False for a Python number's sign; None when x is a tensor (sign unknown)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    return x > 0 and not math.isnan(x)
+
+
+def monotone_step(node: fx.Node, x: fx.Node) -> str | None:
+    """None when `node` (fed by x) is elementwise, non-decreasing in x and the same
+    for every vocab column; otherwise why not."""
+    t, a = node.target, node.args
+    if t in (aten.mul.Tensor, aten.div.Tensor):
+        other = a[1] if a[0] is x else a[0]
+        if t is aten.div.Tensor and a[0] is not x:
+            return "logits are a divisor (order-reversing)"
+        sign = _positive_number(other)
+        if sign is None:
+            return "scaled by a tensor whose sign is unknown at compile time"
+        return None if sign else "scaled by a non-positive number (order-reversing)"
+    if t in (aten.add.Tensor, aten.sub.Tensor):
+        other = a[1] if a[0] is x else a[0]
+        if t is aten.sub.Tensor and a[0] is not x:
+            return "logits are subtracted (order-reversing)"
+        if len(a) > 2 or node.kwargs.get("alpha", 1) != 1:
+            return "add/sub with alpha"
+        return None if _positive_number(other) is not None else \
+            "a tensor is added (may vary along the vocab dim)"
+    if t in (aten.tanh.default,):
+        return None
+    if t in (prims.convert_element_type.default,) and a[1] in _FLOAT:
+        return None
+    if t is aten._to_copy.default and node.kwargs.get("dtype") in _FLOAT and len(node.kwargs) <= 2:
+        return None
+    if t in (aten.neg.default,):
+        return "negation (order-reversing)"
+    name = getattr(t, "__name__", str(t))
+    return f"{name} between the gather and the argmax is not a known monotone elementwise op"
+
+
+def match_greedy(g: VocabGather) -> GreedyPick | Miss | None:
+    """The greedy pick reading g, a Miss saying why g's reader is not one, or None
+    when nothing argmax-like reads g at all (not a near-miss: no record)."""
+    node, valid, chain = g.gathered, 0, []
+    width = g.world_size * g.shard.meta["val"].shape[-1]
+    rank = g.shard.meta["val"].dim()
+    while True:
+        user = only_user(node)
+        if user is None:
+            return _near(node, "the gathered logits have other consumers") if node.users else None
+        if user.target in _PICKS:
+            return _match_pick(g, user, valid, chain, rank)
+        if is_call(user, aten.slice.Tensor) and not chain and valid == 0:
+            given = list(user.args[1:])
+            dim, start, end, step = given + [0, None, None, 1][len(given):]
+            if norm_dim(dim, rank) != rank - 1:
+                return _near(user, "slice on a dim other than vocab")
+            if start not in (0, None) or step != 1 or not isinstance(end, (int, type(None))):
+                return _near(user, "slice of the vocab dim other than [0:V] with static V")
+            valid = end if end is not None and end < width else 0
+            node = user
+            continue
+        if user.op == "call_function" and _is_elementwise(user):
+            why = monotone_step(user, node)
+            if why is not None:
+                return _near(user, why)
+            chain.append(user)
+            node = user
+            continue
+        return _near(user, None)
+
+
+def _near(node: fx.Node, reason: str | None):
+    """A Miss if an argmax-like op is just downstream of node, else None (no record)."""
+    for _ in range(6):
+        if node.target in _PICKS:
+            return Miss(reason or "an unsupported op between the gather and the argmax", node)
+        node = only_user(node)
+        if node is None:
+            return None
+    return None
+
+
+def _is_elementwise(node: fx.Node) -> bool:
+    tags = getattr(node.target, "tags", ())
+    return torch.Tag.pointwise in tags or node.target in (
+        prims.convert_element_type.default, aten._to_copy.default)
+
+
+def _match_pick(g, pick, valid, chain, rank) -> GreedyPick | Miss:
+    kind = _PICKS[pick.target]
+    val = pick.args[0].meta["val"]
+    if val.dtype not in _FLOAT:
+        return Miss(f"{kind} over {val.dtype} logits (floating point only)", pick)
+    if kind == "argmax":
+        dim = pick.args[1] if len(pick.args) > 1 else pick.kwargs.get("dim")
+        keepdim = bool(pick.args[2] if len(pick.args) > 2 else pick.kwargs.get("keepdim", False))
+        if dim is None:
+            return Miss("argmax over the flattened tensor", pick)
+    elif kind == "max":
+        dim = pick.args[1]
+        keepdim = bool(pick.args[2] if len(pick.args) > 2 else pick.kwargs.get("keepdim", False))
+        if not all(is_getitem(u) for u in pick.users):
+            return Miss("max() result used as a tuple", pick)
+    else:
+        k = pick.args[1]
+        dim = pick.args[2] if len(pick.args) > 2 else pick.kwargs.get("dim", -1)
+        largest = pick.args[3] if len(pick.args) > 3 else pick.kwargs.get("largest", True)
+        if k != 1:
+            return Miss(f"topk with k={k} (only k=1 is a greedy pick)", pick)
+        if not largest:
+            return Miss("topk(largest=False)", pick)
+        if not all(is_getitem(u) for u in pick.users):
+            return Miss("topk() result used as a tuple", pick)
+        keepdim = True
+    if norm_dim(dim, rank) != rank - 1:
+        return Miss(f"{kind} over dim {dim}, not the vocab dim", pick)
+    return GreedyPick(g, valid, tuple(chain), pick, kind, keepdim)
