@@ -6,6 +6,7 @@ import hashlib
 import logging
 import time
 import traceback
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
@@ -42,6 +43,28 @@ def code_hash() -> str:
     return h.hexdigest()
 
 
+# Observation hook (used by `commfold diff`): while `observing(...)` is active, every
+# CommfoldPass in this process calls observer(pass_name, graph_before, graph_after,
+# report) after each pass (graph copies, so later passes do not change them), and, if
+# a config is given, runs that config instead of its own.
+_observer = None
+_forced_config: Config | None = None
+
+
+@contextmanager
+def observing(observer, config: Config | None = None):
+    """Report every pass's before/after graph to `observer` (and optionally force
+    `config`) while active. Observed passes bypass Inductor's cache (uuid() is None):
+    a cache hit would skip the pass and show nothing."""
+    global _observer, _forced_config
+    saved = _observer, _forced_config
+    _observer, _forced_config = observer, config
+    try:
+        yield
+    finally:
+        _observer, _forced_config = saved
+
+
 class CommfoldPass(CustomGraphPass):
     """Runs the configured passes on a post-grad FX graph, in place.
 
@@ -55,26 +78,29 @@ class CommfoldPass(CustomGraphPass):
         self.then = then
 
     def __call__(self, graph: fx.Graph) -> None:
-        report = Report(passes=self.config.passes)
+        config = _forced_config or self.config
+        report = Report(passes=config.passes)
         try:
-            self._run(graph, report)
+            self._run(graph, report, config)
         finally:
             publish(report)
         if self.then is not None:
             self.then(graph)
 
-    def _run(self, graph: fx.Graph, report: Report) -> None:
+    def _run(self, graph: fx.Graph, report: Report, config: Config) -> None:
         registry = _registry()
-        saved = None if self.config.strict else snapshot(graph)
-        for name in self.config.passes:
-            ctx = PassContext(graph, self.config, report, name)
+        observer = _observer
+        saved = None if config.strict else snapshot(graph)
+        for name in config.passes:
+            before = snapshot(graph) if observer is not None else None
+            ctx = PassContext(graph, config, report, name)
             n_rewrites, n_misses = len(report.rewrites), len(report.near_misses)
             t0 = time.perf_counter()
             try:
                 registry[name](ctx)
                 graph.lint()
             except Exception as e:  # never break a user's compile
-                if self.config.strict:
+                if config.strict:
                     raise
                 # Undo this pass: restore the graph as it was before it ran.
                 restore(graph, saved)
@@ -85,8 +111,12 @@ class CommfoldPass(CustomGraphPass):
                 if saved is not None and len(report.rewrites) > n_rewrites:
                     saved = snapshot(graph)
             report.pass_seconds[name] = time.perf_counter() - t0
+            if observer is not None:
+                observer(name, before, snapshot(graph), report)
 
     def uuid(self):
+        if _observer is not None:
+            return None  # observed: always run the pass (a cache hit would skip it)
         parts = [code_hash(), self.config.key()]
         if self.then is not None:
             then_uuid = self.then.uuid() if hasattr(self.then, "uuid") else None
