@@ -9,7 +9,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
-ALL_PASSES = ("local_argmax",)
+ALL_PASSES = ("fuse_allreduce_rmsnorm", "replicate_vocab_parallel", "local_argmax",)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,295 @@
+"""Vocab-parallel layers: the embedding (range mask on ids, offset, lookup in the local
+shard, zeroing of out-of-shard rows, sum all-reduce) and the LM head (matmul with a
+vocab shard of the weight, all-gather on the last dim, optional slice to the valid
+vocab).
+
+The embedding's id arithmetic is spelled differently per source and even per rank
+(funcol: ``lt/ge -> bitwise_or -> sub -> where``; vLLM: two ``ge/lt`` ranges for the
+base and the added vocab, ``bitwise_and/or/not``, ``mul`` of masks by offsets; rank 0's
+zero offsets are constant-folded away). So the recognizer does not match one tree:
+it checks the index and the zero-mask are built only from the ids and integer
+constants by elementwise integer/bool ops, then EVALUATES them on every id in a range
+that contains every breakpoint (a window of width 2*(S+2) around 0, S = the sum of the
+magnitudes of the integer constants in that arithmetic: comparisons against such
+constants, offset by such constants, cannot flip outside it), plus far-away probes.
+The result is the rank's served id ranges: ``[lo, hi) -> shard rows from row_start``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .common import Miss, aten, c10d, is_call, norm_dim, only_user, prims, waits_of
+from .gather import VocabGather
+
+MAX_WINDOW = 1 << 23  # ids analysed densely (per side); vocabularies are far smaller
+MAX_SEGMENTS = 8
+
+
+@dataclass(frozen=True)
+class IdRange:
+    """ids in [lo, hi) read shard row ``id - lo + row_start`` (rank-local constants)."""
+
+    lo: int
+    hi: int
+    row_start: int
+
+
+@dataclass(frozen=True)
+class VocabParallelEmbedding:
+    ids: fx.Node
+    shard: fx.Node  # the [Vs, H] weight shard
+    ranges: tuple[IdRange, ...]  # this rank's served ids
+    output: fx.Node  # the reduced embedding (what the rewrite replaces)
+    comm: str  # communicator spec (commfold.collectives)
+    comm_nodes: tuple[fx.Node, ...]  # the all-reduce and its waits
+    lookup: fx.Node  # the embedding node
+
+
+@dataclass(frozen=True)
+class VocabParallelLMHead:
+    hidden: fx.Node  # [N, H] rows fed to the matmul
+    shard: fx.Node  # the [Vs, H] weight shard (before its transpose)
+    gather: VocabGather
+    reshape: fx.Node | None  # the reshape of the [N, Vs] logits to [*lead, Vs], if any
+    valid_vocab: int  # columns kept by a slice after the gather; 0 when none
+    output: fx.Node  # the gathered (and sliced) logits: what the rewrite replaces
+
+
+# ------------------------------------------------------------------ embedding
+
+def embedding_candidates(graph: fx.Graph) -> list[fx.Node]:
+    return [n for n in graph.nodes if is_call(n, aten.embedding.default)]
+
+
+def _vllm_all_reduce():
+    try:
+        return torch.ops.vllm.all_reduce.default
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _sum_all_reduce(node: fx.Node):
+    """(output node, comm spec, comm nodes) if node is a sum all-reduce, else a reason."""
+    if is_call(node, c10d.all_reduce.default):
+        op, group = node.args[1], node.args[2]
+        if op != "sum":
+            return f"all-reduce with op {op!r}, not a sum"
+        waits = waits_of(node)
+        if not waits:
+            return "all-reduce without a wait_tensor"
+        return waits[-1], f"c10d:{group}", (node, *waits)
+    vllm_ar = _vllm_all_reduce()
+    if vllm_ar is not None and is_call(node, vllm_ar):
+        return node, f"vllm:{node.args[1]}", (node,)
+    return None
+
+
+def match_embedding(lookup: fx.Node) -> VocabParallelEmbedding | Miss | None:
+    """The vocab-parallel embedding around `lookup` (an aten.embedding), a Miss, or None
+    when the lookup is not followed by a zeroing and an all-reduce (a plain embedding)."""
+    shard, idx = lookup.args[0], lookup.args[1]
+    zero = only_user(lookup)
+    if zero is None or not is_call(zero, aten.where.self):
+        return None
+    cond, a, b = zero.args
+    if a is lookup and _is_zero(b):
+        keep_when = True
+    elif b is lookup and _is_zero(a):
+        keep_when = False
+    else:
+        return None
+    reduce = only_user(zero)
+    found = _sum_all_reduce(reduce) if reduce is not None else None
+    if found is None:
+        return None
+    if isinstance(found, str):
+        return Miss(found, reduce)
+    output, comm, comm_nodes = found
+    if not isinstance(shard, fx.Node) or _ndim(shard) != 2:
+        return Miss("embedding weight is not a 2-D tensor", lookup)
+    mask = cond.args[0] if is_call(cond, aten.unsqueeze.default) and cond.args[1] in (-1, _ndim(cond) - 1) \
+        else None
+    if mask is None:
+        return Miss("rows are zeroed by something other than a per-id mask", zero)
+    leaf_i, why_i = _leaf(idx)
+    leaf_m, why_m = _leaf(mask)
+    if why_i or why_m:
+        return Miss(why_i or why_m, lookup)
+    if leaf_i is None or leaf_i is not leaf_m:
+        return Miss("index and mask are not computed from the same ids", lookup)
+    ranges = _served_ranges(leaf_i, idx, mask, keep_when, int(_val(shard).shape[0]))
+    if isinstance(ranges, str):
+        return Miss(ranges, lookup)
+    return VocabParallelEmbedding(leaf_i, shard, ranges, output, comm, comm_nodes, lookup)
+
+
+_CMP = {aten.ge.Scalar, aten.gt.Scalar, aten.lt.Scalar, aten.le.Scalar, aten.eq.Scalar,
+        aten.ne.Scalar, aten.ge.Tensor, aten.gt.Tensor, aten.lt.Tensor, aten.le.Tensor,
+        aten.eq.Tensor, aten.ne.Tensor}
+_ARITH = {aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.bitwise_xor.Tensor,
+          aten.bitwise_not.default, aten.logical_and.default, aten.logical_or.default,
+          aten.logical_not.default, aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor,
+          aten.sub.Scalar, aten.mul.Tensor, aten.mul.Scalar, aten.where.self,
+          aten.masked_fill.Scalar, aten.clone.default, aten.alias.default}
+_CAST = {prims.convert_element_type.default, aten._to_copy.default}
+_INT_DTYPES = (torch.bool, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+_ALLOWED = _CMP | _ARITH | _CAST | {aten.full.default, aten.scalar_tensor.default}
+
+
+def _val(node):
+    return node.meta.get("val") if isinstance(node, fx.Node) else node
+
+
+def _ndim(node):
+    v = _val(node)
+    return v.dim() if isinstance(v, torch.Tensor) else None
+
+
+def _is_zero(x) -> bool:
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return x == 0
+    if is_call(x, aten.full.default) and list(x.args[0]) == []:
+        return x.args[1] == 0
+    if is_call(x, aten.scalar_tensor.default):
+        return x.args[0] == 0
+    return False
+
+
+def _leaf(root: fx.Node):
+    """(the one non-constant input the integer arithmetic of root reads, None) or
+    (None, why not)."""
+    leaves, seen, stack = set(), set(), [root]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        v = _val(n)
+        if isinstance(v, torch.SymInt):
+            return None, "shard bounds are run-time symbols (ints made dynamic), not constants"
+        if not isinstance(v, torch.Tensor) or v.dtype not in _INT_DTYPES:
+            return None, "ids arithmetic leaves integer/bool tensors"
+        if n.op != "call_function" or n.target not in _ALLOWED:
+            leaves.add(n)
+            continue
+        if n.target in _CAST and not _int_cast(n):
+            return None, "ids are cast to a non-integer type"
+        for a in n.all_input_nodes:
+            stack.append(a)
+    leaves = [n for n in leaves if not _is_const(n)]
+    if len(leaves) != 1:
+        return None, "index arithmetic reads more than the ids (not a range mask)"
+    return leaves[0], None
+
+
+def _is_const(n) -> bool:
+    return is_call(n, aten.full.default, aten.scalar_tensor.default)
+
+
+def _int_cast(n) -> bool:
+    dtype = n.args[1] if n.target is prims.convert_element_type.default else n.kwargs.get("dtype")
+    return dtype in _INT_DTYPES
+
+
+def _constants(root: fx.Node, leaf: fx.Node) -> int:
+    """Sum of magnitudes of the integer constants in root's arithmetic."""
+    total, seen, stack = 0, set(), [root]
+    while stack:
+        n = stack.pop()
+        if n in seen or n is leaf:
+            continue
+        seen.add(n)
+        for a in list(n.args) + list(n.kwargs.values()):
+            if isinstance(a, (int, float)) and not isinstance(a, bool):
+                total += abs(int(a))
+        stack.extend(n.all_input_nodes)
+    return total
+
+
+def _evaluate(root: fx.Node, leaf: fx.Node, x: torch.Tensor, memo: dict) -> torch.Tensor:
+    if root is leaf:
+        return x
+    if root in memo:
+        return memo[root]
+    args = fx.node.map_arg(root.args, lambda n: _evaluate(n, leaf, x, memo))
+    kwargs = fx.node.map_arg(root.kwargs, lambda n: _evaluate(n, leaf, x, memo))
+    if root.target in (aten.full.default, aten.scalar_tensor.default, aten._to_copy.default):
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("device", "pin_memory", "layout")}
+    out = root.target(*args, **kwargs)
+    memo[root] = out
+    return out
+
+
+def _served_ranges(leaf, idx, mask, keep_when: bool, shard_rows: int):
+    """This rank's served ids as IdRanges, or why they are not a range mask."""
+    dtype = _val(leaf).dtype
+    if dtype not in (torch.int32, torch.int64):
+        return "ids are not int32/int64"
+    span = _constants(idx, leaf) + _constants(mask, leaf) + 2
+    if span > MAX_WINDOW:
+        return "id arithmetic constants too large to analyse"
+    info = torch.iinfo(dtype)
+    far = [info.min // 4, -(1 << 30), -4 * span, 4 * span, 1 << 30, info.max // 4]
+    x = torch.cat([torch.arange(-span, span + 1, dtype=dtype), torch.tensor(far, dtype=dtype)])
+    try:
+        row = _evaluate(idx, leaf, x, {}).to(torch.int64)
+        cond = _evaluate(mask, leaf, x, {}).to(torch.bool)
+    except Exception as e:  # an op we cannot replay on concrete ids
+        return f"id arithmetic could not be evaluated ({type(e).__name__})"
+    if row.shape != x.shape or cond.shape != x.shape:
+        return "id arithmetic is not elementwise"
+    served = cond if keep_when else ~cond  # keep_when: where(cond, row, 0)
+    n = 2 * span + 1
+    if served[n:].any() or served[0] or served[n - 1]:
+        return "ids far outside the vocabulary are looked up (no range mask)"
+    ids, rows = x[:n][served[:n]].tolist(), row[:n][served[:n]].tolist()
+    if any(r < 0 or r >= shard_rows for r in rows):
+        return "served ids index rows outside the shard"
+    ranges: list[IdRange] = []
+    for i, r in zip(ids, rows):
+        last = ranges[-1] if ranges else None
+        if last and i == last.hi and r == last.row_start + (i - last.lo):
+            ranges[-1] = IdRange(last.lo, i + 1, last.row_start)
+        else:
+            ranges.append(IdRange(i, i + 1, r))
+    if any(rg.lo < 0 for rg in ranges):
+        return "negative ids are served"
+    if len(ranges) > MAX_SEGMENTS:
+        return "served ids form too many ranges"
+    return tuple(ranges)
+
+
+# ------------------------------------------------------------------ LM head
+
+def match_lm_head(g: VocabGather) -> VocabParallelLMHead | Miss:
+    """The matmul whose vocab-sharded logits g gathers, and the slice after it."""
+    logits, reshape = g.shard, None
+    if is_call(logits, aten.reshape.default, aten.view.default, aten._unsafe_view.default):
+        reshape, logits = logits, logits.args[0]
+    if is_call(logits, aten.addmm.default):
+        return Miss("vocab-parallel LM head with a bias", logits)
+    if not is_call(logits, aten.mm.default):
+        return Miss("gathered logits do not come from a matmul with a weight shard", g.collective)
+    hidden, wt = logits.args
+    if not (is_call(wt, aten.permute.default) and list(wt.args[1]) == [1, 0]) \
+            and not is_call(wt, aten.t.default):
+        return Miss("LM head weight is not used transposed ([vocab, hidden] layout)", logits)
+    shard = wt.args[0]
+    if _ndim(shard) != 2 or _val(shard).dtype != _val(hidden).dtype:
+        return Miss("LM head weight is not a 2-D tensor of the hidden dtype", logits)
+    if reshape is not None and _val(g.shard).shape[-1] != _val(logits).shape[-1]:
+        return Miss("logits reshaped other than by their leading dims", logits)
+    output, valid = g.gathered, 0
+    width = g.world_size * _val(g.shard).shape[-1]
+    user = only_user(g.gathered)
+    if is_call(user, aten.slice.Tensor):
+        given = list(user.args[1:])
+        dim, start, end, step = given + [0, None, None, 1][len(given):]
+        rank = _ndim(user)
+        if norm_dim(dim, rank) == rank - 1 and start in (0, None) and step == 1 \
+                and isinstance(end, int) and 0 < end < width:
+            output, valid = user, end
+    return VocabParallelLMHead(hidden, shard, g, reshape, valid, output)
