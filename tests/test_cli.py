@@ -1,0 +1,196 @@
+"""The `commfold` command: `commfold diff` on the funcol example at 2 ranks (files,
+table, exit code), its bad-input paths (missing script or module, nothing compiled,
+a crashing rank with dumps kept, a hung rank), --help, and `commfold demo`."""
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import commfold
+from commfold import cli
+from commfold.report import _fmt_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+FUNCOL = ROOT / "examples" / "tp_decoder_funcol.py"
+
+
+def commfold_cli(*args, timeout=600, cwd=None):
+    """The real command, in a fresh process."""
+    return subprocess.run([sys.executable, "-m", "commfold.cli", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout, cwd=cwd or ROOT)
+
+
+def main_in_process(capsys, *args) -> tuple[int, str]:
+    """cli.main in this process (saves a torch import per call); (exit code, stdout)."""
+    try:
+        code = cli.main([str(a) for a in args])
+    except SystemExit as e:  # argparse: --help, usage errors
+        code = e.code
+    return code, capsys.readouterr().out
+
+
+def error_lines(out: str) -> list[str]:
+    return [ln for ln in out.splitlines() if ln.startswith("commfold diff: error:")]
+
+
+def test_diff_funcol_example_two_ranks(tmp_path):
+    sys.path.insert(0, str(FUNCOL.parent))
+    try:
+        import tp_decoder_funcol as ex
+    finally:
+        sys.path.pop(0)
+    # local_argmax first, so it (not replication) takes the LM head's gather.
+    passes = ["local_argmax"] + [p for p in commfold.ALL_PASSES if p != "local_argmax"]
+    out = tmp_path / "dump"
+    done = commfold_cli("diff", FUNCOL, "--world-size", 2, "--out", out,
+                        "--passes", ",".join(passes))
+    assert done.returncode == 0, done.stdout + done.stderr
+    text = done.stdout
+
+    # progress: every rank's stages, in order
+    for r in (0, 1):
+        stages = re.findall(rf"\] rank {r}: (.*)", text)
+        assert stages[0] == "importing torch and commfold" and stages[-1] == "done", stages
+        assert any(s.startswith("compiling (dynamo frame") for s in stages)
+        assert any(s.startswith("compiling graph 0: pass local_argmax done (1 rewrite") for s in stages)
+
+    # the table: the example compiles twice (stock inductor and backend="commfold"),
+    # and under `commfold diff` both run the chosen passes.
+    rows = [ln for ln in text.splitlines() if "| local_argmax " in ln]
+    assert len(rows) == 2, text
+    cfg = ex.CONFIG
+    padded_vocab = -(-cfg.vocab // 2) * 2
+    before = f"{_fmt_bytes(ex.BATCH * padded_vocab * 4)} in 1 call"
+    after = f"{_fmt_bytes(ex.BATCH * 16 * 2)} in 1 call"  # (value, index) int64 pair per row per rank
+    for graph, row in enumerate(rows):
+        cells = [c.strip() for c in row.split("|")]
+        assert cells[:3] == [str(graph), "local_argmax", "all_gather->argmax"], row
+        assert re.fullmatch(r"commfold/models\.py:\d+ \(forward\)", cells[3]), row
+        assert cells[4] == f"{before} -> {after}", row
+        assert cells[5] == "0 B"
+    if "fuse_allreduce_rmsnorm" in commfold.ALL_PASSES:
+        assert "| fuse_allreduce_rmsnorm " in text
+    if "replicate_vocab_parallel" in commfold.ALL_PASSES:  # the embedding is still there
+        assert "| vocab_parallel_embedding " in text or "replicate_vocab_parallel/" in text
+    assert "ranks: all 2 decided the same on every graph" in text
+    assert (out / "summary.txt").read_text().strip() in text
+
+    # the files, per rank and per pass
+    for r in (0, 1):
+        rank = out / f"rank{r}"
+        graphs = json.loads((rank / "report.json").read_text())
+        assert [g["graph"] for g in graphs] == [0, 1]
+        assert [p["pass"] for p in graphs[0]["passes"]] == passes
+        i = passes.index("local_argmax")
+        stem = rank / "graph0" / f"{i:02d}_local_argmax"
+        before_py = Path(f"{stem}.before.py").read_text()
+        after_py = Path(f"{stem}.after.py").read_text()
+        diff = Path(f"{stem}.diff").read_text()
+        compile(before_py, "before", "exec")  # readable Python, really
+        compile(after_py, "after", "exec")
+        assert "_c10d_functional.all_gather_into_tensor" in before_py
+        assert "# File: " in before_py and "models.py" in before_py
+        assert "commfold.local_argmax" in after_py
+        assert "_c10d_functional.all_gather_into_tensor" not in after_py
+        assert re.search(r"^-.*all_gather_into_tensor", diff, re.M)
+        assert re.search(r"^\+.*commfold\.local_argmax", diff, re.M)
+        depyf_files = [f.name for f in (rank / "depyf").iterdir()]
+        assert any(f.startswith("full_code_for_forward") for f in depyf_files), depyf_files
+        assert any(f.startswith("__transformed_code_") for f in depyf_files), depyf_files
+        log = (rank / "log.txt").read_text()
+        assert "greedy tokens identical to stock Inductor" in log  # the example's own check
+    assert (json.loads((out / "rank0" / "report.json").read_text())[0]["fingerprint"]
+            == json.loads((out / "rank1" / "report.json").read_text())[0]["fingerprint"])
+
+
+CRASH_AFTER_COMPILE = """
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+torch.compile(lambda x: x * 2 + 1)(torch.randn(8))
+if dist.get_rank() == 1:
+    raise ValueError("boom on rank 1")
+dist.barrier()
+"""
+
+HANG = """
+import time, torch.distributed as dist
+dist.init_process_group("gloo")
+if dist.get_rank() == 1:
+    time.sleep(3600)
+dist.barrier()
+"""
+
+
+def test_diff_bad_inputs(tmp_path, capsys):
+    # a missing script, a missing module, an unknown pass: exit 2, one line, no ranks
+    for args, why in [(["no_such_script.py"], "no such script: no_such_script.py"),
+                      (["no_such_module_xyz:main"], "no module named 'no_such_module_xyz'"),
+                      ([FUNCOL, "--passes", "bogus"], "unknown pass(es) ['bogus']")]:
+        code, out = main_in_process(capsys, "diff", *args, "--out", tmp_path / "bad")
+        assert code == 2, out
+        assert error_lines(out) == [out.strip()] and why in out, out
+
+    # a target that compiles nothing: exit 2
+    code, out = main_in_process(capsys, "diff", "os:getcwd", "--out", tmp_path / "nothing")
+    assert code == 2, out
+    [line] = error_lines(out)
+    assert "compiled nothing with Inductor" in line
+
+    # a rank that crashes after a compile: exit 1, the cause, the dumps kept
+    script = tmp_path / "crash.py"
+    script.write_text(CRASH_AFTER_COMPILE)
+    out = tmp_path / "crash"
+    code, text = main_in_process(capsys, "diff", script, "--out", out, "--passes", "local_argmax")
+    assert code == 1, text
+    [line] = error_lines(text)
+    assert "rank 1 failed:" in line and "ValueError: boom on rank 1" in line, line
+    assert "boom on rank 1" in (out / "rank1" / "log.txt").read_text()
+    for r in (0, 1):
+        assert (out / f"rank{r}" / "graph0" / "00_local_argmax.before.py").is_file()
+        assert (out / f"rank{r}" / "graph0" / "00_local_argmax.diff").read_text() \
+            == "# local_argmax: no change\n"
+
+    # a rank that hangs: killed at --timeout, exit 1, where each rank was
+    script = tmp_path / "hang.py"
+    script.write_text(HANG)
+    code, text = main_in_process(capsys, "diff", script, "--out", tmp_path / "hang", "--timeout", 10)
+    assert code == 1, text
+    [line] = error_lines(text)
+    assert "still running after 10s" in line and "rank 1 in 'running target'" in line, line
+
+
+def test_help_documents_every_flag(capsys):
+    code, out = main_in_process(capsys, "diff", "--help")
+    assert code == 0
+    for flag in ("TARGET", "--world-size", "--out", "--passes", "--timeout",
+                 "module:function", "Exit status"):
+        assert flag in out, flag
+    code, out = main_in_process(capsys, "demo", "--help")
+    assert code == 0
+    for flag in ("--world-size", "--layers", "--hidden", "--vocab", "--dtype", "--batch",
+                 "--steps", "--repeats", "--passes", "--timeout"):
+        assert flag in out, flag
+    code, out = main_in_process(capsys)
+    assert code == 2 and "diff" in out and "demo" in out  # no command: usage, failure
+
+
+def test_demo_small(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "commfold.demo", "--vocab", "1001", "--hidden", "64", "--ffn", "128",
+         "--batch", "4", "--seq", "8", "--steps", "2", "--repeats", "2"],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert "tokens: identical - 8 greedy tokens (4 sequences x 2 steps), on all 2 ranks" in out
+    assert re.search(r"decode step \(median of 2, rank 0\): inductor [\d.]+ ms, commfold [\d.]+ ms "
+                     r"-> [\d.]+x", out), out
+    inductor = re.search(r"^  inductor  (.*)$", out, re.M).group(1)
+    ours = re.search(r"^  commfold  (.*)$", out, re.M).group(1)
+    # the vocab-sharded head's logits all_gather (8.0 KiB = 4 rows x 501 f32 per rank) is
+    # gone or shrunk in whatever commfold wrote instead
+    assert "all_gather x1 (7.8 KiB)" in inductor, inductor
+    assert "7.8 KiB" not in ours.split("all_reduce")[0], ours
+    assert re.search(r"^\s+(local_argmax|replicate_vocab_parallel)\s+\| ", out, re.M), out
