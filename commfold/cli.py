@@ -16,7 +16,8 @@ TARGET is either
 
 Every torch.compile in the target runs commfold with the chosen passes: plain
 torch.compile(model) (Inductor's post_grad_custom_post_pass is set to commfold)
-as well as backend="commfold" (the chosen passes replace the target's own).
+as well as backend="commfold" (the chosen passes replace the target's own;
+its other options are kept).
 Inductor's caches are off in the ranks so every pass really runs.
 
 Written to --out, per rank r and compiled graph g:
@@ -37,10 +38,11 @@ Exit status: 0 success; 1 a rank failed or hung (one-line cause printed);
 def _diff_parser(sub) -> None:
     p = sub.add_parser(
         "diff", help="run a program on N CPU ranks under commfold and dump each pass's rewrite",
-        description="Run TARGET on N CPU ranks (gloo, 127.0.0.1) under commfold, dump every "
-                    "pass's post-grad graph before and after, and print a summary table: "
-                    "pass, pattern, source location, communication per call before -> after "
-                    "(bytes and calls), extra memory; then near-misses with their reasons.",
+        description="Run TARGET on N CPU ranks (gloo, 127.0.0.1) under commfold, dump every\n"
+                    "pass's post-grad graph before and after, and print a summary table:\n"
+                    "pass, pattern, source location, communication per call before -> after\n"
+                    "(bytes and calls), extra memory; then near-misses with their reasons.\n"
+                    "While it runs it prints the stage each rank is in.",
         epilog=_DIFF_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", metavar="TARGET", help="a script path or module:function (see below)")
     p.add_argument("--world-size", "-n", type=int, default=2, metavar="N",

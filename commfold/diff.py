@@ -193,7 +193,7 @@ def rank_main(spec_json: str) -> None:
     callback_handler.register_end_callback(lambda args: progress("running target"))
 
     target = Target(**spec["target"])
-    with depyf.prepare_debug(str(root / "depyf")), observing(recorder, config):
+    with depyf.prepare_debug(str(root / "depyf")), observing(recorder, config.passes):
         if target.script:
             progress("running target")
             sys.argv = [target.script]

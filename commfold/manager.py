@@ -46,23 +46,23 @@ def code_hash() -> str:
 # Observation hook (used by `commfold diff`): while `observing(...)` is active, every
 # CommfoldPass in this process calls observer(pass_name, graph_before, graph_after,
 # report) after each pass (graph copies, so later passes do not change them), and, if
-# a config is given, runs that config instead of its own.
+# `passes` is given, runs those passes instead of its configured ones (other options kept).
 _observer = None
-_forced_config: Config | None = None
+_forced_passes: tuple[str, ...] | None = None
 
 
 @contextmanager
-def observing(observer, config: Config | None = None):
-    """Report every pass's before/after graph to `observer` (and optionally force
-    `config`) while active. Observed passes bypass Inductor's cache (uuid() is None):
-    a cache hit would skip the pass and show nothing."""
-    global _observer, _forced_config
-    saved = _observer, _forced_config
-    _observer, _forced_config = observer, config
+def observing(observer, passes=None):
+    """Report every pass's before/after graph to `observer` (and optionally run
+    `passes` instead of each CommfoldPass's own) while active. Observed passes bypass
+    Inductor's cache (uuid() is None): a cache hit would skip the pass and show nothing."""
+    global _observer, _forced_passes
+    saved = _observer, _forced_passes
+    _observer, _forced_passes = observer, (tuple(passes) if passes is not None else None)
     try:
         yield
     finally:
-        _observer, _forced_config = saved
+        _observer, _forced_passes = saved
 
 
 class CommfoldPass(CustomGraphPass):
@@ -78,7 +78,9 @@ class CommfoldPass(CustomGraphPass):
         self.then = then
 
     def __call__(self, graph: fx.Graph) -> None:
-        config = _forced_config or self.config
+        config = self.config
+        if _forced_passes is not None:
+            config = config.replace(passes=_forced_passes)
         report = Report(passes=config.passes)
         try:
             self._run(graph, report, config)
