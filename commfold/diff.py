@@ -284,6 +284,7 @@ def _run(target_text, world_size, out, passes, timeout, echo) -> int:
     echo(f"commfold diff: {target} on {world_size} CPU rank(s), passes {','.join(passes)}, "
          f"dumps in {out_dir}")
     procs, logs = [], []
+    echo(f"[   0.0s] starting {world_size} rank process(es) (importing torch takes a few seconds)")
     for r in range(world_size):
         (out_dir / f"rank{r}").mkdir(exist_ok=True)
         for stale in ("progress.log", "report.json"):

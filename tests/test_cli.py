@@ -194,3 +194,37 @@ def test_demo_small(tmp_path):
     assert "all_gather x1 (7.8 KiB)" in inductor, inductor
     assert "7.8 KiB" not in ours.split("all_reduce")[0], ours
     assert re.search(r"^\s+(local_argmax|replicate_vocab_parallel)\s+\| ", out, re.M), out
+
+
+def test_observing_hook_sees_every_pass_and_forces_the_pass_list():
+    import torch
+    import torch.fx as fx
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from commfold.diff import render
+    from commfold.manager import CommfoldPass, observing
+
+    gm = make_fx(lambda x: torch.relu(x * 2).sum(-1))(torch.randn(2, 3))
+    pass_ = CommfoldPass(commfold.Config(passes=("local_argmax",)))
+    assert pass_.uuid() is not None
+    seen = []
+    with observing(lambda *a: seen.append(a), passes=commfold.ALL_PASSES):
+        assert pass_.uuid() is None  # observed passes must run: no cache key
+        pass_(gm.graph)
+    assert pass_.uuid() is not None
+    assert [name for name, *_ in seen] == list(commfold.ALL_PASSES)
+    for name, before, after, report in seen:
+        assert isinstance(before, fx.Graph) and isinstance(after, fx.Graph)
+        assert before is not gm.graph and after is not gm.graph  # copies
+        assert report.passes == commfold.ALL_PASSES and not report.errors
+        text = render(before)
+        compile(text, "graph", "exec")
+        assert "torch.ops.aten.relu.default" in text and text == render(after)  # nothing to rewrite
+    assert commfold.last_report() is seen[-1][3]
+
+
+def test_console_script_entry_point():
+    from importlib.metadata import entry_points
+
+    [ep] = [e for e in entry_points(group="console_scripts") if e.name == "commfold"]
+    assert ep.value == "commfold.cli:main" and ep.load() is cli.main
