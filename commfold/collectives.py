@@ -57,7 +57,22 @@ class Communicator:
             return f.wait_tensor(f.all_reduce(x.contiguous(), "sum", self.name))
         if self.kind == "vllm":
             return torch.ops.vllm.all_reduce(x.contiguous(), self.name)
+        if self.kind == "vllm_shm":  # vLLM CPU's shared-memory all-reduce (in place)
+            out = x.clone(memory_format=torch.contiguous_format)
+            torch.ops._C.shm_allreduce(int(self.name), out)
+            return out
         raise ValueError(f"commfold: unknown communicator {self.spec!r}")
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's dim-0 chunk of the sum of every rank's x (dim 0 divisible by
+        the world size)."""
+        world = self.world_size()
+        if self.kind == "c10d":
+            f = torch.ops._c10d_functional
+            return f.wait_tensor(f.reduce_scatter_tensor(x.contiguous(), "sum", world, self.name))
+        if self.kind == "vllm":
+            return torch.ops.vllm.reduce_scatter(x.contiguous(), 0, world, self.name)
+        raise ValueError(f"commfold: no reduce_scatter for communicator {self.spec!r}")
 
 
 def communicator(spec: str) -> Communicator:

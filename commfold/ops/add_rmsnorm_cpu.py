@@ -1,0 +1,180 @@
+"""A one-pass CPU kernel for residual-add + RMSNorm, compiled once (C++, cached by
+torch.utils.cpp_extension under ~/.cache/torch_extensions, keyed by this source).
+
+Per row: s = x + residual in f32, h = round_D(s) is written out and the sum of squares
+of s (or of h, round_h) taken in the same sweep (16 f32 accumulators, vectorizable
+without -ffast-math); s stays in a row-sized f32 scratch, in cache for the second
+sweep y = round_O(round_R(s * rsqrt(mean + eps)) * w).
+Rounding follows the graph it replaces: R is the dtype the normalized value is cast
+to before the weight multiply (f32 when the graph multiplies in f32), O the output
+dtype. Rows run in parallel with at::parallel_for.
+
+``add_rmsnorm(...)`` returns False when no C++ toolchain is available; the caller
+then uses the composite (eager) path.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import torch
+
+log = logging.getLogger("commfold")
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <cmath>
+
+template <typename T> static inline float f32(T v) { return static_cast<float>(v); }
+
+template <typename T, typename O, typename R>
+static void add_rmsnorm_impl(const T* x, int64_t sx, const T* res, int64_t sr, T* h,
+                             int64_t sh, O* out, int64_t so, const float* w,
+                             int64_t N, int64_t H, float eps, bool round_h) {
+  constexpr int L = 16;
+  const float inv_h = 1.0f / static_cast<float>(H);
+  at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(res ? H : 0);  // the unrounded f32 sum of this row
+    float* s32 = scratch.data();
+    for (int64_t i = begin; i < end; ++i) {
+      const T* xr = x + i * sx;
+      const T* rr = res ? res + i * sr : nullptr;
+      T* hr = h + i * sh;
+      O* orow = out + i * so;
+      float acc[L];
+      for (int l = 0; l < L; ++l) acc[l] = 0.f;
+      int64_t j = 0;
+      if (rr) {
+        for (; j + L <= H; j += L) {
+          for (int l = 0; l < L; ++l) {
+            float v = f32(xr[j + l]) + f32(rr[j + l]);
+            T hv = static_cast<T>(v);
+            hr[j + l] = hv;
+            v = round_h ? f32(hv) : v;
+            s32[j + l] = v;
+            acc[l] += v * v;
+          }
+        }
+        for (int l = 0; j < H; ++j, ++l) {
+          float v = f32(xr[j]) + f32(rr[j]);
+          T hv = static_cast<T>(v);
+          hr[j] = hv;
+          v = round_h ? f32(hv) : v;
+          s32[j] = v;
+          acc[l] += v * v;
+        }
+      } else {
+        for (; j + L <= H; j += L)
+          for (int l = 0; l < L; ++l) { float v = f32(xr[j + l]); acc[l] += v * v; }
+        for (int l = 0; j < H; ++j, ++l) { float v = f32(xr[j]); acc[l] += v * v; }
+      }
+      float s = 0.f;
+      for (int l = 0; l < L; ++l) s += acc[l];
+      const float r = 1.0f / std::sqrt(s * inv_h + eps);
+      if (rr) {
+        if (w) {
+          for (int64_t k = 0; k < H; ++k)
+            orow[k] = static_cast<O>(f32(static_cast<R>(s32[k] * r)) * w[k]);
+        } else {
+          for (int64_t k = 0; k < H; ++k) orow[k] = static_cast<O>(s32[k] * r);
+        }
+      } else {
+        if (w) {
+          for (int64_t k = 0; k < H; ++k)
+            orow[k] = static_cast<O>(f32(static_cast<R>(f32(xr[k]) * r)) * w[k]);
+        } else {
+          for (int64_t k = 0; k < H; ++k) orow[k] = static_cast<O>(f32(xr[k]) * r);
+        }
+      }
+    }
+  });
+}
+
+template <typename T, typename O, typename R>
+static void call(const at::Tensor& x, const c10::optional<at::Tensor>& res, at::Tensor& h,
+                 at::Tensor& out, const c10::optional<at::Tensor>& w, double eps, bool round_h) {
+  int64_t H = x.size(1);
+  add_rmsnorm_impl<T, O, R>(
+      x.data_ptr<T>(), x.stride(0),
+      res ? res->data_ptr<T>() : nullptr, res ? res->stride(0) : 0,
+      h.data_ptr<T>(), h.stride(0), out.data_ptr<O>(), out.stride(0),
+      w ? w->data_ptr<float>() : nullptr, x.size(0), H, static_cast<float>(eps), round_h);
+}
+
+template <typename T>
+static void dispatch_out(const at::Tensor& x, const c10::optional<at::Tensor>& res,
+                         at::Tensor& h, at::Tensor& out, const c10::optional<at::Tensor>& w,
+                         double eps, bool round_before_weight, bool round_h) {
+  if (out.scalar_type() == at::kFloat) {
+    if (round_before_weight) call<T, float, T>(x, res, h, out, w, eps, round_h);
+    else call<T, float, float>(x, res, h, out, w, eps, round_h);
+  } else {
+    TORCH_CHECK(out.scalar_type() == x.scalar_type(), "out dtype must be f32 or x's dtype");
+    if (round_before_weight) call<T, T, T>(x, res, h, out, w, eps, round_h);
+    else call<T, T, float>(x, res, h, out, w, eps, round_h);
+  }
+}
+
+// x, res, h, out: [N, H] with unit stride in the last dim; w: [H] f32 contiguous.
+// h may be x itself (in place); with no residual h is not written.
+void add_rmsnorm(at::Tensor x, c10::optional<at::Tensor> res, at::Tensor h, at::Tensor out,
+                 c10::optional<at::Tensor> w, double eps, bool round_before_weight,
+                 bool round_h) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.stride(1) == 1 && h.stride(1) == 1);
+  if (res) TORCH_CHECK(res->stride(1) == 1 && res->scalar_type() == x.scalar_type());
+  if (w) TORCH_CHECK(w->is_contiguous() && w->scalar_type() == at::kFloat);
+  switch (x.scalar_type()) {
+    case at::kFloat: call<float, float, float>(x, res, h, out, w, eps, false); break;
+    case at::kBFloat16: dispatch_out<c10::BFloat16>(x, res, h, out, w, eps, round_before_weight, round_h); break;
+    case at::kHalf: dispatch_out<c10::Half>(x, res, h, out, w, eps, round_before_weight, round_h); break;
+    default: TORCH_CHECK(false, "add_rmsnorm: unsupported dtype ", x.scalar_type());
+  }
+}
+"""
+
+_lock = threading.Lock()
+_module = None
+_failed = False
+NAME = "commfold_add_rmsnorm_v2"
+
+
+def module():
+    """The compiled extension, or None when it cannot be built here."""
+    global _module, _failed
+    if _module is not None or _failed:
+        return _module
+    with _lock:
+        if _module is None and not _failed:
+            try:
+                from torch.utils.cpp_extension import load_inline
+
+                _module = load_inline(
+                    NAME, cpp_sources=[_SOURCE], functions=["add_rmsnorm"],
+                    extra_cflags=["-O3", "-fopenmp"] + _arch_flags(),
+                    extra_ldflags=["-fopenmp"], verbose=False)
+            except Exception as e:  # no compiler: the composite path still works
+                _failed = True
+                log.warning("commfold: CPU add+RMSNorm kernel unavailable (%s); "
+                            "using the composite path", e)
+    return _module
+
+
+def _arch_flags() -> list[str]:
+    # -march=native: the cache lives on this machine; COMMFOLD_PORTABLE_KERNELS=1 opts out.
+    return [] if os.environ.get("COMMFOLD_PORTABLE_KERNELS") == "1" else ["-march=native"]
+
+
+def add_rmsnorm(x, residual, h, out, weight_f32, eps: float, round_before_weight: bool,
+                round_h: bool = False) -> bool:
+    """Run the kernel on [N, H] views; False when the kernel is unavailable.
+    round_h: normalize the sum rounded to x's dtype (else the exact f32 sum)."""
+    m = module()
+    if m is None:
+        return False
+    m.add_rmsnorm(x, residual, h, out, weight_f32, float(eps), bool(round_before_weight),
+                  bool(round_h))
+    return True

@@ -1,0 +1,119 @@
+"""commfold::allreduce_rmsnorm - sum all-reduce, optional residual add, RMSNorm: one op.
+
+    s   = all_reduce(x) (+ residual)  in f32;  h = round_D(s) is returned
+    out = round_O(round_R(s * rsqrt(mean(s^2, -1) + eps)) * (w + offset))
+
+computed in f32, rounding only where asked: Inductor's CPU code keeps low-precision
+intermediates in f32 (a cast down and up again is not rounded unless
+``emulate_precision_casts``), so by default only the outputs are rounded. With
+emulation the pass asks for the graph's casts: round_sum normalizes h instead of s,
+R is D when the graph casts the normalized value back to D before the weight
+multiply (hand-written bf16/fp16 norms), and Gemma's 1 + w is rounded to the
+weight's dtype when the graph adds it there. O is the output dtype.
+
+Paths, chosen per call from shapes and arguments only (same on every rank):
+- one-shot: all_reduce, then ONE pass over the rows (add + norm, C++ kernel);
+- two-shot: reduce_scatter rows, add + norm on the local rows, all_gather the normed
+  output and the residual. Used when rows % world == 0 and the tensor has at least
+  ``two_shot_min_bytes`` bytes (< 0: never). The default comes from measurements
+  (TWO_SHOT_DEFAULT_MIN_BYTES);
+- composite: eager torch ops, for non-CPU tensors or when no C++ toolchain exists.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..collectives import communicator
+from . import add_rmsnorm_cpu
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Measured on the 2-core CPU dev machine (gloo, TP=2, T in 1..2048, H in 1024/4096):
+# gloo's reduce_scatter costs about as much as its all_reduce, so reduce_scatter +
+# all_gather is slower than all_reduce + local norm at every size. Two-shot is off
+# by default on gloo; "allreduce_rmsnorm_two_shot_min_bytes" in Config.extra sets it.
+TWO_SHOT_DEFAULT_MIN_BYTES = -1
+
+
+@torch.library.custom_op("commfold::allreduce_rmsnorm", mutates_args=())
+def allreduce_rmsnorm(x: torch.Tensor, residual: Optional[torch.Tensor],
+                      weight: Optional[torch.Tensor], eps: float, weight_offset: float,
+                      offset_in_weight_dtype: bool, round_before_weight: bool,
+                      round_sum: bool, out_dtype: torch.dtype, comm: str,
+                      two_shot_min_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed output, new residual) of RMSNorm(all_reduce_sum(x) [+ residual])."""
+    c = communicator(comm)
+    shape, hidden = x.shape, x.shape[-1]
+    rows = x.reshape(-1, hidden)
+    res = residual.reshape(-1, hidden).contiguous() if residual is not None else None
+    wf = _weight_f32(weight, weight_offset, offset_in_weight_dtype)
+    n = rows.shape[0]
+    if _use_two_shot(c, rows, two_shot_min_bytes):
+        world, rank = c.world_size(), c.rank()
+        local = c.reduce_scatter(rows)
+        part = n // world
+        res_local = res[rank * part:(rank + 1) * part] if res is not None else None
+        out_local = _add_norm(local, res_local, wf, eps, round_before_weight, round_sum,
+                              out_dtype)
+        out, h = c.all_gather(out_local), c.all_gather(local)
+    else:
+        h = c.all_reduce(rows)
+        out = _add_norm(h, res, wf, eps, round_before_weight, round_sum, out_dtype)
+    return out.view(shape), h.view(shape)
+
+
+@allreduce_rmsnorm.register_fake
+def _(x, residual, weight, eps, weight_offset, offset_in_weight_dtype, round_before_weight,
+      round_sum, out_dtype, comm, two_shot_min_bytes):
+    return x.new_empty(x.shape, dtype=out_dtype), torch.empty_like(x)
+
+
+def _use_two_shot(c, rows: torch.Tensor, min_bytes: int) -> bool:
+    if min_bytes < 0 or c.kind != "c10d":
+        return False
+    world, n = c.world_size(), rows.shape[0]
+    return n >= world and n % world == 0 and rows.numel() * rows.element_size() >= min_bytes
+
+
+def _weight_f32(weight, offset: float, in_weight_dtype: bool):
+    if weight is None:
+        return None
+    if offset != 0.0:
+        w = (weight + offset) if in_weight_dtype else weight.float() + offset
+    else:
+        w = weight
+    return w.reshape(-1).float().contiguous()
+
+
+def _add_norm(h: torch.Tensor, res, wf, eps: float, round_before_weight: bool,
+              round_sum: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    """In place h += res (rounded to h's dtype); returns the normed rows."""
+    out = torch.empty(h.shape, dtype=out_dtype, device=h.device)
+    if h.device.type == "cpu" and h.shape[0] > 0 and add_rmsnorm_cpu.add_rmsnorm(
+            h, res, h, out, wf, eps, round_before_weight, round_sum):
+        return out
+    return composite_add_norm(h, res, wf, eps, round_before_weight, round_sum, out_dtype,
+                              out=out)
+
+
+def composite_add_norm(h, res, wf, eps, round_before_weight, round_sum, out_dtype, out=None):
+    """The same math in eager torch ops (several passes over memory): the fallback
+    path, and the reference the kernel is tested against."""
+    hf = h.float()
+    if res is not None:
+        hf = hf + res.float()
+        h.copy_(hf)
+        if round_sum:
+            hf = h.float()
+    normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    if wf is not None:
+        if round_before_weight:
+            normed = normed.to(h.dtype).float()
+        normed = normed * wf
+    y = normed.to(out_dtype)
+    if out is None:
+        return y
+    out.copy_(y)
+    return out

@@ -1,0 +1,125 @@
+"""fuse_allreduce_rmsnorm: a sum all-reduce, the optional residual add and the
+RMSNorm after it become one commfold::allreduce_rmsnorm call.
+
+Uses: patterns.allreduce.AllReduce (any spelling: c10d functional, in-place
+dist.all_reduce, DTensor, vLLM) and patterns.rmsnorm.RMSNorm (hand-written f32 /
+bf16 / fp16, F.rms_norm / nn.RMSNorm, Gemma's 1 + w, no weight).
+
+Why it is safe:
+- the reduction is a sum (others are skipped), and the op runs the graph's own
+  collective (same group, through commfold.collectives), so every rank still issues
+  exactly one collective here, in the same order as before;
+- the op returns the normed output and the new residual (x + residual, or the
+  reduced value itself without a residual add); every other reader of those is
+  rewired to them. A reader of the reduced value before the add would need a value
+  the op does not return: skipped;
+- the norm's intermediates have no readers outside the norm (the recognizer checks);
+- the kernel rounds where the compiled graph would (see commfold.ops.allreduce_rmsnorm).
+The decision depends on the graph and the config only: rank-consistent.
+
+Writes: commfold::allreduce_rmsnorm(x, residual, weight, eps, offset, ..., comm,
+two_shot_min_bytes) -> getitem 0 (normed), getitem 1 (new residual).
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch._inductor import config as inductor_config
+
+from commfold.context import PassContext
+from commfold.graph import erase_if_dead, insert_call, nbytes, tensor_val
+from commfold.ops.allreduce_rmsnorm import SUPPORTED_DTYPES, TWO_SHOT_DEFAULT_MIN_BYTES
+from commfold.patterns.allreduce import AllReduce, allreduce_candidates, match_allreduce
+from commfold.patterns.rmsnorm import RMSNorm, match_rmsnorm
+from commfold.report import Comm
+
+PATTERN = "all_reduce->rmsnorm"
+TWO_SHOT_OPTION = "allreduce_rmsnorm_two_shot_min_bytes"
+
+
+def run(ctx: PassContext) -> None:
+    two_shot = int(dict(ctx.config.extra).get(TWO_SHOT_OPTION, TWO_SHOT_DEFAULT_MIN_BYTES))
+    for coll in allreduce_candidates(ctx.graph):
+        if coll._erased:  # by an earlier rewrite
+            continue
+        ar = match_allreduce(coll)
+        if not ar:
+            continue  # not a usable all-reduce (e.g. no wait): nothing norm-specific
+        norm = match_rmsnorm(ar.reduced)
+        if norm is None:
+            continue  # no RMSNorm reads it: not a near-miss
+        if not norm:
+            ctx.skipped(PATTERN, norm.node or coll, norm.reason)
+            continue
+        why = _unsafe(ar, norm)
+        if why:
+            ctx.skipped(PATTERN, norm.output, why)
+            continue
+        _rewrite(ctx, ar, norm, two_shot)
+
+
+def _unsafe(ar: AllReduce, norm: RMSNorm) -> str | None:
+    if ar.reduce_op != "sum":
+        return f"'{ar.reduce_op}' all-reduce (only a sum can be fused with the add)"
+    dtype = tensor_val(ar.input).dtype
+    if dtype not in SUPPORTED_DTYPES or norm.dtype != dtype:
+        return f"unsupported dtype {dtype} (norm input {norm.dtype})"
+    if norm.residual is not None and len(ar.reduced.users) > 1:
+        return "the reduced value is read besides the residual add (the op returns only the sum with the residual)"
+    order = {n: i for i, n in enumerate(ar.reduced.graph.nodes)}
+    last_input = max(order[n] for n in (ar.collective, norm.residual, norm.weight) if n is not None)
+    readers = [u for n in (norm.h, norm.output) for u in n.users if u not in norm.inner
+               and u is not norm.output]
+    if any(order[u] <= last_input for u in readers):
+        return "the norm's operands are defined after readers of its result"
+    return None
+
+
+def _rewrite(ctx: PassContext, ar: AllReduce, norm: RMSNorm, two_shot: int) -> None:
+    graph = ctx.graph
+    # Inductor rounds a low-precision cast inside a kernel only when emulating casts:
+    # ask the op to round exactly where the compiled unfused program would.
+    emulate = bool(inductor_config.emulate_precision_casts)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    anchor = max((n for n in (ar.collective, norm.residual, norm.weight) if n is not None),
+                 key=order.__getitem__)
+    with graph.inserting_after(anchor):
+        fused = insert_call(
+            graph, torch.ops.commfold.allreduce_rmsnorm.default,
+            (ar.input, norm.residual, norm.weight, norm.eps, norm.offset,
+             norm.offset_in_weight_dtype and emulate, norm.round_before_weight and emulate,
+             norm.residual is not None and norm.dtype != torch.float32 and emulate,
+             norm.out_dtype, ar.comm, two_shot), like=norm.output)
+    with graph.inserting_after(fused):
+        new_residual = insert_call(graph, operator.getitem, (fused, 1), like=norm.output)
+    with graph.inserting_after(fused):
+        out = insert_call(graph, operator.getitem, (fused, 0), like=norm.output)
+    norm.output.replace_all_uses_with(out)
+    private = set(norm.inner) | {norm.output}
+    norm.h.replace_all_uses_with(new_residual, delete_user_cb=lambda u: u not in private)
+    chain = set([norm.output, *norm.inner, norm.h, *ar.comm_nodes])
+    operands = dict.fromkeys(a for n in chain for a in n.all_input_nodes if a not in chain)
+    for node in sorted(chain, key=order.__getitem__, reverse=True):
+        if not node.users:  # readers first: each node is erased once
+            graph.erase_node(node)
+    for node in operands:  # e.g. 1 + w.float(): unread now
+        if not node._erased:
+            erase_if_dead(node)
+    if not ar.collective._erased:  # would run the collective twice: never leave it
+        raise RuntimeError("fuse_allreduce_rmsnorm: the original all-reduce is still read")
+    x = tensor_val(ar.input)
+    size = nbytes(x)
+    ctx.rewrote(PATTERN, norm.output, Comm(size, 1), Comm(size, 1), detail=_detail(x, norm))
+
+
+def _detail(x, norm: RMSNorm) -> str:
+    parts = [str(x.dtype).replace("torch.", ""),
+             "+residual" if norm.residual is not None else "no residual",
+             "no weight" if norm.weight is None else
+             ("weight (1+w)" if norm.offset == 1.0 else
+              f"weight (w{norm.offset:+g})" if norm.offset else "weight"),
+             f"eps {norm.eps:g}"]
+    if norm.round_before_weight:
+        parts.append("cast before weight")
+    return ", ".join(parts)

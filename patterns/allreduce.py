@@ -1,0 +1,80 @@
+"""All-reduces, in every spelling commfold knows, as one typed match:
+
+1. c10d functional (funcol.all_reduce, in-place dist.all_reduce, DTensor Partial ->
+   Replicate): ``_c10d_functional.all_reduce(x, op, group)`` -> ``wait_tensor`` (a
+   user's explicit wait adds a second one). In-place dist.all_reduce on a graph
+   input adds an ``aten.copy_(input, reduced)`` write-back: an ordinary consumer of
+   the reduced value here.
+2. vLLM custom-op collectives: ``torch.ops.vllm.all_reduce(x, group)``.
+3. vLLM CPU shared memory: ``auto_functionalized(_C.shm_allreduce, handle=h,
+   data=x)`` -> ``getitem(., 1)``.
+vLLM's ops are looked up by name and only when registered (commfold never imports
+vLLM).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .common import Miss, c10d, is_call, is_getitem, waits_of
+
+
+@dataclass(frozen=True)
+class AllReduce:
+    """`reduced` holds the `reduce_op` ('sum', 'avg', ...) of every rank's `input`."""
+
+    input: fx.Node
+    reduced: fx.Node
+    reduce_op: str
+    comm: str  # communicator spec (commfold.collectives)
+    collective: fx.Node
+    comm_nodes: tuple[fx.Node, ...]  # the collective and its waits: erased with it
+
+
+def _op(namespace: str, name: str):
+    try:
+        return getattr(getattr(getattr(torch.ops, namespace), name), "default")
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _auto_functionalized():
+    from torch._higher_order_ops.auto_functionalize import auto_functionalized
+
+    return auto_functionalized
+
+
+def allreduce_candidates(graph: fx.Graph) -> list[fx.Node]:
+    """Collective nodes that all-reduce, in graph order."""
+    vllm_ar, shm_ar = _op("vllm", "all_reduce"), _op("_C", "shm_allreduce")
+    targets = {c10d.all_reduce.default} | ({vllm_ar} if vllm_ar else set())
+    af = _auto_functionalized()
+    return [n for n in graph.nodes if n.op == "call_function" and (
+        n.target in targets
+        or (shm_ar is not None and n.target is af and n.args and n.args[0] is shm_ar))]
+
+
+def match_allreduce(coll: fx.Node) -> AllReduce | Miss:
+    if is_call(coll, c10d.all_reduce.default):
+        x, op, group = coll.args[:3]
+        waits = waits_of(coll)
+        if not waits:
+            return Miss("all-reduce without a wait_tensor", coll)
+        return AllReduce(x, waits[-1], str(op), f"c10d:{group}", coll, (coll, *waits))
+    vllm_ar = _op("vllm", "all_reduce")
+    if vllm_ar is not None and is_call(coll, vllm_ar):
+        x, group = coll.args[:2]
+        return AllReduce(x, coll, "sum", f"vllm:{group}", coll, (coll,))
+    shm_ar = _op("_C", "shm_allreduce")
+    if shm_ar is not None and coll.target is _auto_functionalized():
+        outs = [u for u in coll.users if is_getitem(u, 1)]
+        if len(outs) != 1 or len(coll.users) != 1:
+            return Miss("shm all-reduce result read other than through one getitem", coll)
+        handle = coll.kwargs.get("handle")
+        if not isinstance(handle, int):
+            return Miss("shm all-reduce handle is not a constant", coll)
+        return AllReduce(coll.kwargs["data"], outs[0], "sum", f"vllm_shm:{handle}",
+                         coll, (coll, outs[0]))
+    return Miss("not an all-reduce", coll)

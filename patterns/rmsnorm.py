@@ -1,0 +1,199 @@
+"""Residual add + RMSNorm after a value, in the aten spellings Inductor's post-grad
+graphs hold (torch 2.13, CPU):
+
+    h = x + residual            (either operand order; optional)
+    hf = h | convert(h, f32)    (bf16/fp16 norms upcast)
+    n = hf * rsqrt(mean(hf^2 | hf*hf, [last dim], keepdim) + eps)   (add.Tensor or
+                                 add.Scalar; eps any number, read from the graph)
+    then one of:
+      convert(n, D) [* w]          hand-written bf16/fp16: cast back, then weight
+      n * w' [-> convert(., D)]    f32, F.rms_norm / nn.RMSNorm, Gemma: multiply in f32,
+                                   cast last; w' = w | convert(w, f32) | w' + offset
+      nothing                      no weight
+
+The match says how the graph rounds (round_before_weight, out_dtype, whether Gemma's
+offset is added in the weight's dtype), so a fused kernel can round the same way.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .common import Miss, aten, is_call, ndim, norm_dim, prims, same_shape
+
+
+@dataclass(frozen=True)
+class RMSNorm:
+    x: fx.Node  # the value normed (before the residual add)
+    residual: fx.Node | None
+    h: fx.Node  # x + residual (or x): the new residual
+    weight: fx.Node | None  # the raw weight ([hidden]); offset applied by the kernel
+    eps: float
+    offset: float  # Gemma: out * (offset + w)
+    offset_in_weight_dtype: bool  # the offset sum is rounded to the weight's dtype
+    round_before_weight: bool  # n is cast to h's dtype before the weight multiply
+    out_dtype: torch.dtype
+    output: fx.Node  # the normed value
+    inner: tuple[fx.Node, ...]  # nodes between h and output, read only by the norm
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.h.meta["val"].dtype
+
+
+_UPCAST = (prims.convert_element_type.default,)
+
+
+def _dtype(node) -> torch.dtype | None:
+    v = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return v.dtype if isinstance(v, torch.Tensor) else None
+
+
+def _cast_to(node: fx.Node, dtype=None) -> bool:
+    """node is convert_element_type(., dtype) / _to_copy(., dtype=dtype) (any dtype if None)."""
+    if is_call(node, prims.convert_element_type.default):
+        return dtype is None or node.args[1] == dtype
+    if is_call(node, aten._to_copy.default) and set(node.kwargs) <= {"dtype"}:
+        return dtype is None or node.kwargs.get("dtype") == dtype
+    return False
+
+
+def _other(node: fx.Node, x: fx.Node):
+    """For a binary op reading x once, its other operand (None if x is not an operand)."""
+    a, b = node.args[:2]
+    if a is x and b is not x:
+        return b
+    if b is x and a is not x:
+        return a
+    return None
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def match_rmsnorm(x: fx.Node) -> RMSNorm | Miss | None:
+    """The residual add + RMSNorm reading x; a Miss when one almost matches; None when
+    no RMSNorm reads x. A norm reading x itself wins over one reading x + residual
+    (then x is also the new residual, read by a later add)."""
+    direct = _match_norm(x, None, x)
+    if direct:
+        return direct
+    found = direct
+    for user in list(x.users):
+        if is_call(user, aten.add.Tensor) and len(user.args) == 2 and not user.kwargs:
+            residual = _other(user, x)
+            if isinstance(residual, fx.Node) and same_shape(residual, x) \
+                    and _dtype(residual) == _dtype(x) == _dtype(user):
+                m = _match_norm(x, residual, user)
+                if m:
+                    return m
+                found = found or m
+    return found
+
+
+def _match_norm(x, residual, h) -> RMSNorm | Miss | None:
+    dtype = _dtype(h)
+    hf = h
+    if dtype not in (torch.float32, torch.float64):  # low precision: upcast first
+        ups = [u for u in h.users if _cast_to(u, torch.float32)]
+        if len(ups) != 1:
+            return None
+        hf = ups[0]
+    sq = next((u for u in hf.users if _is_square(u, hf)), None)
+    if sq is None:
+        return None
+    mean = _sole(sq)
+    if not is_call(mean, aten.mean.dim):
+        return None
+    rank = ndim(h)
+    dims = mean.args[1] if len(mean.args) > 1 else mean.kwargs.get("dim")
+    keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
+    if mean.kwargs.get("dtype") not in (None, torch.float32):
+        return Miss("mean of squares in a dtype other than float32", mean)
+    if list(dims) != [rank - 1] and list(dims) != [-1] or not keepdim:
+        return Miss(f"norm over dims {list(dims)}, not the last (hidden) dim", mean)
+    add_eps = _sole(mean)
+    if not is_call(add_eps, aten.add.Tensor, aten.add.Scalar) or add_eps.kwargs:
+        return Miss("mean of squares not followed by + eps", mean)
+    eps = _other(add_eps, mean)
+    if not _is_number(eps):
+        return Miss("eps is not a number", add_eps)
+    rsqrt = _sole(add_eps)
+    if not is_call(rsqrt, aten.rsqrt.default):
+        return Miss("variance + eps not followed by rsqrt", add_eps)
+    normed = _sole(rsqrt)
+    if not is_call(normed, aten.mul.Tensor) or _other(normed, rsqrt) is not hf:
+        return Miss("rsqrt does not scale the norm's input", rsqrt)
+    if set(hf.users) != {sq, normed} and hf is not h:
+        return Miss("the upcast input is read outside the norm", hf)
+    inner = [n for n in (hf if hf is not h else None, sq, mean, add_eps, rsqrt) if n]
+    return _match_tail(x, residual, h, float(eps), normed, inner, dtype)
+
+
+def _match_tail(x, residual, h, eps, normed, inner, dtype) -> RMSNorm | Miss:
+    """After n = hf * rsqrt(...): the optional cast back and weight multiply."""
+    cur, round_before = normed, False
+    weight, offset, off_in_w = None, 0.0, False
+    nxt = _sole(cur)
+    if dtype not in (torch.float32, torch.float64) and nxt is not None and _cast_to(nxt, dtype):
+        inner.append(cur)
+        cur, round_before, nxt = nxt, True, _sole(nxt)  # hand-written: cast back first
+    if nxt is not None and is_call(nxt, aten.mul.Tensor) and len(nxt.args) == 2:
+        parsed = _weight(_other(nxt, cur), h)
+        if isinstance(parsed, Miss):
+            return parsed
+        if parsed is not None:
+            weight, offset, off_in_w = parsed
+            inner.append(cur)
+            cur, nxt = nxt, _sole(nxt)
+            if not round_before and nxt is not None and _cast_to(nxt, dtype) \
+                    and _dtype(cur) == torch.float32:
+                inner.append(cur)  # F.rms_norm / Gemma: weight in f32, cast last
+                cur = nxt
+    if weight is None:
+        round_before = False
+    out_dtype = _dtype(cur)
+    if out_dtype not in (torch.float32, dtype):
+        return Miss(f"norm output in {out_dtype} (neither f32 nor the input dtype)", cur)
+    for n in inner:  # the norm's intermediates must not be read elsewhere
+        if any(u not in inner and u is not cur for u in n.users):
+            return Miss("an intermediate of the norm is read outside it", n)
+    return RMSNorm(x, residual, h, weight, eps, offset, off_in_w, round_before, out_dtype,
+                   cur, tuple(inner))
+
+
+def _weight(w, h) -> tuple | Miss | None:
+    """(raw weight, offset, offset added in the weight's dtype) for the weight operand
+    w: w | convert(w, f32) | (w | convert(w, f32)) + number; None if w is not a weight."""
+    if not isinstance(w, fx.Node):
+        return None
+    offset, off_in_w = 0.0, False
+    if is_call(w, aten.add.Tensor) and len(w.args) == 2 and not w.kwargs:
+        a, b = w.args
+        num, base = (a, b) if _is_number(a) else (b, a)
+        if not _is_number(num) or not isinstance(base, fx.Node):
+            return None
+        offset, w = float(num), base
+        off_in_w = True
+    if _cast_to(w, torch.float32):
+        w, off_in_w = w.args[0], False
+    v = w.meta.get("val") if isinstance(w, fx.Node) else None
+    hidden = h.meta["val"].shape[-1]
+    if not isinstance(v, torch.Tensor) or v.dim() != 1 or not same_shape(v.shape, [hidden]):
+        return Miss("norm weight is not a [hidden] vector", w)
+    if v.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return Miss(f"norm weight in unsupported dtype {v.dtype}", w)
+    return w, offset, off_in_w and v.dtype != torch.float32
+
+
+def _is_square(node, x) -> bool:
+    if is_call(node, aten.pow.Tensor_Scalar):
+        return node.args[0] is x and node.args[1] == 2
+    return is_call(node, aten.mul.Tensor) and node.args[0] is x and node.args[1] is x
+
+
+def _sole(node):
+    return next(iter(node.users)) if node is not None and len(node.users) == 1 else None

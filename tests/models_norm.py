@@ -1,0 +1,175 @@
+"""Test programs for fuse_allreduce_rmsnorm: RMSNorm spellings, all-reduce spellings,
+and a small tensor-parallel decoder built from them (run inside a gloo rank)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+# ---- RMSNorm spellings: norm(h, weight, eps) -> normed ----------------------------
+
+def norm_hand(h, w, eps):
+    """Hand-written (Llama style): upcast, normalize, cast back, then weight."""
+    hf = h.float()
+    n = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    n = n.to(h.dtype)
+    return n if w is None else w * n
+
+
+def norm_functional(h, w, eps):
+    """F.rms_norm (= nn.RMSNorm's forward): positive dim, add.Scalar, f32 weight mul."""
+    return F.rms_norm(h, (h.shape[-1],), w, eps)
+
+
+def norm_gemma(h, w, eps):
+    """Gemma: weight offset (1 + w), multiplied in f32, cast last."""
+    hf = h.float()
+    n = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    return (n * (1.0 + w.float())).type_as(h)
+
+
+def norm_gemma_lowp(h, w, eps):
+    """Gemma variant adding the offset in the weight's dtype."""
+    hf = h.float()
+    n = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    return (n * (1.0 + w)).to(h.dtype)
+
+
+NORMS = {"hand": norm_hand, "functional": norm_functional, "gemma": norm_gemma,
+         "gemma_lowp": norm_gemma_lowp}
+OFFSET = {"gemma": 1.0, "gemma_lowp": 1.0}
+
+
+# ---- all-reduce spellings ---------------------------------------------------------
+
+def ar_funcol(x):
+    return funcol.all_reduce(x, "sum", dist.group.WORLD)
+
+
+def ar_funcol_wait(x):  # explicit wait: wait_tensor(wait_tensor(.))
+    return funcol.wait_tensor(funcol.all_reduce(x, "sum", dist.group.WORLD))
+
+
+def ar_inplace(x):
+    dist.all_reduce(x)
+    return x
+
+
+ALL_REDUCES = {"funcol": ar_funcol, "funcol_wait": ar_funcol_wait, "inplace": ar_inplace}
+
+
+def make_block(norm: str, coll: str, residual: bool, res_first: bool, eps: float):
+    """fn(x, r, w) -> (normed, new residual): all_reduce(x) [+ r] -> RMSNorm."""
+    nfn, afn = NORMS[norm], ALL_REDUCES[coll]
+
+    def block(x, r, w):
+        y = afn(x * 1)  # x * 1: in-place all_reduce on an intermediate, not the input
+        if residual:
+            y = (r + y) if res_first else (y + r)
+        return nfn(y, w, eps), y
+
+    return block
+
+
+# ---- a small TP decoder -----------------------------------------------------------
+
+class GemmaNorm(nn.Module):
+    def __init__(self, hidden, eps):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.zeros(hidden)), eps
+
+    def forward(self, h):
+        return norm_gemma(h, self.weight, self.eps)
+
+
+class HandNorm(nn.Module):
+    def __init__(self, hidden, eps):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(hidden)), eps
+
+    def forward(self, h):
+        return norm_hand(h, self.weight, self.eps)
+
+
+def _norm_module(kind, hidden, eps):
+    if kind == "nn":
+        return nn.RMSNorm(hidden, eps=eps)
+    return {"hand": HandNorm, "gemma": GemmaNorm}[kind](hidden, eps)
+
+
+class TPDecoder(nn.Module):
+    """Pre-norm decoder whose 'attention' and MLP are column-parallel up ->
+    row-parallel down (+ all-reduce): 2 all-reduce + norm boundaries per layer, one
+    after the input projection, and the final norm (new residual dead): 2L+1 norms.
+
+    coll: "funcol" | "funcol_wait" | "inplace" (manual shards) or "dtensor"
+    (ColwiseParallel / RowwiseParallel via parallelize_module)."""
+
+    def __init__(self, layers, hidden, inter, norm, coll, world, eps=1e-6, res_first=False):
+        super().__init__()
+        self.coll, self.world, self.res_first = coll, world, res_first
+        div = 1 if coll == "dtensor" else world
+        self.hidden, self.layers = hidden, layers
+        self.inp = nn.Linear(hidden // div, hidden, bias=False)
+        self.ups = nn.ModuleList(nn.Linear(hidden, inter // div, bias=False) for _ in range(2 * layers))
+        self.downs = nn.ModuleList(nn.Linear(inter // div, hidden, bias=False) for _ in range(2 * layers))
+        self.norms = nn.ModuleList(_norm_module(norm, hidden, eps) for _ in range(2 * layers + 1))
+
+    def _ar(self, x):
+        return x if self.coll == "dtensor" else ALL_REDUCES[self.coll](x)
+
+    def _add(self, a, residual):
+        return (residual + a) if self.res_first else (a + residual)
+
+    def forward(self, x):
+        cols = x.shape[-1] // self.world
+        x_local = x.narrow(-1, dist.get_rank() * cols, cols)
+        h = self._ar(self.inp(x_local))
+        residual, h = h, self.norms[0](h)
+        k = 1
+        for i in range(self.layers):
+            if i > 0:
+                residual = self._add(h, residual)
+                h, k = self.norms[k](residual), k + 1
+            a = self._ar(self.downs[2 * i](torch.relu(self.ups[2 * i](h))))
+            residual = self._add(a, residual)
+            h, k = self.norms[k](residual), k + 1
+            h = self._ar(self.downs[2 * i + 1](torch.relu(self.ups[2 * i + 1](h))))
+        return self.norms[k](self._add(h, residual))
+
+
+def build_decoder(layers, hidden, inter, norm, coll, dtype, seed=0, res_first=False):
+    """The same decoder on every rank (weights from one seed, then sharded)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(seed)
+    full = TPDecoder(layers, hidden, inter, norm, "dtensor", world, res_first=res_first)
+    with torch.no_grad():
+        for p in full.parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if p.dim() > 1 else 0.1)
+                    + (1.0 if p.dim() == 1 and norm != "gemma" else 0.0))
+    if coll == "dtensor":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                       parallelize_module)
+        mesh = init_device_mesh("cpu", (world,))
+        plan = {"inp": RowwiseParallel()}
+        for i in range(2 * layers):
+            plan[f"ups.{i}"] = ColwiseParallel()
+            plan[f"downs.{i}"] = RowwiseParallel()
+        full = full.to(dtype)
+        parallelize_module(full, mesh, plan)
+        return full
+    m = TPDecoder(layers, hidden, inter, norm, coll, world, res_first=res_first)
+    with torch.no_grad():
+        hs, it = hidden // world, inter // world
+        m.inp.weight.copy_(full.inp.weight[:, rank * hs:(rank + 1) * hs])
+        for a, b in zip(m.ups, full.ups):
+            a.weight.copy_(b.weight[rank * it:(rank + 1) * it])
+        for a, b in zip(m.downs, full.downs):
+            a.weight.copy_(b.weight[:, rank * it:(rank + 1) * it])
+        for a, b in zip(m.norms, full.norms):
+            a.weight.copy_(b.weight)
+    return m.to(dtype)
