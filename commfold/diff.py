@@ -85,12 +85,15 @@ class Target:
                             "module:function", EXIT_BAD_INPUT)
         import importlib.util
 
+        sys.path.insert(0, os.getcwd())  # as in the ranks: modules beside the cwd import
         try:
             spec = importlib.util.find_spec(module)
         except (ImportError, ValueError) as e:
             spec, why = None, f" ({e})"
         else:
             why = ""
+        finally:
+            sys.path.pop(0)
         if spec is None:
             raise DiffError(f"no module named {module!r}{why}", EXIT_BAD_INPUT)
         return cls(module=module, function=function)

@@ -106,11 +106,12 @@ def test_diff_funcol_example_two_ranks(tmp_path):
 
 CRASH_AFTER_COMPILE = """
 import torch, torch.distributed as dist
-dist.init_process_group("gloo")
-torch.compile(lambda x: x * 2 + 1)(torch.randn(8))
-if dist.get_rank() == 1:
-    raise ValueError("boom on rank 1")
-dist.barrier()
+
+def run():  # called on every rank, process group already initialized
+    torch.compile(lambda x: x * 2 + 1)(torch.randn(8))
+    if dist.get_rank() == 1:
+        raise ValueError("boom on rank 1")
+    dist.barrier()
 """
 
 HANG = """
@@ -122,7 +123,7 @@ dist.barrier()
 """
 
 
-def test_diff_bad_inputs(tmp_path, capsys):
+def test_diff_bad_inputs(tmp_path, capsys, monkeypatch):
     # a missing script, a missing module, an unknown pass: exit 2, one line, no ranks
     for args, why in [(["no_such_script.py"], "no such script: no_such_script.py"),
                       (["no_such_module_xyz:main"], "no module named 'no_such_module_xyz'"),
@@ -137,11 +138,13 @@ def test_diff_bad_inputs(tmp_path, capsys):
     [line] = error_lines(out)
     assert "compiled nothing with Inductor" in line
 
-    # a rank that crashes after a compile: exit 1, the cause, the dumps kept
-    script = tmp_path / "crash.py"
-    script.write_text(CRASH_AFTER_COMPILE)
+    # a module:function whose rank 1 crashes after a compile: exit 1, the cause, the
+    # dumps kept (the module sits in the working directory, as for `python -m`)
+    (tmp_path / "crashing_target.py").write_text(CRASH_AFTER_COMPILE)
+    monkeypatch.chdir(tmp_path)
     out = tmp_path / "crash"
-    code, text = main_in_process(capsys, "diff", script, "--out", out, "--passes", "local_argmax")
+    code, text = main_in_process(capsys, "diff", "crashing_target:run", "--out", out,
+                                 "--passes", "local_argmax")
     assert code == 1, text
     [line] = error_lines(text)
     assert "rank 1 failed:" in line and "ValueError: boom on rank 1" in line, line
