@@ -40,14 +40,15 @@ from commfold.report import Comm
 EMBEDDING = "vocab_parallel_embedding"
 LM_HEAD = "vocab_parallel_lm_head"
 
-# Replicate-vs-local_argmax rule for an LM head followed only by a greedy pick. A
-# replicated head reads the FULL weight every step (W x the shard); local_argmax reads
-# the shard and gathers one (value, index) pair per row. Measured on the 2-core CPU at
-# TP=2 (benchmarks/bench_replicate.py, "head+argmax" rows): local_argmax is faster for
-# every drafter-sized head measured, so replication only wins when the extra weight
-# read costs less than the pair gather's latency (~0.2-0.3 ms gloo); 1 MiB of f32
-# weight reads in about that time.
-ARGMAX_REPLICATE_MAX_BYTES = 1 << 20
+# Replicate-vs-local_argmax rule for an LM head read only by a greedy pick. A
+# replicated head reads the FULL weight each step, (W-1)/W of it extra; local_argmax
+# reads the shard and gathers one (value, index) pair per row: a latency-bound
+# collective. So replication wins for small heads, local_argmax for large ones. Measured
+# (benchmarks/bench_replicate.py --layers head+argmax, TP=2, 2-core CPU, batch 1, V=151936,
+# median ms local_argmax / replicated): 1.2 MiB 4.09/1.11, 4.6 MiB 3.78/1.38,
+# 18.5 MiB 1.50/2.28. The crossover lies between 4.6 and 18.5 MiB on a loaded machine;
+# a quiet machine has cheaper collectives, which moves it down: 4 MiB.
+ARGMAX_REPLICATE_MAX_BYTES = 4 << 20
 
 
 def run(ctx: PassContext) -> None:

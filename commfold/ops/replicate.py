@@ -42,7 +42,6 @@ from ..collectives import communicator
 
 MAX_SEGMENTS = 8  # id ranges per rank (vLLM uses 2: the base vocab and the added vocab)
 _HEADER = 2 + 3 * MAX_SEGMENTS  # [rows, n_segments, (lo, hi, row_start) * MAX_SEGMENTS]
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @dataclass
@@ -102,8 +101,7 @@ def _gather_rows(c, shard: torch.Tensor, rows: int) -> torch.Tensor:
     """Every rank's shard padded to `rows` rows, bit-exact, as [world, rows, H]."""
     padded = shard.new_zeros((rows,) + tuple(shard.shape[1:]))
     padded[: shard.shape[0]] = shard
-    bits = _BITS[shard.element_size()]
-    out = c.all_gather(padded.view(bits))
+    out = c.all_gather(padded.view(torch.uint8))  # bytes: exact, and any dtype gloo lacks
     return out.view(shard.dtype).view((c.world_size(), rows) + tuple(shard.shape[1:]))
 
 
