@@ -48,7 +48,8 @@ def _diff_parser(sub) -> None:
     p.add_argument("--world-size", "-n", type=int, default=2, metavar="N",
                    help="number of CPU ranks to run (default: 2)")
     p.add_argument("--out", "-o", default="commfold-diff", metavar="DIR",
-                   help="directory for the dumps (default: ./commfold-diff)")
+                   help="directory for the dumps; its rank<r>/ folders are replaced "
+                        "(default: ./commfold-diff)")
     p.add_argument("--passes", default=None, metavar="P1,P2",
                    help="comma-separated commfold passes to run, in order "
                         "(default: every registered pass)")

@@ -30,6 +30,7 @@ import difflib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -288,10 +289,10 @@ def _run(target_text, world_size, out, passes, timeout, echo) -> int:
          f"dumps in {out_dir}")
     procs, logs = [], []
     echo(f"[   0.0s] starting {world_size} rank process(es) (importing torch takes a few seconds)")
+    (out_dir / "summary.txt").unlink(missing_ok=True)
     for r in range(world_size):
-        (out_dir / f"rank{r}").mkdir(exist_ok=True)
-        for stale in ("progress.log", "report.json"):
-            (out_dir / f"rank{r}" / stale).unlink(missing_ok=True)
+        shutil.rmtree(out_dir / f"rank{r}", ignore_errors=True)  # no stale dumps
+        (out_dir / f"rank{r}").mkdir()
         env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world_size),
                    LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
