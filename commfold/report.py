@@ -6,7 +6,9 @@ is the newest, ``reports()`` all of them since ``clear_reports()``.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import os
 import threading
 from dataclasses import dataclass, field, asdict
 
@@ -52,6 +54,7 @@ class PassError:
 @dataclass
 class Report:
     graph_index: int = 0
+    from_cache: bool = False  # replayed: Inductor's cache served the compiled graph
     passes: tuple[str, ...] = ()
     rewrites: list[Rewrite] = field(default_factory=list)
     near_misses: list[NearMiss] = field(default_factory=list)
@@ -84,8 +87,22 @@ class Report:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "Report":
+        def comm(c):
+            return Comm(**c)
+        return cls(
+            graph_index=d.get("graph_index", 0), from_cache=d.get("from_cache", False),
+            passes=tuple(d.get("passes", ())),
+            rewrites=[Rewrite(**{**r, "comm_before": comm(r["comm_before"]),
+                                 "comm_after": comm(r["comm_after"])}) for r in d["rewrites"]],
+            near_misses=[NearMiss(**m) for m in d["near_misses"]],
+            errors=[PassError(**e) for e in d["errors"]],
+            pass_seconds=dict(d.get("pass_seconds", {})))
+
     def summary(self) -> str:
-        lines = [f"commfold report, graph {self.graph_index}: "
+        cached = " (compiled graph served from Inductor's cache)" if self.from_cache else ""
+        lines = [f"commfold report, graph {self.graph_index}{cached}: "
                  f"{len(self.rewrites)} rewrite(s), {len(self.near_misses)} near-miss(es), "
                  f"{len(self.errors)} error(s)"]
         if self.rewrites:
@@ -129,6 +146,30 @@ def publish(report: Report) -> None:
         for e in report.errors:
             log.warning("commfold: pass %s failed and was skipped: %s", e.pass_name, e.error)
     log.info("%s", report.summary())
+    if os.environ.get("COMMFOLD_REPORT_DIR"):
+        _write_file(report, os.environ["COMMFOLD_REPORT_DIR"])
+
+
+def _write_file(report: Report, out_dir: str) -> None:
+    """One JSON file per report, named by rank and process: how reports come back
+    from processes the caller did not start (vLLM's workers, one per rank)."""
+    rank = _rank()
+    path = os.path.join(out_dir, f"rank{rank}-pid{os.getpid()}-graph{report.graph_index}.json")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump({"rank": rank, "pid": os.getpid(), **report.to_dict()}, f, default=str)
+        os.replace(path + ".tmp", path)
+    except OSError as e:  # a report must never break a compile
+        log.warning("commfold: could not write report %s: %s", path, e)
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", -1))
 
 
 def last_report() -> Report | None:

@@ -79,7 +79,7 @@ def _rewrite(ctx: PassContext, m: GreedyPick) -> None:
     pair_bytes = _pair_bytes(rows, m.gather.world_size)
     ctx.rewrote(PATTERN, m.pick, before, Comm(pair_bytes, 1),
                 detail=f"{m.kind}, world {m.gather.world_size}, "
-                       f"{'valid vocab ' + str(m.valid_vocab) if m.valid_vocab else 'no padding'}")
+                       f"{'no padding' if m.valid_vocab is None else 'padding sliced off'}")
 
 
 def _pair_bytes(index_val, world: int):

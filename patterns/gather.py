@@ -6,7 +6,8 @@ spelling commfold knows:
    -> ``cat([...], -1)``;
 2. in-place ``dist.all_gather_into_tensor`` + view/movedim/reshape:
    ... -> wait -> ``reshape([W, *lead, Vs])`` -> ``permute`` (rank dim to -2)
-   -> ``clone``? -> ``reshape([*lead, W*Vs])``;
+   -> ``clone``? -> ``reshape([*lead, W*Vs])``; with one row (all leading dims 1)
+   just ``reshape([*lead, W*Vs])``;
 3. vLLM's ``torch.ops.vllm.all_gather(x, -1, W, group)``;
 4. vLLM CPU's shared-memory gather on dim 0, functionalized:
    ``auto_functionalized[_v2](_C.shm_all_gather, handle=h, data=x, <output buffer>)``
@@ -121,6 +122,14 @@ def _match_c10d(coll: fx.Node) -> VocabGather | Miss:
     return Miss("all-gather on dim 0 (rows), not re-laid on the vocab dim", coll)
 
 
+def _one_row(shape) -> bool:
+    """All leading dims are statically 1: [W, 1.., Vs] and [1.., W*Vs] hold the same
+    elements in the same order, so the gather is a plain reshape (DTensor emits it)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return all(statically_known_true(d == 1) for d in shape[:-1])
+
+
 def _match_split_cat(coll, waits, shard, split, world, comm, rank) -> VocabGather | Miss:
     dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
     getitems = list(split.users)
@@ -145,6 +154,8 @@ def _match_split_cat(coll, waits, shard, split, world, comm, rank) -> VocabGathe
 
 def _match_reshape_permute(coll, waits, shard, view, world, comm, rank) -> VocabGather | Miss:
     shape = list(shard.meta["val"].shape)
+    if _one_row(shape) and same_shape(view, shape[:-1] + [world * shape[-1]]):
+        return VocabGather(shard, view, world, comm, coll, tuple(waits))  # 1 row: a plain view
     if not same_shape(view, [world] + shape):
         return Miss("gathered buffer viewed other than as [world, *shard]", coll)
     perm = only_user(view)

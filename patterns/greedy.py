@@ -16,7 +16,7 @@ from .gather import VocabGather
 @dataclass(frozen=True)
 class GreedyPick:
     gather: VocabGather
-    valid_vocab: int  # columns kept by the slice; 0 when there is no slice
+    valid_vocab: "int | fx.Node | None"  # slice end (an int or a SymInt node); None: no slice
     elementwise: tuple[fx.Node, ...]  # monotone ops to replay on the shard, in order
     pick: fx.Node  # the argmax / max.dim / topk node
     kind: str  # "argmax" | "max" | "topk"
@@ -69,8 +69,7 @@ def monotone_step(node: fx.Node, x: fx.Node) -> str | None:
 def match_greedy(g: VocabGather) -> GreedyPick | Miss | None:
     """The greedy pick reading g, a Miss saying why g's reader is not one, or None
     when nothing argmax-like reads g at all (not a near-miss: no record)."""
-    node, valid, chain = g.gathered, 0, []
-    width = g.world_size * g.shard.meta["val"].shape[-1]
+    node, valid, chain = g.gathered, None, []
     rank = g.shard.meta["val"].dim()
     while True:
         user = only_user(node)
@@ -78,14 +77,17 @@ def match_greedy(g: VocabGather) -> GreedyPick | Miss | None:
             return _near(node, "the gathered logits have other consumers") if node.users else None
         if user.target in _PICKS:
             return _match_pick(g, user, valid, chain, rank)
-        if is_call(user, aten.slice.Tensor) and not chain and valid == 0:
+        if is_call(user, aten.slice.Tensor) and not chain and valid is None:
             given = list(user.args[1:])
             dim, start, end, step = given + [0, None, None, 1][len(given):]
             if norm_dim(dim, rank) != rank - 1:
                 return _near(user, "slice on a dim other than vocab")
-            if start not in (0, None) or step != 1 or not isinstance(end, (int, type(None))):
-                return _near(user, "slice of the vocab dim other than [0:V] with static V")
-            valid = end if end is not None and end < width else 0
+            if start not in (0, None) or step != 1 or not _int_like(end):
+                return _near(user, "slice of the vocab dim other than [0:V]")
+            if isinstance(end, int) and end <= 0:
+                return _near(user, "slice of the vocab dim with a non-positive end")
+            # The op applies slice's own clamping at run time (end may be symbolic).
+            valid = end
             node = user
             continue
         if user.op == "call_function" and _is_elementwise(user):
@@ -98,14 +100,26 @@ def match_greedy(g: VocabGather) -> GreedyPick | Miss | None:
         return _near(user, None)
 
 
+def _int_like(x) -> bool:
+    """None, an int, or a node computing a SymInt (a symbolic vocab size)."""
+    if x is None or (isinstance(x, int) and not isinstance(x, bool)):
+        return True
+    return isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.SymInt)
+
+
 def _near(node: fx.Node, reason: str | None):
-    """A Miss if an argmax-like op is just downstream of node, else None (no record)."""
+    """A Miss if an argmax-like op is at most a few ops downstream of node (on any
+    path), else None: a gather nobody picks from is not a near-miss."""
+    frontier, seen = [node], set()
     for _ in range(6):
-        if node.target in _PICKS:
-            return Miss(reason or "an unsupported op between the gather and the argmax", node)
-        node = only_user(node)
-        if node is None:
-            return None
+        nxt = []
+        for n in frontier:
+            if n.target in _PICKS:
+                return Miss(reason or "an unsupported op between the gather and the argmax", n)
+            if n not in seen:
+                seen.add(n)
+                nxt.extend(n.users)
+        frontier = nxt
     return None
 
 

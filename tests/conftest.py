@@ -18,19 +18,30 @@ def _pool(world_size: int) -> RankPool:
     return pool
 
 
-@pytest.fixture
-def ranks2() -> RankPool:
-    return _pool(2)
+class Ranks:
+    """Handle to the session pool of `world_size` ranks; each run() uses a live pool
+    (a new one after a failure), so hypothesis examples after a failing one still run."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+
+    def run(self, fn, *args, **kwargs) -> list:
+        return _pool(self.world_size).run(fn, *args, **kwargs)
 
 
 @pytest.fixture
-def ranks4() -> RankPool:
-    return _pool(4)
+def ranks2() -> Ranks:
+    return Ranks(2)
+
+
+@pytest.fixture
+def ranks4() -> Ranks:
+    return Ranks(4)
 
 
 @pytest.fixture(params=[2, 4], ids=["tp2", "tp4"])
-def ranks(request) -> RankPool:
-    return _pool(request.param)
+def ranks(request) -> Ranks:
+    return Ranks(request.param)
 
 
 def pytest_sessionfinish(session, exitstatus):

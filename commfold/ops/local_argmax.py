@@ -21,15 +21,18 @@ SUPPORTED_DTYPES = tuple(_BITS)
 
 
 @torch.library.custom_op("commfold::local_argmax", mutates_args=())
-def local_argmax(shard: torch.Tensor, valid_vocab: int, comm: str,
+def local_argmax(shard: torch.Tensor, valid_vocab: int | None, comm: str,
                  keepdim: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(max value, global argmax) over the last dim of the gathered-and-sliced logits
-    [..., :valid_vocab], computed from this rank's shard [..., Vs].
-    valid_vocab <= 0 means no slice (all W*Vs columns are valid)."""
+    """(max value, global argmax) over the last dim of gathered[..., :valid_vocab],
+    the ranks' shards [..., Vs] concatenated in rank order. valid_vocab is a slice
+    end with Python's rules (negative counts from the end); None keeps all columns."""
     c = communicator(comm)
     world, rank = c.world_size(), c.rank()
     vs = shard.shape[-1]
-    total = world * vs if valid_vocab <= 0 else valid_vocab
+    total = _slice_end(valid_vocab, world * vs)
+    if total == 0:
+        raise RuntimeError("commfold.local_argmax: argmax over an empty vocab slice "
+                           "(the original program's argmax raises here too)")
     lead = shard.shape[:-1]
     rows = shard.reshape(-1, vs)
     n_local = max(0, min(vs, total - rank * vs))
@@ -48,6 +51,12 @@ def local_argmax(shard: torch.Tensor, valid_vocab: int, comm: str,
     if keepdim:
         best_value, best_index = best_value.unsqueeze(-1), best_index.unsqueeze(-1)
     return best_value, best_index
+
+
+def _slice_end(end: int | None, width: int) -> int:
+    if end is None:
+        return width
+    return max(0, min(width, end if end >= 0 else width + end))
 
 
 @local_argmax.register_fake

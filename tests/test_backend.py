@@ -1,0 +1,94 @@
+"""The torch.compile backend, the Inductor custom-pass protocol, and the cache key."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch._inductor import config as inductor_config
+
+import commfold
+from commfold.testing import record_collectives
+
+
+def test_backend_name_works_in_a_fresh_process():
+    """backend="commfold" resolves through the torch_dynamo_backends entry point in a
+    process that never imported commfold."""
+    code = textwrap.dedent("""
+        import sys, torch
+        assert "commfold" not in sys.modules
+        f = torch.compile(lambda x: torch.sin(x) + 1, backend="commfold")
+        assert torch.allclose(f(torch.ones(3)), torch.sin(torch.ones(3)) + 1)
+        import commfold
+        print("REPORTS", len(commfold.reports()))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "REPORTS 1" in out.stdout
+
+
+def test_user_post_grad_pass_still_runs():
+    seen = []
+
+    class UserPass:
+        def __call__(self, graph):
+            seen.append(len(graph.nodes))
+
+        def uuid(self):
+            return "user-pass-v1"
+
+    torch._dynamo.reset()
+    with inductor_config.patch(post_grad_custom_post_pass=UserPass(), fx_graph_cache=False):
+        out = torch.compile(lambda x: x.cos() * 2, backend="commfold")(torch.ones(4))
+        assert isinstance(inductor_config.post_grad_custom_post_pass, UserPass)
+    assert torch.allclose(out, torch.ones(4).cos() * 2)
+    assert len(seen) == 1
+
+
+def test_uuid_covers_config_and_composed_pass():
+    base = commfold.CommfoldPass().uuid()
+    assert base == commfold.CommfoldPass(commfold.Config()).uuid()
+    assert base != commfold.CommfoldPass(commfold.Config(passes=())).uuid()
+    assert base != commfold.CommfoldPass(commfold.Config(replicate_max_bytes=1)).uuid()
+
+    class Keyed:
+        def __call__(self, g): ...
+        def uuid(self): return "k1"
+
+    assert commfold.CommfoldPass(then=Keyed()).uuid() not in (None, base)
+    assert commfold.CommfoldPass(then=lambda g: None).uuid() is None  # unkeyed: no caching
+
+
+def test_config_rejects_unknown_pass_with_the_choices():
+    with pytest.raises(ValueError, match="unknown pass name.*choose from"):
+        commfold.Config(passes=("local_argmx",))
+
+
+def greedy(x):
+    return funcol.all_gather_tensor(x, -1, dist.group.WORLD).argmax(-1)
+
+
+def cache_never_serves_another_config() -> list:
+    """Same program compiled under two configs with Inductor's FX graph cache on: each
+    gets its own compiled graph (the pass uuid is in the cache key)."""
+    out = []
+    x = torch.randn(5, 48) * (1 + dist.get_rank())
+    with inductor_config.patch(fx_graph_cache=True):
+        for cfg in ({}, {"passes": ()}, {}):
+            torch._dynamo.reset()
+            fn = torch.compile(greedy, backend=commfold.backend(**cfg))
+            fn(x)
+            with record_collectives() as log:
+                y = fn(x)
+            out.append((log.elements("all_gather"), commfold.last_report().count("local_argmax"),
+                        torch.equal(y, greedy(x))))
+    return out
+
+
+def test_cache_never_serves_another_config(ranks2):
+    for res in ranks2.run(cache_never_serves_another_config):
+        assert res == [(5 * 2, 1, True), (5 * 48, 0, True), (5 * 2, 1, True)]

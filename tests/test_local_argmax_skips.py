@@ -1,0 +1,91 @@
+"""Shapes local_argmax must leave alone: it records why (a near-miss), the full
+gather still runs, and the tokens are the eager program's."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+import commfold
+from commfold.testing import record_collectives
+
+
+def _gather(x):
+    return funcol.all_gather_tensor(x, -1, dist.group.WORLD)
+
+
+def negative_scale(x, t):
+    return (_gather(x) * -2.0).argmax(-1)
+
+
+def tensor_temperature(x, t):
+    return (_gather(x) / t).argmax(-1)
+
+
+def second_consumer(x, t):
+    full = _gather(x)
+    return full.argmax(-1), full[:, :3] * 2  # exact in any order
+
+
+def negated(x, t):
+    return (-_gather(x)).argmax(-1)
+
+
+def abs_first(x, t):
+    return _gather(x).abs().argmax(-1)
+
+
+def softmax_first(x, t):
+    return torch.softmax(_gather(x), -1).argmax(-1)
+
+
+def rows_gather(x, t):
+    return funcol.all_gather_tensor(x, 0, dist.group.WORLD).argmax(-1)
+
+
+CASES = {
+    negative_scale: "non-positive",
+    tensor_temperature: "sign is unknown",
+    second_consumer: "other consumers",
+    negated: "negation",
+    abs_first: "not a known monotone",
+    softmax_first: "other consumers",  # softmax decomposes into amax + sub over the row
+    rows_gather: None,  # a gather of rows is no vocab gather: no rewrite, no record
+}
+
+
+def run_skip(name: str) -> dict:
+    fn = next(f for f in CASES if f.__name__ == name)
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    full = torch.randn(4, 64)
+    x = full.chunk(dist.get_world_size(), -1)[rank].contiguous()
+    t = torch.tensor(0.5)
+    commfold.clear_reports()
+    compiled = torch.compile(fn, backend="commfold")
+    got = compiled(x, t)
+    with record_collectives() as log:
+        compiled(x, t)
+    want = fn(x, t)
+    report = commfold.last_report()
+    same = all(torch.equal(a, b) for a, b in zip(
+        got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)))
+    return {"same": same, "rewrites": report.count("local_argmax"),
+            "reasons": [m.reason for m in report.near_misses if m.pass_name == "local_argmax"],
+            "gather_elements": log.elements("all_gather"), "fingerprint": report.fingerprint()}
+
+
+@pytest.mark.parametrize("fn", list(CASES), ids=lambda f: f.__name__)
+def test_skipped_with_reason(ranks2, fn):
+    results = ranks2.run(run_skip, fn.__name__)
+    for res in results:
+        assert res["same"]
+        assert res["rewrites"] == 0
+        assert res["gather_elements"] == 4 * 32  # the full shard still travels
+        want = CASES[fn]
+        if want is None:
+            assert res["reasons"] == []
+        else:
+            assert len(res["reasons"]) == 1 and want in res["reasons"][0], res["reasons"]
+    assert results[0]["fingerprint"] == results[1]["fingerprint"]

@@ -1,0 +1,62 @@
+"""The pass manager never breaks a compile: a pass that fails midway leaves the graph
+exactly as it was, warns, and records the error; strict=True raises instead."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+import commfold
+from commfold.testing import record_collectives
+
+
+def greedy(x):
+    return funcol.all_gather_tensor(x, -1, dist.group.WORLD).argmax(-1)
+
+
+def failing_pass_program(strict: bool) -> dict:
+    import commfold.passes as passes
+
+    real = passes.PASSES["local_argmax"]
+
+    def rewrite_then_fail(ctx):
+        real(ctx)  # graph surgery really happens...
+        raise RuntimeError("injected failure")  # ...then the pass dies
+
+    passes.PASSES["local_argmax"] = rewrite_then_fail
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("commfold").addHandler(handler)
+    try:
+        torch._dynamo.reset()
+        x = torch.randn(3, 40) + dist.get_rank()
+        fn = torch.compile(greedy, backend=commfold.backend(strict=strict))
+        try:
+            got = fn(x)
+        except Exception as e:  # strict mode
+            return {"raised": "injected failure" in str(e)}
+        with record_collectives() as log:
+            fn(x)
+        report = commfold.last_report()
+        return {"raised": False, "same": torch.equal(got, greedy(x)),
+                "errors": [e.error for e in report.errors], "rewrites": len(report.rewrites),
+                "gather_elements": log.elements("all_gather"),
+                "warned": any("injected failure" in r.getMessage() for r in records)}
+    finally:
+        passes.PASSES["local_argmax"] = real
+        logging.getLogger("commfold").removeHandler(handler)
+
+
+def test_failing_pass_leaves_graph_unchanged(ranks2):
+    for res in ranks2.run(failing_pass_program, False):
+        assert res["same"] and res["warned"] and res["rewrites"] == 0
+        assert res["errors"] == ["RuntimeError: injected failure"]
+        assert res["gather_elements"] == 3 * 40  # the original full gather runs
+
+
+def test_strict_raises(ranks2):
+    assert ranks2.run(failing_pass_program, True) == [{"raised": True}] * 2
