@@ -109,7 +109,7 @@ def _lm_head(ctx: PassContext, m: VocabParallelLMHead) -> None:
     cols = m.valid_vocab or g.world_size * vs
     full = cols * _row_bytes(m.shard)
     if full > ctx.config.replicate_max_bytes:
-        ctx.skipped(LM_HEAD, g.collective, f"full weight {full} B > replicate_max_bytes "
+        ctx.skipped(LM_HEAD, m.output, f"full weight {full} B > replicate_max_bytes "
                                            f"{ctx.config.replicate_max_bytes} B")
         return
     pick = match_greedy(g)
