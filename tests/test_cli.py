@@ -7,8 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import commfold
 from commfold import cli
 from commfold.report import _fmt_bytes
