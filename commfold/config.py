@@ -9,7 +9,10 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
-ALL_PASSES = ("fuse_allreduce_rmsnorm", "replicate_vocab_parallel", "local_argmax",)
+# Order matters: replication first (it removes a vocab-parallel embedding's all-reduce
+# outright, better than fusing it into the next norm), then the fusion, then
+# local_argmax on the gathers replication left sharded.
+ALL_PASSES = ("replicate_vocab_parallel", "fuse_allreduce_rmsnorm", "local_argmax")
 
 
 @dataclass(frozen=True)
