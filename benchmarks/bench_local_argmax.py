@@ -1,0 +1,64 @@
+"""Greedy token selection over vocab-sharded logits at TP=2 on this CPU (gloo):
+plain Inductor (all-gather of the logits + argmax) vs commfold (local argmax + a
+gather of one (value, index) pair per row per rank), side by side in one run.
+
+    python benchmarks/bench_local_argmax.py                  # B in {1, 64}, V=151936
+    python benchmarks/bench_local_argmax.py --batch 1 8 64 256 --vocab 32000 151936
+
+Prints rank 0's median time per call and the ratio plain / commfold (>1: faster).
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+import commfold
+from commfold.testing import run_on_ranks
+from commfold.testing.bench import time_side_by_side
+
+
+def greedy(shard, vocab):
+    world, rows = dist.get_world_size(), shard.shape[0]
+    out = torch.empty((world * rows, shard.shape[1]), dtype=shard.dtype)
+    dist.all_gather_into_tensor(out, shard)  # in-place spelling: also valid for 1 row
+    full = out.view(world, rows, -1).permute(1, 0, 2).reshape(rows, -1)
+    return full[:, :vocab].argmax(-1)
+
+
+def bench(batches, vocabs, iters) -> list:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = []
+    for vocab in vocabs:
+        vs = -(-vocab // world)
+        for b in batches:
+            torch._dynamo.reset()
+            shard = torch.randn(b, vs, generator=torch.Generator().manual_seed(rank))
+            fn = lambda s: greedy(s, vocab)  # noqa: E731
+            variants = {"inductor": torch.compile(fn, backend="inductor"),
+                        "commfold": torch.compile(fn, backend="commfold")}
+            same = torch.equal(variants["inductor"](shard), variants["commfold"](shard))
+            t = time_side_by_side(variants, (shard,), iters)
+            rows.append((b, vocab, t["inductor"], t["commfold"], same))
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--vocab", type=int, nargs="+", default=[151936])
+    p.add_argument("--iters", type=int, default=15)
+    p.add_argument("--world-size", type=int, default=2)
+    a = p.parse_args(argv)
+    rows = run_on_ranks(bench, a.world_size, a.batch, a.vocab, a.iters, timeout=3600)[0]
+    print(f"local_argmax, TP={a.world_size}, CPU gloo, median of {a.iters} (rank 0)")
+    print("| B | V | Inductor (ms) | commfold (ms) | speed-up | same tokens |")
+    print("|---|---|---|---|---|---|")
+    for b, v, t0, t1, same in rows:
+        print(f"| {b} | {v} | {t0 * 1e3:.3f} | {t1 * 1e3:.3f} | {t0 / t1:.2f}x | {same} |")
+
+
+if __name__ == "__main__":
+    main()
