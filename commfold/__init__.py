@@ -13,10 +13,11 @@ from .backend import backend
 from .config import ALL_PASSES, Config
 from .manager import CommfoldPass
 from .report import Comm, NearMiss, Report, Rewrite, clear_reports, last_report, reports
+from .vllm_plugin import vllm_pass  # vLLM resolves "commfold.vllm_pass" in this namespace
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ALL_PASSES", "Comm", "CommfoldPass", "Config", "NearMiss", "Report", "Rewrite",
-    "backend", "clear_reports", "last_report", "reports",
+    "backend", "clear_reports", "last_report", "reports", "vllm_pass",
 ]

@@ -1,0 +1,152 @@
+"""commfold's registration with vLLM, without starting an engine: the pass named in
+compilation_config, the general plugin (COMMFOLD_VLLM=1), and cache keys that change
+with commfold's code and config (vLLM's config hash / AOT compile key, Inductor's FX
+graph cache). Each check that depends on import order runs in a fresh interpreter."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from vllm_models import require_vllm
+
+require_vllm()
+
+import commfold  # noqa: E402
+from commfold import Config  # noqa: E402
+from commfold.vllm_plugin import PASS_KEY, VllmCommfoldPass  # noqa: E402
+
+
+def _python(code: str, **env) -> dict:
+    """Run code in a fresh interpreter; it prints one JSON line last."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("COMMFOLD_")}
+    full_env.update(env)
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full_env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_import_commfold_does_not_import_vllm():
+    out = _python("""
+        import json, sys
+        import commfold
+        print(json.dumps({"vllm": sorted(m for m in sys.modules if m.split(".")[0] == "vllm"),
+                          "pass": type(commfold.__dict__["vllm_pass"]).__name__}))
+    """)
+    assert out == {"vllm": [], "pass": "VllmCommfoldPass"}
+
+
+_ROUTES = """
+    import json
+    {first}
+    from vllm.config import CompilationConfig, VllmConfig
+    from vllm.compilation.passes.inductor_pass import CallableInductorPass
+    from vllm.plugins import load_general_plugins
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+    KEY = "post_grad_custom_post_pass"
+    # route 1: the pass named in compilation_config
+    cc = CompilationConfig(inductor_passes={{KEY: "commfold.vllm_pass"}})
+    at_config = type(cc.inductor_compile_config[KEY]).__name__
+    load_general_plugins()  # as EngineArgs does before it builds the VllmConfig
+    p = VllmConfig(compilation_config=cc).compilation_config.inductor_compile_config[KEY]
+    import commfold
+    # route 2: the plugin alone (COMMFOLD_VLLM), with and without a user's own pass
+    plain = VllmConfig().compilation_config.inductor_compile_config.get(KEY)
+    def user_pass(graph):
+        pass
+    cc = CompilationConfig(inductor_compile_config={{KEY: CallableInductorPass(user_pass, "u1")}})
+    u = VllmConfig(compilation_config=cc).compilation_config.inductor_compile_config[KEY]
+    print(json.dumps({{
+        "named": [at_config, type(p).__name__, p.uuid() == commfold.vllm_pass.uuid(),
+                  list(p.config.passes)],
+        "plugin": [type(plain).__name__, type(u).__name__,
+                   getattr(getattr(getattr(u, "then", None), "callable", None), "__name__", None),
+                   list(getattr(getattr(u, "config", None), "passes", []))],
+        "drafter_hook": getattr(SpecDecodeBaseProposer._get_model, "_commfold", False)}}))
+"""
+
+
+def test_named_pass_in_either_import_order_and_plugin_off():
+    """vLLM keeps commfold's pass as its own InductorPass (so its uuid keys the
+    caches) when vLLM imports commfold to resolve the name; without COMMFOLD_VLLM the
+    plugin adds nothing."""
+    out = _python(_ROUTES.format(first=""))
+    assert out == {"named": ["VllmCommfoldPass", "VllmCommfoldPass", True,
+                             list(commfold.ALL_PASSES)],
+                   "plugin": ["NoneType", "CallableInductorPass", None, []],
+                   "drafter_hook": False}
+
+
+def test_commfold_imported_first_and_plugin_on():
+    """commfold imported before vLLM: vLLM wraps the named pass, the plugin unwraps it.
+    COMMFOLD_VLLM=1 adds the pass (options from COMMFOLD_PASSES), after a user's own
+    post-grad pass is kept (runs after commfold's), and hooks draft-model loading."""
+    out = _python(_ROUTES.format(first="import commfold"),
+                  COMMFOLD_VLLM="1", COMMFOLD_PASSES="local_argmax")
+    assert out == {"named": ["CallableInductorPass", "VllmCommfoldPass", True, ["local_argmax"]],
+                   "plugin": ["VllmCommfoldPass", "VllmCommfoldPass", "user_pass",
+                              ["local_argmax"]],
+                   "drafter_hook": True}
+
+
+def _vllm_keys(pass_):
+    """vLLM's compile-cache factors (config hash, AOT key) for a config with pass_."""
+    from vllm.compilation.caching import aot_compile_hash_factors
+    from vllm.config import CompilationConfig, VllmConfig
+
+    passes = {PASS_KEY: pass_} if pass_ is not None else {}
+    vc = VllmConfig(compilation_config=CompilationConfig(inductor_compile_config=passes))
+    return vc.compute_hash(), tuple(aot_compile_hash_factors(vc))
+
+
+def test_vllm_cache_key_follows_commfold_code_and_config(monkeypatch):
+    import commfold.manager as manager
+
+    base = _vllm_keys(VllmCommfoldPass(Config()))
+    assert _vllm_keys(VllmCommfoldPass(Config())) == base  # stable
+    assert _vllm_keys(commfold.vllm_pass) == base  # the named pass, default env
+    other_config = _vllm_keys(VllmCommfoldPass(Config(passes=("local_argmax",))))
+    other_threshold = _vllm_keys(VllmCommfoldPass(Config(replicate_max_bytes=1)))
+    without = _vllm_keys(None)
+    monkeypatch.setattr(manager, "code_hash", lambda: "another commfold version")
+    other_code = _vllm_keys(VllmCommfoldPass(Config()))
+    keys = [base, other_config, other_threshold, without, other_code]
+    for i in range(len(keys)):  # config hash and AOT key both differ pairwise
+        for j in range(i):
+            assert keys[i][0] != keys[j][0] and keys[i][1] != keys[j][1], (i, j)
+
+
+def _add_one(x):
+    return torch.nn.functional.relu(x) + 1
+
+
+def test_inductor_fx_cache_follows_commfold_config(tmp_path, monkeypatch):
+    """A graph compiled under one commfold config is not served under another; the
+    same config is served from the cache (the key is stable)."""
+    from torch._dynamo.utils import counters
+    from torch._inductor import config as inductor_config
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    x = torch.randn(8)
+
+    def compile_with(pass_):
+        torch._dynamo.reset()
+        counters.clear()
+        with inductor_config.patch(post_grad_custom_post_pass=pass_, fx_graph_cache=True,
+                                   fx_graph_remote_cache=False):
+            out = torch.compile(_add_one, backend="inductor")(x)
+        assert torch.equal(out, _add_one(x))
+        return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+
+    a = VllmCommfoldPass(Config())
+    assert compile_with(a) == (0, 1)
+    assert compile_with(VllmCommfoldPass(Config())) == (1, 0)
+    assert compile_with(VllmCommfoldPass(Config(passes=("local_argmax",)))) == (0, 1)
+    monkeypatch.setattr("commfold.manager.code_hash", lambda: "another commfold version")
+    assert compile_with(VllmCommfoldPass(Config())) == (0, 1)
