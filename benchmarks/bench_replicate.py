@@ -10,6 +10,7 @@ Rows (rank 0's median per step over interleaved iterations; ratio = sharded / ot
 - head+argmax:  matmul + all-gather + argmax  vs  local_argmax (shard argmax + pair
                 gather)  vs  replicated matmul + argmax: the measurement behind
                 ARGMAX_REPLICATE_MAX_BYTES in passes/replicate_vocab_parallel.py.
+build ms: the one-time (and after-reload) cost of assembling the full weight.
 Every variant is the same program compiled with a different commfold config.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 import commfold
+from commfold.ops import replicate
 from commfold.testing import run_on_ranks
 
 BIG = 1 << 40  # replicate_max_bytes for the benchmark: replicate whatever is measured
@@ -63,7 +65,16 @@ def _time(variants: dict, args, iters: int) -> dict:
             t0 = time.perf_counter()
             f(*args)
             times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
+    out = {k: statistics.median(v) for k, v in times.items()}
+    rebuilds = []
+    for _ in range(3):  # the one-time cost: assemble the full weight (collective)
+        replicate.invalidate_replicas()
+        dist.barrier()
+        t0 = time.perf_counter()
+        variants["replicated"](*args)
+        rebuilds.append(time.perf_counter() - t0 - out["replicated"])
+    out["build"] = statistics.median(rebuilds)
+    return out
 
 
 def bench(vocab: int, ranks: tuple, batch: int, iters: int, layers=("embedding", "head", "head+argmax")) -> list:
@@ -108,11 +119,12 @@ def main():
                         timeout=1800)[0]
     print(f"TP=2, gloo, CPU, batch {a.batch}, f32, median of {a.iters} interleaved steps (rank 0)")
     print(f"{'layer':28} {'full MiB':>8} {'sharded ms':>11} {'local_argmax ms':>16} "
-          f"{'replicated ms':>14} {'sharded/replicated':>19}")
+          f"{'replicated ms':>14} {'sharded/replicated':>19} {'build ms':>9}")
     for name, mib, t in rows:
         la = f"{t['local_argmax'] * 1e3:16.3f}" if "local_argmax" in t else " " * 16
         print(f"{name:28} {mib:8.1f} {t['sharded'] * 1e3:11.3f} {la} "
-              f"{t['replicated'] * 1e3:14.3f} {t['sharded'] / t['replicated']:18.2f}x")
+              f"{t['replicated'] * 1e3:14.3f} {t['sharded'] / t['replicated']:18.2f}x "
+              f"{t['build'] * 1e3:9.1f}")
 
 
 if __name__ == "__main__":

@@ -5,9 +5,6 @@ out-of-range ids, -0.0/inf/NaN rows); LM-head logits within f32 matmul rounding;
 steady-state steps run no collective; a changed shard is picked up on the next call."""
 from __future__ import annotations
 
-import math
-
-import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol

@@ -51,6 +51,9 @@ class _Entry:
     full: torch.Tensor
 
 
+# The cache check is Python that must run on every call: a CUDA graph replay would skip
+# it (and a rebuild's collective), so these ops are never captured.
+_TAGS = (torch.Tag.cudagraph_unsafe,)
 _cache: dict[tuple, _Entry] = {}
 _lock = threading.Lock()
 _builds = 0  # number of builds in this process (tests and the example read it)
@@ -112,6 +115,8 @@ def _build_embedding(segments: tuple, world: int):
         if c.world_size() != world:
             raise RuntimeError(f"commfold: replicated embedding compiled for {world} ranks "
                                f"runs on {c.world_size()}")
+        if len(segments) > 3 * MAX_SEGMENTS:
+            raise ValueError(f"commfold: at most {MAX_SEGMENTS} id ranges per rank")
         header = torch.zeros(_HEADER, dtype=torch.int64)
         header[0], header[1] = shard.shape[0], len(segments) // 3
         header[2: 2 + len(segments)] = torch.tensor(segments, dtype=torch.int64)
@@ -133,7 +138,7 @@ def _build_embedding(segments: tuple, world: int):
     return build
 
 
-@torch.library.custom_op("commfold::replicated_embedding", mutates_args=())
+@torch.library.custom_op("commfold::replicated_embedding", mutates_args=(), tags=_TAGS)
 def replicated_embedding(ids: torch.Tensor, shard: torch.Tensor, segments: list[int],
                          world_size: int, comm: str) -> torch.Tensor:
     """The sum all-reduce of the vocab-parallel lookup ``ids -> shard`` over all ranks,
@@ -166,7 +171,7 @@ def _build_lm_head(valid_vocab: int, world: int):
     return build
 
 
-@torch.library.custom_op("commfold::replicated_lm_head", mutates_args=())
+@torch.library.custom_op("commfold::replicated_lm_head", mutates_args=(), tags=_TAGS)
 def replicated_lm_head(hidden: torch.Tensor, shard: torch.Tensor, valid_vocab: int,
                        world_size: int, comm: str) -> torch.Tensor:
     """``hidden [N, H] @ full.T`` where full is every rank's ``shard [Vs, H]`` stacked in
