@@ -25,10 +25,8 @@ def numel(t: torch.Tensor) -> int | str:
     n = 1
     for s in t.shape:
         n = n * s
-    try:
-        return int(n)
-    except Exception:  # symbolic size
-        return str(n)
+    static = static_int(n)  # never int() a SymInt: that guards, specializing a dynamic size
+    return static if static is not None else str(n)
 
 
 def nbytes(t: torch.Tensor) -> int | str:
