@@ -151,13 +151,22 @@ def values_and_indices() -> dict:
     commfold.clear_reports()
     v, i = torch.compile(lambda s: funcol_max_values(s, vocab, 1.0), backend="commfold")(shard)
     ev, ei = logits[:, :vocab].max(dim=-1, keepdim=True)
+    report = commfold.last_report()
     return {"values": torch.equal(v, ev) or bool(((v == ev) | (v.isnan() & ev.isnan())).all()),
-            "indices": torch.equal(i, ei), "rewrites": commfold.last_report().count("local_argmax")}
+            "indices": torch.equal(i, ei), "rewrites": report.count("local_argmax"),
+            "where": [r.location for r in report.rewrites if r.pass_name == "local_argmax"]}
 
 
 def test_max_values_and_indices(ranks2):
+    import inspect
+
+    import argmax_programs
+    line = inspect.getsource(argmax_programs).splitlines().index(
+        "    v, i = full[:, :vocab].max(dim=-1, keepdim=True)") + 1
     for res in ranks2.run(values_and_indices):
-        assert res == {"values": True, "indices": True, "rewrites": 1}
+        # the report names the user's line that made the pick
+        assert res == {"values": True, "indices": True, "rewrites": 1,
+                       "where": [f"tests/argmax_programs.py:{line} (funcol_max_values)"]}
 
 
 def index_above_2_24() -> int:
