@@ -141,6 +141,7 @@ def rank_main(rs, steps, batch, max_bytes, passes, iters):
             r=r, identical=torch.equal(want, got), tokens=got[0].tolist(),
             summary=report.summary(), fingerprint=report.fingerprint(),
             extra_reported=sum(x.extra_memory_bytes for x in report.rewrites),
+            pass_ms={k: round(v * 1e3, 1) for k, v in report.pass_seconds.items()},
             extra_held=replicate.cached_bytes(),
             calls={k: [f"{e.name}{list(e.shapes)}" for e in v.events] for k, v in logs.items()},
             ms={k: v * 1e3 for k, v in t.items()}))
@@ -171,6 +172,7 @@ def main():
               f"(first prompt drafted {res['tokens']}); same decisions on both ranks: {same_fp}")
         print(f"extra memory per rank: {res['extra_reported'] / 2**20:.1f} MiB reported, "
               f"{res['extra_held'] / 2**20:.1f} MiB held by replicas")
+        print(f"compile-time pass cost (ms): {res['pass_ms']}")
         for name, calls in res["calls"].items():
             print(f"collectives in one steady-state step, {name:8}: {len(calls)} {calls}")
         ms = res["ms"]

@@ -24,7 +24,7 @@ import torch.fx as fx
 from .common import Miss, aten, c10d, is_call, norm_dim, only_user, prims, waits_of
 from .gather import VocabGather
 
-MAX_WINDOW = 1 << 23  # ids analysed densely (per side); vocabularies are far smaller
+MAX_WINDOW = 1 << 23  # ids analysed densely per side (evaluated in 1M-id chunks)
 MAX_SEGMENTS = 8
 
 
@@ -234,31 +234,34 @@ def _served_ranges(leaf, idx, mask, keep_when: bool, shard_rows: int):
     info = torch.iinfo(dtype)
     far = [info.min // 4, -(1 << 30), -4 * span, 4 * span, 1 << 30, info.max // 4]
     x = torch.cat([torch.arange(-span, span + 1, dtype=dtype), torch.tensor(far, dtype=dtype)])
-    try:
-        row = _evaluate(idx, leaf, x, {}).to(torch.int64)
-        cond = _evaluate(mask, leaf, x, {}).to(torch.bool)
-    except Exception as e:  # an op we cannot replay on concrete ids
-        return f"id arithmetic could not be evaluated ({type(e).__name__})"
-    if row.shape != x.shape or cond.shape != x.shape:
-        return "id arithmetic is not elementwise"
+    rows_, conds = [], []
+    for chunk in x.split(1 << 20):  # bounded memory: every intermediate is chunk-sized
+        try:
+            rows_.append(_evaluate(idx, leaf, chunk, {}).to(torch.int64))
+            conds.append(_evaluate(mask, leaf, chunk, {}).to(torch.bool))
+        except Exception as e:  # an op we cannot replay on concrete ids
+            return f"id arithmetic could not be evaluated ({type(e).__name__})"
+        if rows_[-1].shape != chunk.shape or conds[-1].shape != chunk.shape:
+            return "id arithmetic is not elementwise"
+    row, cond = torch.cat(rows_), torch.cat(conds)
+    if (row < 0).any() or (row >= shard_rows).any():  # the original raises for such ids
+        return "some ids index rows outside the shard"
     served = cond if keep_when else ~cond  # keep_when: where(cond, row, 0)
     n = 2 * span + 1
     if served[n:].any() or served[0] or served[n - 1]:
         return "ids far outside the vocabulary are looked up (no range mask)"
-    ids, rows = x[:n][served[:n]].tolist(), row[:n][served[:n]].tolist()
-    if any(r < 0 or r >= shard_rows for r in rows):
-        return "served ids index rows outside the shard"
-    ranges: list[IdRange] = []
-    for i, r in zip(ids, rows):
-        last = ranges[-1] if ranges else None
-        if last and i == last.hi and r == last.row_start + (i - last.lo):
-            ranges[-1] = IdRange(last.lo, i + 1, last.row_start)
-        else:
-            ranges.append(IdRange(i, i + 1, r))
+    ids, rows = x[:n][served[:n]].to(torch.int64), row[:n][served[:n]]
+    # maximal runs of consecutive ids read at a constant offset: the served ranges
+    breaks = ((ids[1:] - ids[:-1] != 1) | ((rows - ids)[1:] != (rows - ids)[:-1])).nonzero()
+    starts = [0] + (breaks.flatten() + 1).tolist()
+    ends = starts[1:] + [ids.numel()]
+    if ids.numel() == 0:  # a shard of padding only (tiny vocab, many ranks): serves none
+        return ()
+    if len(starts) > MAX_SEGMENTS:
+        return "served ids form too many ranges"
+    ranges = [IdRange(int(ids[a]), int(ids[b - 1]) + 1, int(rows[a])) for a, b in zip(starts, ends)]
     if any(rg.lo < 0 for rg in ranges):
         return "negative ids are served"
-    if len(ranges) > MAX_SEGMENTS:
-        return "served ids form too many ranges"
     return tuple(ranges)
 
 
