@@ -359,3 +359,40 @@ def test_argmax_rule(ranks2):
         assert any("left to local_argmax" in why for why in r["reasons"]), r
     for r in ranks2.run(run_argmax, (PASS,), big_vocab, 64):  # no local_argmax: replicate
         assert r["rewrites"] == {PASS: 1} and r["equal"] and r["calls"] == 0, r
+
+
+def run_not_rewritten():
+    """Programs the pass must leave alone, each with the reason it records (or none)."""
+    rank, world = _rank()
+    start, end = funcol_bounds(V, world, rank)
+    shard, table = full_weight(V)[start:end].clone(), full_weight(V, seed=9)
+    emb = make_funcol_embedding(start, end)
+
+    def others(ids, w, t):
+        mask = (ids < start) | (ids >= end)
+        e = F.embedding((ids - start).masked_fill(mask, 0), w).masked_fill(mask.unsqueeze(-1), 0.0)
+        return F.embedding(ids.clamp(0, V - 1), t), funcol.all_reduce(e, "avg", dist.group.WORLD)
+
+    ids = torch.arange(-2, V + 2)
+    out = {}
+    for name, fn, args, dynamic in [("dynamic ints", emb, (ids, shard), True),
+                                    ("plain and avg", others, (ids, shard, table), None)]:
+        commfold.clear_reports()
+        compiled = torch.compile(fn, backend=commfold.backend(config=STRICT), dynamic=dynamic)
+        got, ref = compiled(*args), fn(*args)
+        report = commfold.last_report()
+        same = all(torch.equal(bits(a), bits(b)) for a, b in zip(
+            got if isinstance(got, tuple) else (got,), ref if isinstance(ref, tuple) else (ref,)))
+        out[name] = dict(rewrites=report.count(PASS), equal=same,
+                         reasons=sorted(m.reason for m in report.near_misses))
+    return out
+
+
+def test_leaves_other_programs_alone(ranks2):
+    for r in ranks2.run(run_not_rewritten):
+        assert r["dynamic ints"]["rewrites"] == 0 and r["dynamic ints"]["equal"], r
+        assert r["dynamic ints"]["reasons"] == [
+            "shard bounds are run-time symbols (ints made dynamic), not constants"], r
+        # a plain embedding is no near-miss at all; an avg all-reduce is one
+        assert r["plain and avg"]["rewrites"] == 0 and r["plain and avg"]["equal"], r
+        assert r["plain and avg"]["reasons"] == ["all-reduce with op 'avg', not a sum"], r
