@@ -1,7 +1,8 @@
 """Vocab-parallel layers: the embedding (range mask on ids, offset, lookup in the local
-shard, zeroing of out-of-shard rows, sum all-reduce) and the LM head (matmul with a
-vocab shard of the weight, all-gather on the last dim, optional slice to the valid
-vocab).
+shard, zeroing of out-of-shard rows, a sum all-reduce in any spelling patterns.allreduce
+knows: c10d functional, vllm.all_reduce, vLLM CPU's shm) and the LM head (matmul with
+a vocab shard of the weight, an all-gather on the last dim in any spelling
+patterns.gather knows, optional slice to the valid vocab).
 
 The embedding's id arithmetic is spelled differently per source and even per rank
 (funcol: ``lt/ge -> bitwise_or -> sub -> where``; vLLM: two ``ge/lt`` ranges for the
@@ -21,7 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from .common import Miss, aten, c10d, is_call, norm_dim, only_user, prims, waits_of
+from .allreduce import allreduce_candidates, match_allreduce
+from .common import Miss, aten, is_call, norm_dim, only_user, prims
 from .gather import VocabGather
 
 MAX_WINDOW = 1 << 23  # ids analysed densely per side (evaluated in 1M-id chunks)
@@ -64,29 +66,6 @@ def embedding_candidates(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.nodes if is_call(n, aten.embedding.default)]
 
 
-def _vllm_all_reduce():
-    try:
-        return torch.ops.vllm.all_reduce.default
-    except (AttributeError, RuntimeError):
-        return None
-
-
-def _sum_all_reduce(node: fx.Node):
-    """(output node, comm spec, comm nodes) if node is a sum all-reduce, else a reason."""
-    if is_call(node, c10d.all_reduce.default):
-        op, group = node.args[1], node.args[2]
-        if op != "sum":
-            return f"all-reduce with op {op!r}, not a sum"
-        waits = waits_of(node)
-        if not waits:
-            return "all-reduce without a wait_tensor"
-        return waits[-1], f"c10d:{group}", (node, *waits)
-    vllm_ar = _vllm_all_reduce()
-    if vllm_ar is not None and is_call(node, vllm_ar):
-        return node, f"vllm:{node.args[1]}", (node,)
-    return None
-
-
 def match_embedding(lookup: fx.Node) -> VocabParallelEmbedding | Miss | None:
     """The vocab-parallel embedding around `lookup` (an aten.embedding), a Miss, or None
     when the lookup is not followed by a zeroing and an all-reduce (a plain embedding)."""
@@ -102,12 +81,14 @@ def match_embedding(lookup: fx.Node) -> VocabParallelEmbedding | Miss | None:
     else:
         return None
     reduce = only_user(zero)
-    found = _sum_all_reduce(reduce) if reduce is not None else None
-    if found is None:
+    if reduce is None or reduce not in allreduce_candidates(reduce.graph):
         return None
-    if isinstance(found, str):
-        return Miss(found, reduce)
-    output, comm, comm_nodes = found
+    ar = match_allreduce(reduce)
+    if not ar:
+        return ar
+    if ar.reduce_op != "sum":
+        return Miss(f"all-reduce with op {ar.reduce_op!r}, not a sum", reduce)
+    output, comm, comm_nodes = ar.reduced, ar.comm, ar.comm_nodes
     if not isinstance(shard, fx.Node) or _ndim(shard) != 2:
         return Miss("embedding weight is not a 2-D tensor", lookup)
     mask = cond.args[0] if is_call(cond, aten.unsqueeze.default) and cond.args[1] in (-1, _ndim(cond) - 1) \
