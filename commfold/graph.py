@@ -68,10 +68,21 @@ def source_location(node: fx.Node) -> str:
 
 
 def fake_mode_of(graph: fx.Graph):
+    """The FakeTensorMode of graph's values (looked up once per graph: insert_call
+    runs once per new node)."""
     from torch._guards import detect_fake_mode
 
-    vals = [n.meta.get("val") for n in graph.nodes if n.op == "placeholder"]
-    return detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    cached = getattr(graph, "_commfold_fake_mode", None)
+    if cached is not None:
+        return cached
+    for n in graph.nodes:
+        v = n.meta.get("val")
+        if n.op == "placeholder" and isinstance(v, torch.Tensor):
+            mode = detect_fake_mode([v])
+            if mode is not None:
+                graph._commfold_fake_mode = mode
+                return mode
+    return detect_fake_mode()
 
 
 def insert_call(graph: fx.Graph, target, args=(), kwargs=None, like: fx.Node | None = None):

@@ -90,31 +90,41 @@ class CommfoldPass(CustomGraphPass):
             self.then(graph)
 
     def _run(self, graph: fx.Graph, report: Report, config: Config) -> None:
+        """Run the passes; if one raises, put the graph back as it came (one snapshot,
+        taken up front) and run the others again without it. Passes are deterministic,
+        so the rerun gives the same rewrites; failures are rare, snapshots are not free."""
         registry = _registry()
-        observer = _observer
         saved = None if config.strict else snapshot(graph)
-        for name in config.passes:
-            before = snapshot(graph) if observer is not None else None
-            ctx = PassContext(graph, config, report, name)
-            n_rewrites, n_misses = len(report.rewrites), len(report.near_misses)
-            t0 = time.perf_counter()
+        failed: dict[str, str] = {}
+        while True:
+            report.rewrites.clear()
+            report.near_misses.clear()
+            observed = []  # observer calls of this attempt, delivered once it succeeds
+            current = None
             try:
-                registry[name](ctx)
-                graph.lint()
+                for name in config.passes:
+                    if name in failed:
+                        continue
+                    current = name
+                    before = snapshot(graph) if _observer is not None else None
+                    n_rewrites = len(report.rewrites)
+                    t0 = time.perf_counter()
+                    registry[name](PassContext(graph, config, report, name))
+                    if len(report.rewrites) > n_rewrites:
+                        graph.lint()  # a malformed rewrite fails here, not in Inductor
+                    report.pass_seconds[name] = time.perf_counter() - t0
+                    if _observer is not None:
+                        observed.append((name, before, snapshot(graph)))
+                break
             except Exception as e:  # never break a user's compile
                 if config.strict:
                     raise
-                # Undo this pass: restore the graph as it was before it ran.
                 restore(graph, saved)
-                del report.rewrites[n_rewrites:], report.near_misses[n_misses:]
-                report.errors.append(PassError(name, f"{type(e).__name__}: {e}"))
-                log.debug("commfold pass %s failed:\n%s", name, traceback.format_exc())
-            else:
-                if saved is not None and len(report.rewrites) > n_rewrites:
-                    saved = snapshot(graph)
-            report.pass_seconds[name] = time.perf_counter() - t0
-            if observer is not None:
-                observer(name, before, snapshot(graph), report)
+                failed[current] = f"{type(e).__name__}: {e}"
+                log.debug("commfold pass %s failed:\n%s", current, traceback.format_exc())
+        report.errors.extend(PassError(name, err) for name, err in failed.items())
+        for name, before, after in observed:
+            _observer(name, before, after, report)
 
     def uuid(self):
         if _observer is not None:
