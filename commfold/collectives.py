@@ -83,6 +83,7 @@ class Communicator:
         raise ValueError(f"commfold: no reduce_scatter for communicator {self.spec!r}")
 
 
+@lru_cache(maxsize=None)
 def communicator(spec: str) -> Communicator:
     return Communicator(spec)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 import commfold
 from commfold.ops import add_rmsnorm_cpu
@@ -76,7 +76,7 @@ def numerics_on_rank(cases, two_shot=None):
                 calls={k: log.calls(k) for k in ("all_reduce", "reduce_scatter", "all_gather")},
                 out_hash=hash(f_out.double().sum().item()),
             ))
-        out[-1]["rewrites"] = sum(rep.count("fuse_allreduce_rmsnorm") for rep in commfold.reports())
+        out[-1]["rewrites"] = [rep.count("fuse_allreduce_rmsnorm") for rep in commfold.reports()]
     return out
 
 
@@ -121,7 +121,7 @@ def _check(results, exact_residual=True):
             assert r["mean_err_fused"] <= r["mean_err_unfused"] * 1.02 + 1e-12, msg
 
 
-@settings(max_examples=3, deadline=None, derandomize=True,
+@settings(max_examples=3, deadline=None, derandomize=True, phases=[Phase.generate],
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(cases=st.lists(case_st, min_size=2, max_size=2))
 def test_matches_unfused_program(ranks, cases):
@@ -131,7 +131,8 @@ def test_matches_unfused_program(ranks, cases):
         for r in results:
             # the graph's own collective, once, nothing else
             assert r["calls"] == {"all_reduce": 1, "reduce_scatter": 0, "all_gather": 0}, r
-        assert [r["rewrites"] for r in results if "rewrites" in r] == [1] * len(cases)
+        per_graph = [r["rewrites"] for r in results if "rewrites" in r]  # T=1 recompiles
+        assert len(per_graph) == len(cases) and all(c and set(c) == {1} for c in per_graph), per_graph
     # every rank computed the same normed output
     assert len({tuple(r["out_hash"] for r in res) for res in per_rank}) == 1
 

@@ -9,8 +9,9 @@ Rounding follows the graph it replaces: R is the dtype the normalized value is c
 to before the weight multiply (f32 when the graph multiplies in f32), O the output
 dtype. Rows run in parallel with at::parallel_for.
 
-``add_rmsnorm(...)`` returns False when no C++ toolchain is available; the caller
-then uses the composite (eager) path.
+Loading the module also registers commfold::allreduce_rmsnorm's CPU kernel in C++
+(c10d groups, one-shot); ``add_rmsnorm(...)`` returns False when no C++ toolchain is
+available and the caller uses the composite (eager) path.
 """
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ _SOURCE = r"""
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <cmath>
+#include <torch/library.h>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 template <typename T> static inline float f32(T v) { return static_cast<float>(v); }
 
@@ -134,12 +138,58 @@ void add_rmsnorm(at::Tensor x, c10::optional<at::Tensor> res, at::Tensor h, at::
     default: TORCH_CHECK(false, "add_rmsnorm: unsupported dtype ", x.scalar_type());
   }
 }
+
+// commfold::allreduce_rmsnorm on CPU for c10d groups, one-shot: the whole op in C++
+// (ProcessGroup all_reduce on a private copy, then the kernel above), so a call costs
+// no more Python than the unfused program's. Anything else (vLLM communicators, the
+// two-shot variant) goes to the Python implementation, allreduce_rmsnorm_eager.
+using ArgsT = std::tuple<at::Tensor, at::Tensor>(
+    const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+    double, double, bool, bool, bool, at::ScalarType, c10::string_view, int64_t);
+
+static std::tuple<at::Tensor, at::Tensor> allreduce_rmsnorm_cpu(
+    const at::Tensor& x, const std::optional<at::Tensor>& residual,
+    const std::optional<at::Tensor>& weight, double eps, double offset, bool off_in_w,
+    bool round_before_weight, bool round_sum, at::ScalarType out_dtype,
+    c10::string_view comm, int64_t two_shot_min_bytes) {
+  const bool fast = comm.substr(0, 5) == "c10d:" && two_shot_min_bytes < 0 && x.numel() > 0 &&
+      (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
+       x.scalar_type() == at::kHalf);
+  if (!fast) {
+    static auto eager = c10::Dispatcher::singleton()
+        .findSchemaOrThrow("commfold::allreduce_rmsnorm_eager", "").typed<ArgsT>();
+    return eager.call(x, residual, weight, eps, offset, off_in_w, round_before_weight,
+                      round_sum, out_dtype, comm, two_shot_min_bytes);
+  }
+  const int64_t H = x.size(-1);
+  at::Tensor h = x.reshape({-1, H}).clone(at::MemoryFormat::Contiguous);
+  std::vector<at::Tensor> bufs{h};
+  c10d::resolve_process_group(std::string(comm.substr(5)))->allreduce(bufs)->wait();
+  std::optional<at::Tensor> res;
+  if (residual) {
+    at::Tensor r = residual->reshape({-1, H});
+    res = r.stride(1) == 1 ? r : r.contiguous();
+  }
+  std::optional<at::Tensor> wf;
+  if (weight) {
+    at::Tensor w = *weight;
+    if (offset != 0.0) w = off_in_w ? (w + offset) : (w.to(at::kFloat) + offset);
+    wf = w.to(at::kFloat).reshape({-1}).contiguous();
+  }
+  at::Tensor out = at::empty(h.sizes(), h.options().dtype(out_dtype));
+  add_rmsnorm(h, res, h, out, wf, eps, round_before_weight, round_sum);
+  return {out.view(x.sizes()), h.view(x.sizes())};
+}
+
+TORCH_LIBRARY_IMPL(commfold, CPU, m) {
+  m.impl("allreduce_rmsnorm", &allreduce_rmsnorm_cpu);
+}
 """
 
 _lock = threading.Lock()
 _module = None
 _failed = False
-NAME = "commfold_add_rmsnorm_v2"
+NAME = "commfold_add_rmsnorm_v3"
 
 
 def module():
