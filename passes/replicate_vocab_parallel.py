@@ -69,6 +69,8 @@ def run(ctx: PassContext) -> None:
         if not gather:
             continue
         m = match_lm_head(gather)
+        if m is None:
+            continue
         if not m:
             ctx.skipped(LM_HEAD, m.node or coll, m.reason)
             continue

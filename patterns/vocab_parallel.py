@@ -248,15 +248,16 @@ def _served_ranges(leaf, idx, mask, keep_when: bool, shard_rows: int):
 
 # ------------------------------------------------------------------ LM head
 
-def match_lm_head(g: VocabGather) -> VocabParallelLMHead | Miss:
-    """The matmul whose vocab-sharded logits g gathers, and the slice after it."""
+def match_lm_head(g: VocabGather) -> VocabParallelLMHead | Miss | None:
+    """The matmul whose vocab-sharded logits g gathers and the slice after it; a Miss
+    for an LM head this pass cannot take; None when no matmul made the logits."""
     logits, reshape = g.shard, None
     if is_call(logits, aten.reshape.default, aten.view.default, aten._unsafe_view.default):
         reshape, logits = logits, logits.args[0]
     if is_call(logits, aten.addmm.default):
         return Miss("vocab-parallel LM head with a bias", logits)
     if not is_call(logits, aten.mm.default):
-        return Miss("gathered logits do not come from a matmul with a weight shard", g.collective)
+        return None  # logits made some other way: not an LM head, nothing to note
     hidden, wt = logits.args
     if not (is_call(wt, aten.permute.default) and list(wt.args[1]) == [1, 0]) \
             and not is_call(wt, aten.t.default):
