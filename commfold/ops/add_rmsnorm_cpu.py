@@ -29,6 +29,7 @@ _SOURCE = r"""
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <cmath>
+#include <type_traits>
 #include <torch/library.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -40,9 +41,10 @@ static void add_rmsnorm_impl(const T* x, int64_t sx, const T* res, int64_t sr, T
                              int64_t sh, O* out, int64_t so, const float* w,
                              int64_t N, int64_t H, float eps, bool round_h) {
   constexpr int L = 16;
+  constexpr bool kF32 = std::is_same<T, float>::value;  // h is the f32 sum itself
   const float inv_h = 1.0f / static_cast<float>(H);
   at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(res ? H : 0);  // the unrounded f32 sum of this row
+    std::vector<float> scratch(res && !kF32 ? H : 0);  // the unrounded f32 sum of a row
     float* s32 = scratch.data();
     for (int64_t i = begin; i < end; ++i) {
       const T* xr = x + i * sx;
@@ -58,8 +60,10 @@ static void add_rmsnorm_impl(const T* x, int64_t sx, const T* res, int64_t sr, T
             float v = f32(xr[j + l]) + f32(rr[j + l]);
             T hv = static_cast<T>(v);
             hr[j + l] = hv;
-            v = round_h ? f32(hv) : v;
-            s32[j + l] = v;
+            if constexpr (!kF32) {
+              v = round_h ? f32(hv) : v;
+              s32[j + l] = v;
+            }
             acc[l] += v * v;
           }
         }
@@ -67,8 +71,10 @@ static void add_rmsnorm_impl(const T* x, int64_t sx, const T* res, int64_t sr, T
           float v = f32(xr[j]) + f32(rr[j]);
           T hv = static_cast<T>(v);
           hr[j] = hv;
-          v = round_h ? f32(hv) : v;
-          s32[j] = v;
+          if constexpr (!kF32) {
+            v = round_h ? f32(hv) : v;
+            s32[j] = v;
+          }
           acc[l] += v * v;
         }
       } else {
@@ -79,7 +85,7 @@ static void add_rmsnorm_impl(const T* x, int64_t sx, const T* res, int64_t sr, T
       float s = 0.f;
       for (int l = 0; l < L; ++l) s += acc[l];
       const float r = 1.0f / std::sqrt(s * inv_h + eps);
-      if (rr) {
+      if (rr && !kF32) {
         if (w) {
           for (int64_t k = 0; k < H; ++k)
             orow[k] = static_cast<O>(f32(static_cast<R>(s32[k] * r)) * w[k]);
@@ -87,11 +93,12 @@ static void add_rmsnorm_impl(const T* x, int64_t sx, const T* res, int64_t sr, T
           for (int64_t k = 0; k < H; ++k) orow[k] = static_cast<O>(s32[k] * r);
         }
       } else {
+        const T* src = rr ? hr : xr;  // f32: h holds the exact sum
         if (w) {
           for (int64_t k = 0; k < H; ++k)
-            orow[k] = static_cast<O>(f32(static_cast<R>(f32(xr[k]) * r)) * w[k]);
+            orow[k] = static_cast<O>(f32(static_cast<R>(f32(src[k]) * r)) * w[k]);
         } else {
-          for (int64_t k = 0; k < H; ++k) orow[k] = static_cast<O>(f32(xr[k]) * r);
+          for (int64_t k = 0; k < H; ++k) orow[k] = static_cast<O>(f32(src[k]) * r);
         }
       }
     }
@@ -189,7 +196,7 @@ TORCH_LIBRARY_IMPL(commfold, CPU, m) {
 _lock = threading.Lock()
 _module = None
 _failed = False
-NAME = "commfold_add_rmsnorm_v3"
+NAME = "commfold_add_rmsnorm_v4"
 
 
 def module():
