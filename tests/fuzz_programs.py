@@ -368,7 +368,8 @@ def run_program(blocks, backend=None, before_compile=None) -> dict:
             near[m.pass_name] = near.get(m.pass_name, 0) + 1
     return {"mismatches": compare(blocks, got, want), "counts": counts, "near": near,
             "errors": [f"{e.pass_name}: {e.error}" for r in reps for e in r.errors],
-            "fingerprints": [r.fingerprint() for r in reps], "graphs": len(reps)}
+            "fingerprints": [r.fingerprint() for r in reps], "graphs": len(reps),
+            "from_cache": any(r.from_cache for r in reps)}
 
 
 def run_programs(programs, **kw) -> list[dict]:

@@ -1,0 +1,104 @@
+"""Rank consistency: every rank makes the same rewrite decisions (Report.fingerprint()),
+also when the ranks differ in timing (one sleeps before compiling) and in free memory
+(one holds a large allocation while compiling). One rank rewriting a collective away
+and another not would be a collective mismatch: a hang or wrong results.
+
+Each compile uses a config no cached graph has (a nonce): a cache hit would replay a
+saved report instead of running the passes under the perturbation."""
+from __future__ import annotations
+
+import time
+import uuid
+
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, Phase, given, settings, strategies as st
+
+import commfold
+from commfold.models import DecoderConfig, TPDecoder, sample_ids
+
+import fuzz_programs as fp
+
+SCENARIOS = ("plain", "perturbed")  # perturbed: rank 1 sleeps, rank 0 holds memory
+HELD_BYTES = 512 << 20
+
+
+def _perturb(scenario: str):
+    """Apply this rank's perturbation; returns what must stay alive while compiling."""
+    rank = dist.get_rank()
+    if scenario == "perturbed" and rank == 1:
+        time.sleep(2.0)
+    if scenario == "perturbed" and rank == 0:
+        return torch.ones(HELD_BYTES // 4)  # touched: really resident
+    return None
+
+
+def _fresh_backend(nonce: str):
+    """commfold with a config no cached graph was compiled with (an unused `extra`
+    entry enters the cache key), so the passes really run under the perturbation.
+    Per rank too: ranks share the on-disk cache, and a graph without rank-local
+    constants compiled by one rank is a cache hit for a later one.
+    (TORCHINDUCTOR_FX_GRAPH_CACHE=1 in the environment overrides a config patch.)"""
+    return commfold.backend(extra=(("test_nonce", nonce),))
+
+
+def _gathered(value) -> list:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def decoder_fingerprints(nonce: str) -> dict:
+    """Per scenario: every rank's fingerprints of compiling TPDecoder (gathered here
+    with all_gather_object, so each rank sees all), and the tokens."""
+    cfg = DecoderConfig(vocab=300, hidden=32, layers=1, heads=2, ffn=64)
+    model = TPDecoder(cfg)
+    ids = sample_ids(cfg, batch=2, seq=4)
+    out = {}
+    for scenario in SCENARIOS:
+        torch._dynamo.reset()
+        seen = len(commfold.reports())
+        held = _perturb(scenario)
+        tokens = torch.compile(model, backend=_fresh_backend(f"{nonce}-{dist.get_rank()}-{scenario}"))(ids)
+        del held
+        reps = commfold.reports()[seen:]
+        mine = {"fingerprints": [r.fingerprint() for r in reps],
+                "rewrites": sum(len(r.rewrites) for r in reps),
+                "from_cache": any(r.from_cache for r in reps), "tokens": tokens.tolist()}
+        out[scenario] = _gathered(mine)
+    return out
+
+
+def test_decoder_decisions_equal_across_ranks(ranks2):
+    per_rank = ranks2.run(decoder_fingerprints, uuid.uuid4().hex)
+    plain = per_rank[0]["plain"][0]
+    assert plain["rewrites"] >= 4 and not plain["from_cache"], plain  # passes really ran
+    for rank, res in enumerate(per_rank):
+        for scenario in SCENARIOS:
+            seen = res[scenario]  # what every rank reported, as this rank gathered it
+            assert all(s["fingerprints"] == plain["fingerprints"] for s in seen), (scenario, seen)
+            assert all(s["tokens"] == plain["tokens"] for s in seen), (scenario, seen)
+            assert not any(s["from_cache"] for s in seen)
+
+
+def fuzzed_fingerprints(programs, scenario, nonce) -> list:
+    held = []
+    results = [fp.run_program(p, backend=_fresh_backend(f"{nonce}-{dist.get_rank()}-{i}"),
+                              before_compile=lambda: held.append(_perturb(scenario)))
+               for i, p in enumerate(programs)]
+    held.clear()
+    return [dict(r, all_ranks=_gathered(r["fingerprints"])) for r in results]
+
+
+@settings(max_examples=1, deadline=None, database=None, phases=[Phase.generate],
+          suppress_health_check=list(HealthCheck))
+@given(programs=st.lists(fp.program(3, 5), min_size=2, max_size=2))
+def test_fuzzed_decisions_equal_across_ranks(ranks2, programs):
+    scenario = "perturbed"
+    per_rank = ranks2.run(fuzzed_fingerprints, programs, scenario, uuid.uuid4().hex)
+    for i, blocks in enumerate(programs):
+        results = [r[i] for r in per_rank]
+        assert fp.check(blocks, results) == [], (blocks, scenario)
+        for r in results:
+            assert not r["from_cache"]
+            assert r["all_ranks"] == [results[0]["fingerprints"]] * 2, (blocks, scenario)
