@@ -14,6 +14,15 @@ Decides, from shapes and the config only (so every rank decides the same):
   configured too, stays sharded for local_argmax unless its full weight is at most
   ``ARGMAX_REPLICATE_MAX_BYTES`` (see below).
 
+The default replicate_max_bytes (64 MiB, Config) by measurement (benchmarks/
+bench_replicate.py, TP=2, 2-core CPU, gloo, batch 1, V=151936, f32; noisy, shared
+machine): a replicated EMBEDDING is faster at every size (1.9-7x at 37 MiB, 2.3-12x at
+148 MiB: the step loses its all-reduce and reads the same rows), so for embeddings the
+limit is memory plus the one-time build (0.25-0.45 s at 37 MiB, 1.2-2.1 s at 148 MiB).
+A replicated LM HEAD reads the whole weight each step: about break-even at 37 MiB
+(1.02-1.06x), slower at 148 MiB (0.63-0.80x). 64 MiB keeps heads near break-even,
+builds under ~1 s, and costs at most 64 MiB per layer per rank.
+
 Why it is safe: the replica is every rank's shard, bit for bit, in rank order, trimmed
 to the ids the ranks serve / the sliced vocab (commfold.ops.replicate builds it once,
 collectively, and rebuilds it when a shard changes: its docstring says how that stays
