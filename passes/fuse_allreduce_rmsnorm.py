@@ -78,8 +78,8 @@ def _unsafe(ar: AllReduce, norm: RMSNorm) -> str | None:
 
 def _rewrite(ctx: PassContext, ar: AllReduce, norm: RMSNorm, two_shot: int) -> None:
     graph = ctx.graph
-    # Inductor rounds a low-precision cast inside a kernel only when emulating casts:
-    # ask the op to round exactly where the compiled unfused program would.
+    # Inductor rounds a low-precision cast inside a kernel only when emulating casts,
+    # and a stored buffer always: ask the op to round where the unfused program would.
     emulate = bool(inductor_config.emulate_precision_casts)
     order = {n: i for i, n in enumerate(graph.nodes)}
     anchor = max((n for n in (ar.collective, norm.residual, norm.weight) if n is not None),
@@ -89,7 +89,8 @@ def _rewrite(ctx: PassContext, ar: AllReduce, norm: RMSNorm, two_shot: int) -> N
             graph, torch.ops.commfold.allreduce_rmsnorm.default,
             (ar.input, norm.residual, norm.weight, norm.eps, norm.offset,
              norm.offset_in_weight_dtype and emulate, norm.round_before_weight and emulate,
-             norm.residual is not None and norm.dtype != torch.float32 and emulate,
+             norm.residual is not None and norm.dtype != torch.float32
+             and (emulate or _stored(norm)),
              norm.out_dtype, ar.comm, two_shot), like=norm.output)
     with graph.inserting_after(fused):
         new_residual = insert_call(graph, operator.getitem, (fused, 1), like=norm.output)
@@ -111,6 +112,12 @@ def _rewrite(ctx: PassContext, ar: AllReduce, norm: RMSNorm, two_shot: int) -> N
     x = tensor_val(ar.input)
     size = nbytes(x)
     ctx.rewrote(PATTERN, norm.output, Comm(size, 1), Comm(size, 1), detail=_detail(x, norm))
+
+
+def _stored(norm: RMSNorm) -> bool:
+    """The sum h is read outside the norm, so Inductor stores it (rounded to its
+    dtype) and its norm kernel reads the stored value back."""
+    return any(u not in norm.inner and u is not norm.output for u in norm.h.users)
 
 
 def _detail(x, norm: RMSNorm) -> str:

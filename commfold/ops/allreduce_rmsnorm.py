@@ -5,14 +5,16 @@
 
 computed in f32, rounding only where asked: Inductor's CPU code keeps low-precision
 intermediates in f32 (a cast down and up again is not rounded unless
-``emulate_precision_casts``), so by default only the outputs are rounded. With
-emulation the pass asks for the graph's casts: round_sum normalizes h instead of s,
+``emulate_precision_casts``) but rounds what it stores, so the pass asks for
+round_sum (normalize h, not s) when h is also read elsewhere (stored), and, with
+emulation, for the graph's casts:
 R is D when the graph casts the normalized value back to D before the weight
 multiply (hand-written bf16/fp16 norms), and Gemma's 1 + w is rounded to the
 weight's dtype when the graph adds it there. O is the output dtype.
 
 Paths, chosen per call from shapes and arguments only (same on every rank):
-- one-shot: all_reduce, then ONE pass over the rows (add + norm, C++ kernel);
+- one-shot: all_reduce, then ONE pass over the rows (add + norm, C++ kernel); for
+  c10d groups on CPU the whole op runs in C++ (no Python per call);
 - two-shot: reduce_scatter rows, add + norm on the local rows, all_gather the normed
   output and the residual. Used when rows % world == 0 and the tensor has at least
   ``two_shot_min_bytes`` bytes (< 0: never). The default comes from measurements
