@@ -284,6 +284,10 @@ def run_reload():
     rep_ops.invalidate_replicas()  # ...so the reload tells commfold, on every rank
     call("data.copy_ + invalidate")
     call("steady 3")
+    with torch.inference_mode():  # inference tensors have no version counter
+        emb_w = full_weight(V, seed=5)[start:end].clone()
+        call("inference tensor")
+        call("steady 4")
     return events
 
 
@@ -297,7 +301,8 @@ def test_steady_state_and_reload(ranks):
     assert ev["in-place emb"][:2] == (2, 1) and ev["in-place head"][:2] == (1, 1), ev
     assert ev["new tensor"][:2] == (2, 1), ev
     assert ev["data.copy_ + invalidate"][:2] == (3, 2), ev
-    assert ev["steady 2"][:2] == ev["steady 3"][:2] == (0, 0), ev
+    assert ev["steady 2"][:2] == ev["steady 3"][:2] == ev["steady 4"][:2] == (0, 0), ev
+    assert ev["inference tensor"][:2] == (2, 1), ev
 
 
 def run_threshold(max_bytes):

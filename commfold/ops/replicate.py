@@ -15,8 +15,9 @@ every rank at once:
 Assumption (documented, the same one TP itself makes): weights are (re)loaded on all
 ranks of the group together, so every rank sees its own key change before the same
 step. A write that bypasses the version counter - ``param.data.copy_(w)``, which is
-what vLLM's weight loaders do - is invisible to it: call ``invalidate_replicas()`` on
-every rank after such a reload (it drops every cached replica; the next call of each
+what vLLM's weight loaders do - and an in-place write to an inference tensor (no
+version counter) are invisible to it: call ``invalidate_replicas()`` on every rank
+after such a reload (it drops every cached replica; the next call of each
 layer rebuilds it, collectively).
 
 Exactness:
@@ -78,11 +79,21 @@ def cached_bytes() -> int:
         return sum(e.full.numel() * e.full.element_size() for e in _cache.values())
 
 
+def _version(t: torch.Tensor) -> int:
+    """The autograd version counter; -1 for inference tensors (created under
+    torch.inference_mode), which have none: their in-place writes need
+    invalidate_replicas() like ``.data`` writes do."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
+
+
 def _full_weight(kind: str, shard: torch.Tensor, layout: tuple, comm: str, build) -> torch.Tensor:
     storage = shard.untyped_storage()
     slot = (kind, comm, layout, id(storage))
     key = (shard.storage_offset(), tuple(shard.shape), tuple(shard.stride()), shard.dtype,
-           shard._version)
+           _version(shard))
     with _lock:
         entry = _cache.get(slot)
     if entry is not None and entry.storage() is storage and entry.key == key:
