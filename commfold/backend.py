@@ -7,7 +7,7 @@ from torch._inductor import config as inductor_config
 from .config import Config
 from . import report_cache
 from .manager import CommfoldPass
-from .report import publish, reports
+from .report import publish
 
 
 def backend(**options):
@@ -22,18 +22,21 @@ def backend(**options):
         user_pass = inductor_config.post_grad_custom_post_pass
         if isinstance(user_pass, CommfoldPass):  # already composed (nested use)
             user_pass = user_pass.then
-        pass_ = CommfoldPass(config, then=user_pass)
+        made: list = []
+        key = None
+
+        def keep(report):  # saved before Inductor writes its cache entry: no race
+            made.append(report)
+            if key is not None:
+                report_cache.save(key, made)
+
+        pass_ = CommfoldPass(config, then=user_pass, on_report=keep)
         key = report_cache.graph_key(gm, example_inputs, pass_.uuid())
-        seen = len(reports())
         with inductor_config.patch(post_grad_custom_post_pass=pass_):
             compiled = compile_fx(gm, example_inputs, **kwargs)
-        if key is not None:
-            new = reports()[seen:]
-            if new:
-                report_cache.save(key, new)
-            else:  # Inductor's cache served it: republish what the passes did then
-                for r in report_cache.load(key):
-                    publish(r)
+        if key is not None and not made:  # Inductor's cache served it:
+            for r in report_cache.load(key):  # republish what the passes did then
+                publish(r)
         return compiled
 
     commfold_compile.config = config

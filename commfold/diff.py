@@ -127,14 +127,13 @@ class Recorder:
 
             compile_id = CompileContext.current_compile_id()
             g = {"graph": len(self.graphs), "compile_id": str(compile_id) if compile_id else "",
-                 "passes": [], "_report": report, "_seen": (0, 0, 0)}
+                 "passes": [], "_report": report}
             self._by_report[id(report)] = g
             self.graphs.append(g)
-        seen = g["_seen"]
-        new_r = report.rewrites[seen[0]:]
-        new_m = report.near_misses[seen[1]:]
-        new_e = report.errors[seen[2]:]
-        g["_seen"] = (len(report.rewrites), len(report.near_misses), len(report.errors))
+        # the manager reports each pass once the whole run succeeded: select by pass
+        new_r = [r for r in report.rewrites if r.pass_name == pass_name]
+        new_m = [m for m in report.near_misses if m.pass_name == pass_name]
+        new_e = [e for e in report.errors if e.pass_name == pass_name]
         gdir = self.root / f"graph{g['graph']}"
         gdir.mkdir(parents=True, exist_ok=True)
         n = len(g["passes"])

@@ -71,11 +71,13 @@ class CommfoldPass(CustomGraphPass):
     ``then``: another post-grad pass (e.g. the user's own
     ``post_grad_custom_post_pass``) that runs after commfold's, so setting commfold
     never silently drops a user's pass.
+    ``on_report``: called with each graph's Report (the backend saves it for cache hits).
     """
 
-    def __init__(self, config: Config | None = None, then=None):
+    def __init__(self, config: Config | None = None, then=None, on_report=None):
         self.config = config or Config()
         self.then = then
+        self.on_report = on_report  # called with each published Report
 
     def __call__(self, graph: fx.Graph) -> None:
         config = self.config
@@ -86,6 +88,8 @@ class CommfoldPass(CustomGraphPass):
             self._run(graph, report, config)
         finally:
             publish(report)
+            if self.on_report is not None:
+                self.on_report(report)
         if self.then is not None:
             self.then(graph)
 
