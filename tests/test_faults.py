@@ -194,7 +194,7 @@ def awkward_graphs() -> dict:
     """Per scenario: mismatches vs plain Inductor, rewrites, errors, graphs compiled."""
     out = {}
     scenarios = {  # name: (torch.compile kwargs, row counts run in turn, mark_dynamic)
-        "dynamic=True": ({"dynamic": True}, [3, 5, 1], False),
+        "dynamic=True": ({"dynamic": True}, [3, 5, 2], False),  # (1 row: torch 2.13 funcol fails, eager too)
         "mark_dynamic": ({}, [4, 2], True),
         "recompile": ({"dynamic": False}, [3, 6], False),
         "empty batch": ({"dynamic": False}, [0], False),
@@ -205,7 +205,7 @@ def awkward_graphs() -> dict:
         backend = commfold.backend(extra=(("test_nonce", f"{name}-{dist.get_rank()}"),))
         ours = torch.compile(awkward, backend=backend, **kw)
         plain = torch.compile(awkward, backend="inductor", **kw)
-        res = {"bad": []}
+        res = {"bad": [], "raised": []}
         for rows in rows_list:
             args = _awkward_inputs(rows)
             a1, a2 = [a.clone() for a in args], [a.clone() for a in args]
@@ -221,6 +221,7 @@ def awkward_graphs() -> dict:
             except Exception as e:
                 got = e
             if isinstance(want, Exception) or isinstance(got, Exception):
+                res["raised"].append(f"rows {rows}: {type(got).__name__} / {type(want).__name__}")
                 if type(want) is not type(got):
                     res["bad"].append(f"rows {rows}: commfold {got!r} vs inductor {want!r}")
                 continue
@@ -238,7 +239,7 @@ def test_awkward_graphs(ranks2):
     per_rank = ranks2.run(awkward_graphs)
     for res in per_rank:
         for name, r in res.items():
-            assert r["bad"] == [] and r["errors"] == [], (name, r)
+            assert r["bad"] == [] and r["errors"] == [] and r["raised"] == [], (name, r)
             assert r["graphs"] >= 1, (name, r)
         # each site was rewritten in every compiled graph; with dynamic=True the
         # embedding table's rows are symbolic too, so its shard bounds are run-time

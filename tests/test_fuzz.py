@@ -20,7 +20,7 @@ import fuzz_programs as fp
 
 LONG = os.environ.get("COMMFOLD_FUZZ", "") == "long"
 BATCHES = 12 if LONG else 1  # random batches (hypothesis examples)
-PER_BATCH = 6 if LONG else 3  # programs per batch (one rank-pool call)
+PER_BATCH = 6 if LONG else 2  # programs per batch (one rank-pool call)
 BLOCKS = (3, 7) if LONG else (2, 4)  # blocks per program
 
 G = dict(kind="greedy", bad=None, seed=1, gather="funcol", dtype="f32", rows=3, vs=5, pad=1,
