@@ -140,7 +140,7 @@ def erase_if_dead(node: fx.Node, also=()) -> None:
     stack = [node]
     while stack:
         n = stack.pop()
-        if n.graph is None or n.op != "call_function" or n.users:
+        if getattr(n, "_erased", False) or n.op != "call_function" or n.users:
             continue
         if n.is_impure() and n not in also:
             continue

@@ -101,10 +101,10 @@ class Report:
             pass_seconds=dict(d.get("pass_seconds", {})))
 
     def summary(self) -> str:
-        cached = " (compiled graph served from Inductor's cache)" if self.from_cache else ""
-        lines = [f"commfold report, graph {self.graph_index}{cached}: "
+        cached = " - compiled graph served from Inductor's cache" if self.from_cache else ""
+        lines = [f"commfold report, graph {self.graph_index}: "
                  f"{len(self.rewrites)} rewrite(s), {len(self.near_misses)} near-miss(es), "
-                 f"{len(self.errors)} error(s)"]
+                 f"{len(self.errors)} error(s){cached}"]
         if self.rewrites:
             rows = [("pass", "pattern", "source", "comm/call before -> after", "extra mem")]
             for r in self.rewrites:

@@ -38,7 +38,7 @@ PATTERN = "all_gather->argmax"
 
 def run(ctx: PassContext) -> None:
     for coll in gather_candidates(ctx.graph):
-        if coll.graph is None:  # erased by an earlier rewrite
+        if coll._erased:  # erased by an earlier rewrite
             continue
         gather = match_vocab_gather(coll)
         if not gather:

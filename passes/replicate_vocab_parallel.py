@@ -62,7 +62,7 @@ ARGMAX_REPLICATE_MAX_BYTES = 4 << 20
 
 def run(ctx: PassContext) -> None:
     for lookup in embedding_candidates(ctx.graph):
-        if lookup.graph is None:
+        if lookup._erased:
             continue
         m = match_embedding(lookup)
         if m is None:
@@ -72,7 +72,7 @@ def run(ctx: PassContext) -> None:
             continue
         _embedding(ctx, m)
     for coll in gather_candidates(ctx.graph):
-        if coll.graph is None:
+        if coll._erased:
             continue
         gather = match_vocab_gather(coll)
         if not gather:
