@@ -23,6 +23,7 @@ pass that vLLM wrapped before the registration.
 """
 from __future__ import annotations
 
+import copy
 import os
 import sys
 
@@ -78,8 +79,9 @@ def configure(vllm_config) -> None:
     current = compile_config.get(PASS_KEY)
     unwrapped = _unwrap(current)
     if isinstance(unwrapped, CommfoldPass):
-        if not isinstance(unwrapped, VllmCommfoldPass):
-            unwrapped = VllmCommfoldPass(unwrapped.config, unwrapped.then)
+        if not isinstance(unwrapped, VllmCommfoldPass):  # same state, vLLM's interface
+            unwrapped = copy.copy(unwrapped)
+            unwrapped.__class__ = VllmCommfoldPass
         compile_config[PASS_KEY] = unwrapped
     elif enabled():
         compile_config[PASS_KEY] = VllmCommfoldPass(config_from_env(), then=current)

@@ -150,3 +150,21 @@ def test_inductor_fx_cache_follows_commfold_config(tmp_path, monkeypatch):
     assert compile_with(VllmCommfoldPass(Config(passes=("local_argmax",)))) == (0, 1)
     monkeypatch.setattr("commfold.manager.code_hash", lambda: "another commfold version")
     assert compile_with(VllmCommfoldPass(Config())) == (0, 1)
+
+
+def test_a_plain_commfold_pass_is_adopted_with_its_state():
+    """A CommfoldPass object (not the vLLM subclass) put in vLLM's config keeps its
+    config, chained pass and report hook, and gets vLLM's InductorPass interface."""
+    from vllm.compilation.passes.inductor_pass import InductorPass
+    from vllm.config import CompilationConfig, VllmConfig
+
+    from commfold.vllm_plugin import register
+
+    register()
+    seen = []
+    mine = commfold.CommfoldPass(Config(passes=("local_argmax",)), on_report=seen.append)
+    vc = VllmConfig(compilation_config=CompilationConfig(inductor_compile_config={PASS_KEY: mine}))
+    adopted = vc.compilation_config.inductor_compile_config[PASS_KEY]
+    assert isinstance(adopted, VllmCommfoldPass) and isinstance(adopted, InductorPass)
+    assert adopted.config == mine.config and adopted.on_report is seen.append
+    assert adopted.uuid() == mine.uuid() and adopted.is_applicable_for_range(None)
