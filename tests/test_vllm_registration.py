@@ -166,5 +166,5 @@ def test_a_plain_commfold_pass_is_adopted_with_its_state():
     vc = VllmConfig(compilation_config=CompilationConfig(inductor_compile_config={PASS_KEY: mine}))
     adopted = vc.compilation_config.inductor_compile_config[PASS_KEY]
     assert isinstance(adopted, VllmCommfoldPass) and isinstance(adopted, InductorPass)
-    assert adopted.config == mine.config and adopted.on_report is seen.append
+    assert adopted.config == mine.config and adopted.on_report == seen.append
     assert adopted.uuid() == mine.uuid() and adopted.is_applicable_for_range(None)
