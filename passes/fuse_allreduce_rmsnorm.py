@@ -67,11 +67,11 @@ def _unsafe(ar: AllReduce, norm: RMSNorm) -> str | None:
         return f"unsupported dtype {dtype} (norm input {norm.dtype})"
     if norm.residual is not None and len(ar.reduced.users) > 1:
         return "the reduced value is read besides the residual add (the op returns only the sum with the residual)"
-    order = {n: i for i, n in enumerate(ar.reduced.graph.nodes)}
-    last_input = max(order[n] for n in (ar.collective, norm.residual, norm.weight) if n is not None)
+    # FX nodes compare by graph position (O(1)): no per-match walk of the graph
+    last_input = max(n for n in (ar.collective, norm.residual, norm.weight) if n is not None)
     readers = [u for n in (norm.h, norm.output) for u in n.users if u not in norm.inner
                and u is not norm.output]
-    if any(order[u] <= last_input for u in readers):
+    if any(not u > last_input for u in readers):
         return "the norm's operands are defined after readers of its result"
     return None
 
@@ -81,9 +81,7 @@ def _rewrite(ctx: PassContext, ar: AllReduce, norm: RMSNorm, two_shot: int) -> N
     # Inductor rounds a low-precision cast inside a kernel only when emulating casts,
     # and a stored buffer always: ask the op to round where the unfused program would.
     emulate = bool(inductor_config.emulate_precision_casts)
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    anchor = max((n for n in (ar.collective, norm.residual, norm.weight) if n is not None),
-                 key=order.__getitem__)
+    anchor = max(n for n in (ar.collective, norm.residual, norm.weight) if n is not None)
     with graph.inserting_after(anchor):
         fused = insert_call(
             graph, torch.ops.commfold.allreduce_rmsnorm.default,
@@ -101,7 +99,7 @@ def _rewrite(ctx: PassContext, ar: AllReduce, norm: RMSNorm, two_shot: int) -> N
     norm.h.replace_all_uses_with(new_residual, delete_user_cb=lambda u: u not in private)
     chain = set([norm.output, *norm.inner, norm.h, *ar.comm_nodes])
     operands = dict.fromkeys(a for n in chain for a in n.all_input_nodes if a not in chain)
-    for node in sorted(chain, key=order.__getitem__, reverse=True):
+    for node in sorted(chain, reverse=True):  # users before their inputs
         if not node.users:  # readers first: each node is erased once
             graph.erase_node(node)
     for node in operands:  # e.g. 1 + w.float(): unread now
