@@ -1,12 +1,9 @@
 """Shared fixtures: rank pools of 2 and 4 gloo ranks, started once per session and
 restarted after a failed call (a rank stuck in a collective is not reused)."""
-import os
-
 import pytest
 
 from commfold.testing import RankPool
 
-os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
 
 _pools: dict[int, RankPool] = {}
 
