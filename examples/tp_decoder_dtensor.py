@@ -9,8 +9,6 @@ finds them in the compiled graph like any others.
     torchrun --nproc-per-node 2 examples/tp_decoder_dtensor.py
     commfold diff examples/tp_decoder_dtensor.py
 """
-import os
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -20,7 +18,8 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                parallelize_module)
 
-import commfold
+from commfold.models import greedy_decode
+from commfold.testing.example import greedy_vs_inductor, run_example
 
 VOCAB, HIDDEN, LAYERS, HEADS, FFN = 1000, 64, 2, 4, 128
 BATCH, SEQ, STEPS = 4, 8, 4
@@ -98,48 +97,13 @@ def parallelize(model: Decoder, world: int) -> Decoder:
     return parallelize_module(model, mesh, plan)
 
 
-def decode(step, ids):
-    out = []
-    for _ in range(STEPS):
-        nxt = step(ids)
-        out.append(nxt)
-        ids = torch.cat([ids[:, 1:], nxt[:, None]], dim=1)
-    return torch.stack(out, dim=1)
-
-
 def main() -> dict:
     """One rank's work (its process group is initialized)."""
     torch.manual_seed(0)  # same full weights on every rank before sharding
     model = parallelize(Decoder().requires_grad_(False), dist.get_world_size())
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = decode(torch.compile(model, backend="inductor"), ids)
-        commfold.clear_reports()
-        tokens = decode(torch.compile(model, backend="commfold"), ids)
-    if not torch.equal(tokens, expected):
-        raise AssertionError(f"rank {dist.get_rank()}: commfold changed the greedy tokens:\n"
-                             f"{tokens}\nvs stock Inductor\n{expected}")
-    report = commfold.last_report()
-    return {"rank": dist.get_rank(), "tokens": tokens.tolist(), "summary": report.summary(),
-            "rewrites": {p: report.count(p) for p in commfold.ALL_PASSES}}
-
-
-def show(results: list) -> None:
-    print(results[0]["summary"])
-    print("rewrites per pass, per rank:", [r["rewrites"] for r in results])
-    same = all(r["tokens"] == results[0]["tokens"] for r in results)
-    print(f"greedy tokens identical to stock Inductor on {len(results)} rank(s)"
-          f"{', and across ranks' if same else ''}: {results[0]['tokens']}")
-    if not same:
-        raise SystemExit("ranks produced different tokens")
+    return greedy_vs_inductor(lambda step, x: greedy_decode(step, x, STEPS), model, ids)
 
 
 if __name__ == "__main__":
-    if "RANK" in os.environ:  # torchrun or `commfold diff`: this process is one rank
-        dist.init_process_group("gloo")
-        show([main()])
-        dist.destroy_process_group()
-    else:
-        from commfold.testing import run_on_ranks
-
-        show(run_on_ranks(main, 2))
+    run_example(main)
