@@ -13,9 +13,7 @@ import argparse
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 
-import commfold
 from commfold.testing import run_on_ranks
 from commfold.testing.bench import time_side_by_side
 

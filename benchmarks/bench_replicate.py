@@ -16,8 +16,6 @@ Every variant is the same program compiled with a different commfold config.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -27,6 +25,7 @@ import torch.nn.functional as F
 import commfold
 from commfold.ops import replicate
 from commfold.testing import run_on_ranks
+from commfold.testing.bench import time_side_by_side
 
 BIG = 1 << 40  # replicate_max_bytes for the benchmark: replicate whatever is measured
 
@@ -54,29 +53,6 @@ def _compile(fn, passes):
     return torch.compile(fn, backend=commfold.backend(passes=passes, replicate_max_bytes=BIG))
 
 
-def _time(variants: dict, args, iters: int) -> dict:
-    for f in variants.values():  # compile, build replicas, warm up
-        for _ in range(3):
-            f(*args)
-    times = {k: [] for k in variants}
-    for _ in range(iters):
-        for k, f in variants.items():  # interleaved: noise hits every variant alike
-            dist.barrier()
-            t0 = time.perf_counter()
-            f(*args)
-            times[k].append(time.perf_counter() - t0)
-    out = {k: statistics.median(v) for k, v in times.items()}
-    rebuilds = []
-    for _ in range(3):  # the one-time cost: assemble the full weight (collective)
-        replicate.invalidate_replicas()
-        dist.barrier()
-        t0 = time.perf_counter()
-        variants["replicated"](*args)
-        rebuilds.append(time.perf_counter() - t0 - out["replicated"])
-    out["build"] = statistics.median(rebuilds)
-    return out
-
-
 def bench(vocab: int, ranks: tuple, batch: int, iters: int, layers=("embedding", "head", "head+argmax")) -> list:
     rank, world = dist.get_rank(), dist.get_world_size()
     vs = -(-vocab // world)
@@ -91,15 +67,15 @@ def bench(vocab: int, ranks: tuple, batch: int, iters: int, layers=("embedding",
         h = torch.randn(batch, r, generator=g)
         mib = vocab * r * 4 / 2 ** 20
         emb = embedding_program(start, end)
-        t = None if "embedding" not in layers else _time({"sharded": _compile(emb, ()),
+        t = None if "embedding" not in layers else time_side_by_side({"sharded": _compile(emb, ()),
                    "replicated": _compile(emb, ("replicate_vocab_parallel",))}, (ids, emb_w), iters)
         rows.append((f"embedding {vocab}x{r}", mib, t))
         head = head_program(vocab, argmax=False)
-        t = None if "head" not in layers else _time({"sharded": _compile(head, ()),
+        t = None if "head" not in layers else time_side_by_side({"sharded": _compile(head, ()),
                    "replicated": _compile(head, ("replicate_vocab_parallel",))}, (h, head_w), iters)
         rows.append((f"head {r}x{vocab}", mib, t))
         pick = head_program(vocab, argmax=True)
-        t = None if "head+argmax" not in layers else _time({"sharded": _compile(pick, ()),
+        t = None if "head+argmax" not in layers else time_side_by_side({"sharded": _compile(pick, ()),
                    "local_argmax": _compile(pick, ("local_argmax",)),
                    "replicated": _compile(pick, ("replicate_vocab_parallel",))}, (h, head_w), iters)
         rows.append((f"head+argmax {r}x{vocab}", mib, t))
