@@ -5,8 +5,9 @@ commfold as vLLM's post-grad compilation pass; the tokens must be identical.
     python examples/vllm_greedy.py
 
 Without vLLM installed it says so and exits 0 (nothing to show). The model is a tiny
-Qwen3 written offline to a temporary directory (config + a tokenizer trained on a
-few sentences) and loaded with random ("dummy") weights, so nothing is downloaded.
+Qwen3 written offline to a temporary directory (commfold.testing.tiny_models: config
++ a tokenizer trained on a few sentences) and loaded with random ("dummy") weights,
+so nothing is downloaded.
 commfold plugs in through vLLM's own option:
 
     LLM(..., compilation_config={"inductor_passes":
@@ -23,27 +24,8 @@ import tempfile
 
 PROMPTS = ["the quick brown fox", "tensor parallel inference on a cpu",
            "one two three four", "hello world"]
-TEXT = ["the quick brown fox jumps over the lazy dog",
-        "tensor parallel inference splits every layer over ranks",
-        "one two three four five six seven eight nine ten", "hello world hello cpu"] * 20
 ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1",
        "VLLM_DISABLE_COMPILE_CACHE": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-
-def write_tiny_model(path: str) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen3Config
-
-    Qwen3Config(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                num_attention_heads=8, num_key_value_heads=4, head_dim=32, vocab_size=2048,
-                max_position_embeddings=512, tie_word_embeddings=False,
-                torch_dtype="float32").save_pretrained(path)
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(TEXT, trainers.BpeTrainer(vocab_size=300,
-                                                      special_tokens=["<unk>", "<|endoftext|>"]))
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
-                            eos_token="<|endoftext|>").save_pretrained(path)
 
 
 def generate(model_dir: str, use_commfold: bool) -> list:
@@ -72,7 +54,9 @@ def main() -> int:
         return 1
     env = dict(os.environ, **ENV)
     with tempfile.TemporaryDirectory() as model_dir:
-        write_tiny_model(model_dir)
+        from commfold.testing.tiny_models import write_model
+
+        write_model(model_dir, "qwen3", vocab_size=2048)
         tokens = {}
         for label, flag in (("without commfold", "off"), ("with commfold", "on")):
             print(f"vllm_greedy: generating {label} (TP=2, start-up takes a minute or two)...")

@@ -1,0 +1,41 @@
+"""Tiny Hugging Face model directories written offline (config + a tokenizer trained
+on a few strings, no weights) for vLLM runs with ``load_format="dummy"``: nothing is
+downloaded. Used by the vLLM example and the vLLM tests."""
+from __future__ import annotations
+
+from pathlib import Path
+
+_TEXTS = ["the quick brown fox jumps over the lazy dog",
+          "tensor parallel inference removes communication",
+          "hello world, commfold folds collectives into kernels",
+          "a b c d e f g h i j k l m n o p q r s t u v w x y z 0 1 2 3 4 5 6 7 8 9"]
+
+SIZES = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+             max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+def write_model(path: str | Path, arch: str = "qwen3", vocab_size: int = 1000,
+                **overrides) -> Path:
+    """A loadable model directory (config + a tokenizer trained on a few strings),
+    no weights: load it with ``load_format="dummy"``. vocab_size 1000 is not a
+    multiple of vLLM's padding (64 x TP), so the LM head carries padding rows."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, PreTrainedTokenizerFast, Qwen3Config
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    specials = ["<unk>", "<s>", "</s>"]
+    tok.train_from_iterator(_TEXTS * 4, trainers.BpeTrainer(
+        vocab_size=min(vocab_size, 300), special_tokens=specials, show_progress=False))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
+                                   bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(path)
+    cfg_cls = {"qwen3": Qwen3Config, "llama": LlamaConfig}[arch]
+    cfg = cfg_cls(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2,
+                  architectures=[{"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[arch]],
+                  **{**SIZES, **overrides})
+    cfg.save_pretrained(path)
+    return path
