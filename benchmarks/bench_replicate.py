@@ -16,6 +16,8 @@ Every variant is the same program compiled with a different commfold config.
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -53,6 +55,21 @@ def _compile(fn, passes):
     return torch.compile(fn, backend=commfold.backend(passes=passes, replicate_max_bytes=BIG))
 
 
+def _time(variants: dict, args, iters: int) -> dict:
+    """Median step time of each variant, side by side, plus the one-time cost of
+    assembling the replicated weight (a collective), as "build"."""
+    out = time_side_by_side(variants, args, iters)
+    rebuilds = []
+    for _ in range(3):
+        replicate.invalidate_replicas()
+        dist.barrier()
+        t0 = time.perf_counter()
+        variants["replicated"](*args)
+        rebuilds.append(time.perf_counter() - t0 - out["replicated"])
+    out["build"] = statistics.median(rebuilds)
+    return out
+
+
 def bench(vocab: int, ranks: tuple, batch: int, iters: int, layers=("embedding", "head", "head+argmax")) -> list:
     rank, world = dist.get_rank(), dist.get_world_size()
     vs = -(-vocab // world)
@@ -67,15 +84,15 @@ def bench(vocab: int, ranks: tuple, batch: int, iters: int, layers=("embedding",
         h = torch.randn(batch, r, generator=g)
         mib = vocab * r * 4 / 2 ** 20
         emb = embedding_program(start, end)
-        t = None if "embedding" not in layers else time_side_by_side({"sharded": _compile(emb, ()),
+        t = None if "embedding" not in layers else _time({"sharded": _compile(emb, ()),
                    "replicated": _compile(emb, ("replicate_vocab_parallel",))}, (ids, emb_w), iters)
         rows.append((f"embedding {vocab}x{r}", mib, t))
         head = head_program(vocab, argmax=False)
-        t = None if "head" not in layers else time_side_by_side({"sharded": _compile(head, ()),
+        t = None if "head" not in layers else _time({"sharded": _compile(head, ()),
                    "replicated": _compile(head, ("replicate_vocab_parallel",))}, (h, head_w), iters)
         rows.append((f"head {r}x{vocab}", mib, t))
         pick = head_program(vocab, argmax=True)
-        t = None if "head+argmax" not in layers else time_side_by_side({"sharded": _compile(pick, ()),
+        t = None if "head+argmax" not in layers else _time({"sharded": _compile(pick, ()),
                    "local_argmax": _compile(pick, ("local_argmax",)),
                    "replicated": _compile(pick, ("replicate_vocab_parallel",))}, (h, head_w), iters)
         rows.append((f"head+argmax {r}x{vocab}", mib, t))
