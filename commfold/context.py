@@ -28,3 +28,17 @@ class PassContext:
         handles): reasons enter the rank-consistency fingerprint."""
         self.report.near_misses.append(
             NearMiss(self.pass_name, pattern, source_location(node), reason))
+
+    def matches(self, pattern: str, candidates, match):
+        """Yield match(node) for each candidate node still in the graph: None means
+        "nothing here" (no record); a Miss is recorded as a near-miss of `pattern`."""
+        for node in candidates:
+            if node._erased:  # taken by an earlier rewrite
+                continue
+            m = match(node)
+            if m is None:
+                continue
+            if not m:
+                self.skipped(pattern, m.node or node, m.reason)
+                continue
+            yield m

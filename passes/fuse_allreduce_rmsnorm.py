@@ -40,23 +40,22 @@ TWO_SHOT_OPTION = "allreduce_rmsnorm_two_shot_min_bytes"
 
 def run(ctx: PassContext) -> None:
     two_shot = int(dict(ctx.config.extra).get(TWO_SHOT_OPTION, TWO_SHOT_DEFAULT_MIN_BYTES))
-    for coll in allreduce_candidates(ctx.graph):
-        if coll._erased:  # by an earlier rewrite
-            continue
-        ar = match_allreduce(coll)
-        if not ar:
-            continue  # not a usable all-reduce (e.g. no wait): nothing norm-specific
-        norm = match_rmsnorm(ar.reduced)
-        if norm is None:
-            continue  # no RMSNorm reads it: not a near-miss
-        if not norm:
-            ctx.skipped(PATTERN, norm.node or coll, norm.reason)
-            continue
+    for ar, norm in ctx.matches(PATTERN, allreduce_candidates(ctx.graph), _allreduce_norm):
         why = _unsafe(ar, norm)
         if why:
             ctx.skipped(PATTERN, norm.output, why)
             continue
         _rewrite(ctx, ar, norm, two_shot)
+
+
+def _allreduce_norm(coll):
+    """(AllReduce, RMSNorm) for coll; None for an unusable all-reduce (e.g. no wait)
+    or one no RMSNorm reads (not near-misses); a Miss when the norm almost matches."""
+    ar = match_allreduce(coll)
+    if not ar:
+        return None
+    norm = match_rmsnorm(ar.reduced)
+    return (ar, norm) if norm else norm
 
 
 def _unsafe(ar: AllReduce, norm: RMSNorm) -> str | None:

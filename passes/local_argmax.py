@@ -37,22 +37,17 @@ PATTERN = "all_gather->argmax"
 
 
 def run(ctx: PassContext) -> None:
-    for coll in gather_candidates(ctx.graph):
-        if coll._erased:  # erased by an earlier rewrite
-            continue
-        gather = match_vocab_gather(coll)
-        if not gather:
-            continue  # a gather on another dim is not a vocab gather: nothing to note
-        pick = match_greedy(gather)
-        if pick is None:
-            continue
-        if not pick:
-            ctx.skipped(PATTERN, pick.node or coll, pick.reason)
-            continue
+    for pick in ctx.matches(PATTERN, gather_candidates(ctx.graph), _greedy_pick):
         if tensor_val(pick.pick.args[0]).dtype not in SUPPORTED_DTYPES:
             ctx.skipped(PATTERN, pick.pick, "logits dtype not supported")
             continue
         _rewrite(ctx, pick)
+
+
+def _greedy_pick(coll):
+    gather = match_vocab_gather(coll)
+    # a gather on another dim is not a vocab gather: nothing to note
+    return match_greedy(gather) if gather else None
 
 
 def _rewrite(ctx: PassContext, m: GreedyPick) -> None:

@@ -61,29 +61,15 @@ ARGMAX_REPLICATE_MAX_BYTES = 4 << 20
 
 
 def run(ctx: PassContext) -> None:
-    for lookup in embedding_candidates(ctx.graph):
-        if lookup._erased:
-            continue
-        m = match_embedding(lookup)
-        if m is None:
-            continue
-        if not m:
-            ctx.skipped(EMBEDDING, m.node or lookup, m.reason)
-            continue
+    for m in ctx.matches(EMBEDDING, embedding_candidates(ctx.graph), match_embedding):
         _embedding(ctx, m)
-    for coll in gather_candidates(ctx.graph):
-        if coll._erased:
-            continue
-        gather = match_vocab_gather(coll)
-        if not gather:
-            continue
-        m = match_lm_head(gather)
-        if m is None:
-            continue
-        if not m:
-            ctx.skipped(LM_HEAD, m.node or coll, m.reason)
-            continue
+    for m in ctx.matches(LM_HEAD, gather_candidates(ctx.graph), _lm_head_match):
         _lm_head(ctx, m)
+
+
+def _lm_head_match(coll):
+    gather = match_vocab_gather(coll)
+    return match_lm_head(gather) if gather else None
 
 
 def _row_bytes(shard) -> int:
