@@ -2,7 +2,6 @@
 node insertion with metadata, and whole-graph snapshot/restore."""
 from __future__ import annotations
 
-import math
 import re
 from contextlib import nullcontext
 
@@ -121,14 +120,6 @@ def restore(graph: fx.Graph, saved: fx.Graph) -> None:
     old_out = next(n for n in saved.nodes if n.op == "output")
     new_out = graph.output(out)
     new_out.meta = dict(old_out.meta)
-
-
-def sole_user(node: fx.Node) -> fx.Node | None:
-    return next(iter(node.users)) if len(node.users) == 1 else None
-
-
-def prod(xs) -> int:
-    return math.prod(xs)
 
 
 def erase_if_dead(node: fx.Node, also=()) -> None:
