@@ -3,7 +3,8 @@ RMSNorm after it become one commfold::allreduce_rmsnorm call.
 
 Uses: patterns.allreduce.AllReduce (any spelling: c10d functional, in-place
 dist.all_reduce, DTensor, vLLM) and patterns.rmsnorm.RMSNorm (hand-written f32 /
-bf16 / fp16, F.rms_norm / nn.RMSNorm, Gemma's 1 + w, no weight).
+bf16 / fp16, F.rms_norm / nn.RMSNorm, Gemma's 1 + w, no weight, vLLM's f32-sum
+fused add + norm, vLLM's IR ops).
 
 Why it is safe:
 - the reduction is a sum (others are skipped), and the op runs the graph's own
@@ -11,7 +12,8 @@ Why it is safe:
   exactly one collective here, in the same order as before;
 - the op returns the normed output and the new residual (x + residual, or the
   reduced value itself without a residual add); every other reader of those is
-  rewired to them. A reader of the reduced value before the add would need a value
+  rewired to them (a graph that never computes the new residual, e.g. vLLM's final
+  norm, just leaves it unread). A reader of the reduced value before the add would need a value
   the op does not return: skipped;
 - the norm's intermediates have no readers outside the norm (the recognizer checks);
 - the kernel rounds where the compiled graph would (see commfold.ops.allreduce_rmsnorm).
@@ -68,8 +70,8 @@ def _unsafe(ar: AllReduce, norm: RMSNorm) -> str | None:
         return "the reduced value is read besides the residual add (the op returns only the sum with the residual)"
     # FX nodes compare by graph position (O(1)): no per-match walk of the graph
     last_input = max(n for n in (ar.collective, norm.residual, norm.weight) if n is not None)
-    readers = [u for n in (norm.h, norm.output) for u in n.users if u not in norm.inner
-               and u is not norm.output]
+    readers = [u for n in (norm.h, norm.output) if n is not None for u in n.users
+               if u not in norm.inner and u is not norm.output]
     if any(not u > last_input for u in readers):
         return "the norm's operands are defined after readers of its result"
     return None
@@ -78,8 +80,9 @@ def _unsafe(ar: AllReduce, norm: RMSNorm) -> str | None:
 def _rewrite(ctx: PassContext, ar: AllReduce, norm: RMSNorm, two_shot: int) -> None:
     graph = ctx.graph
     # Inductor rounds a low-precision cast inside a kernel only when emulating casts,
-    # and a stored buffer always: ask the op to round where the unfused program would.
-    emulate = bool(inductor_config.emulate_precision_casts)
+    # and a stored buffer always; an eager op (vLLM IR) rounds at every cast: ask the
+    # op to round where the unfused program would.
+    emulate = bool(inductor_config.emulate_precision_casts) or norm.eager
     anchor = max(n for n in (ar.collective, norm.residual, norm.weight) if n is not None)
     with graph.inserting_after(anchor):
         fused = insert_call(
@@ -87,7 +90,7 @@ def _rewrite(ctx: PassContext, ar: AllReduce, norm: RMSNorm, two_shot: int) -> N
             (ar.input, norm.residual, norm.weight, norm.eps, norm.offset,
              norm.offset_in_weight_dtype and emulate, norm.round_before_weight and emulate,
              norm.residual is not None and norm.dtype != torch.float32
-             and (emulate or _stored(norm)),
+             and not norm.sum_in_f32 and (emulate or _stored(norm)),
              norm.out_dtype, ar.comm, two_shot), like=norm.output)
     with graph.inserting_after(fused):
         new_residual = insert_call(graph, operator.getitem, (fused, 1), like=norm.output)
@@ -95,8 +98,10 @@ def _rewrite(ctx: PassContext, ar: AllReduce, norm: RMSNorm, two_shot: int) -> N
         out = insert_call(graph, operator.getitem, (fused, 0), like=norm.output)
     norm.output.replace_all_uses_with(out)
     private = set(norm.inner) | {norm.output}
-    norm.h.replace_all_uses_with(new_residual, delete_user_cb=lambda u: u not in private)
-    chain = set([norm.output, *norm.inner, norm.h, *ar.comm_nodes])
+    if norm.h is not None:
+        norm.h.replace_all_uses_with(new_residual, delete_user_cb=lambda u: u not in private)
+    chain = set([norm.output, *norm.inner, *([norm.h] if norm.h is not None else []),
+                 *ar.comm_nodes])
     operands = dict.fromkeys(a for n in chain for a in n.all_input_nodes if a not in chain)
     for node in sorted(chain, reverse=True):  # users before their inputs
         if not node.users:  # readers first: each node is erased once
@@ -114,7 +119,8 @@ def _rewrite(ctx: PassContext, ar: AllReduce, norm: RMSNorm, two_shot: int) -> N
 def _stored(norm: RMSNorm) -> bool:
     """The sum h is read outside the norm, so Inductor stores it (rounded to its
     dtype) and its norm kernel reads the stored value back."""
-    return any(u not in norm.inner and u is not norm.output for u in norm.h.users)
+    return norm.h is not None and any(u not in norm.inner and u is not norm.output
+                                      for u in norm.h.users)
 
 
 def _detail(x, norm: RMSNorm) -> str:
@@ -126,4 +132,8 @@ def _detail(x, norm: RMSNorm) -> str:
              f"eps {norm.eps:g}"]
     if norm.round_before_weight:
         parts.append("cast before weight")
+    if norm.eager:
+        parts.append("vllm_ir")
+    elif norm.sum_in_f32:
+        parts.append("f32 sum")
     return ", ".join(parts)

@@ -3,6 +3,9 @@ graphs hold (torch 2.13, CPU):
 
     h = x + residual            (either operand order; optional)
     hf = h | convert(h, f32)    (bf16/fp16 norms upcast)
+  or, vLLM's bf16/fp16 fused add + norm (its native decomposition):
+    hf = convert(x, f32) + convert(residual, f32)   (the norm reads the f32 sum)
+    h = convert(hf, D)          (the new residual; absent when dead, e.g. final norm)
     n = hf * rsqrt(mean(hf^2 | hf*hf, [last dim], keepdim) + eps)   (add.Tensor or
                                  add.Scalar; eps any number, read from the graph)
     then one of:
@@ -12,7 +15,9 @@ graphs hold (torch 2.13, CPU):
       nothing                      no weight
 
 The match says how the graph rounds (round_before_weight, out_dtype, whether Gemma's
-offset is added in the weight's dtype), so a fused kernel can round the same way.
+offset is added in the weight's dtype, whether the norm reads the f32 sum), so a
+fused kernel can round the same way. vLLM's IR ops (vllm_ir.rms_norm,
+vllm_ir.fused_add_rms_norm) are recognized by patterns.rmsnorm_vllm.
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ from .common import Miss, aten, is_call, ndim, norm_dim, prims, same_shape
 class RMSNorm:
     x: fx.Node  # the value normed (before the residual add)
     residual: fx.Node | None
-    h: fx.Node  # x + residual (or x): the new residual
+    h: fx.Node | None  # x + residual (or x): the new residual; None when not computed
     weight: fx.Node | None  # the raw weight ([hidden]); offset applied by the kernel
     eps: float
     offset: float  # Gemma: out * (offset + w)
@@ -37,10 +42,12 @@ class RMSNorm:
     out_dtype: torch.dtype
     output: fx.Node  # the normed value
     inner: tuple[fx.Node, ...]  # nodes between h and output, read only by the norm
+    sum_in_f32: bool = False  # the norm reads the exact f32 sum, h is rounded apart
+    eager: bool = False  # an eager op: every cast rounds (not fused by Inductor)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.h.meta["val"].dtype
+        return self.x.meta["val"].dtype
 
 
 _UPCAST = (prims.convert_element_type.default,)
@@ -78,6 +85,11 @@ def match_rmsnorm(x: fx.Node) -> RMSNorm | Miss | None:
     """The residual add + RMSNorm reading x; a Miss when one almost matches; None when
     no RMSNorm reads x. A norm reading x itself wins over one reading x + residual
     (then x is also the new residual, read by a later add)."""
+    from .rmsnorm_vllm import match_ir_norm
+
+    ir = match_ir_norm(x)
+    if ir is not None:
+        return ir
     direct = _match_norm(x, None, x)
     if direct:
         return direct
@@ -91,24 +103,51 @@ def match_rmsnorm(x: fx.Node) -> RMSNorm | Miss | None:
                 if m:
                     return m
                 found = found or m
+    if _dtype(x) in (torch.bfloat16, torch.float16):
+        for up in [u for u in x.users if _cast_to(u, torch.float32)]:
+            for s in [u for u in up.users if is_call(u, aten.add.Tensor) and len(u.args) == 2
+                      and not u.kwargs]:
+                m = _match_f32_sum(x, up, s)
+                if m:
+                    return m
+                found = found or m
     return found
 
 
-def _match_norm(x, residual, h) -> RMSNorm | Miss | None:
-    dtype = _dtype(h)
-    hf = h
-    if dtype not in (torch.float32, torch.float64):  # low precision: upcast first
-        ups = [u for u in h.users if _cast_to(u, torch.float32)]
-        if len(ups) != 1:
-            return None
-        hf = ups[0]
+def _match_f32_sum(x, up, s) -> RMSNorm | Miss | None:
+    """s = convert(x, f32) + convert(residual, f32): vLLM's fused add + norm."""
+    cr = _other(s, up)
+    if not (isinstance(cr, fx.Node) and _cast_to(cr, torch.float32)):
+        return None
+    residual = cr.args[0]
+    if not (isinstance(residual, fx.Node) and _dtype(residual) == _dtype(x)
+            and same_shape(residual, x)):
+        return None
+    if len(up.users) != 1:
+        return Miss("the upcast reduced value is read outside the norm", up)
+    downs = [u for u in s.users if _cast_to(u, _dtype(x))]
+    if len(downs) > 1:
+        return Miss("the f32 sum is cast back more than once", s)
+    h = downs[0] if downs else None
+    return _match_norm(x, residual, h, hf=s, pre=(up,))
+
+
+def _match_norm(x, residual, h, hf=None, pre=()) -> RMSNorm | Miss | None:
+    dtype = _dtype(x)
+    if hf is None:
+        hf = h
+        if dtype not in (torch.float32, torch.float64):  # low precision: upcast first
+            ups = [u for u in h.users if _cast_to(u, torch.float32)]
+            if len(ups) != 1:
+                return None
+            hf = ups[0]
     sq = next((u for u in hf.users if _is_square(u, hf)), None)
     if sq is None:
         return None
     mean = _sole(sq)
     if not is_call(mean, aten.mean.dim):
         return None
-    rank = ndim(h)
+    rank = ndim(x)
     dims = mean.args[1] if len(mean.args) > 1 else mean.kwargs.get("dim")
     keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
     if mean.kwargs.get("dtype") not in (None, torch.float32):
@@ -127,13 +166,13 @@ def _match_norm(x, residual, h) -> RMSNorm | Miss | None:
     normed = _sole(rsqrt)
     if not is_call(normed, aten.mul.Tensor) or _other(normed, rsqrt) is not hf:
         return Miss("rsqrt does not scale the norm's input", rsqrt)
-    if set(hf.users) != {sq, normed} and hf is not h:
+    if hf is not h and not set(hf.users) <= {sq, normed, h}:
         return Miss("the upcast input is read outside the norm", hf)
-    inner = [n for n in (hf if hf is not h else None, sq, mean, add_eps, rsqrt) if n]
-    return _match_tail(x, residual, h, float(eps), normed, inner, dtype)
+    inner = [*pre, *[n for n in (hf if hf is not h else None, sq, mean, add_eps, rsqrt) if n]]
+    return _match_tail(x, residual, h, float(eps), normed, inner, dtype, sum_in_f32=bool(pre))
 
 
-def _match_tail(x, residual, h, eps, normed, inner, dtype) -> RMSNorm | Miss:
+def _match_tail(x, residual, h, eps, normed, inner, dtype, sum_in_f32=False) -> RMSNorm | Miss:
     """After n = hf * rsqrt(...): the optional cast back and weight multiply."""
     cur, round_before = normed, False
     weight, offset, off_in_w = None, 0.0, False
@@ -142,7 +181,7 @@ def _match_tail(x, residual, h, eps, normed, inner, dtype) -> RMSNorm | Miss:
         inner.append(cur)
         cur, round_before, nxt = nxt, True, _sole(nxt)  # hand-written: cast back first
     if nxt is not None and is_call(nxt, aten.mul.Tensor) and len(nxt.args) == 2:
-        parsed = _weight(_other(nxt, cur), h)
+        parsed = _weight(_other(nxt, cur), x)
         if isinstance(parsed, Miss):
             return parsed
         if parsed is not None:
@@ -159,13 +198,13 @@ def _match_tail(x, residual, h, eps, normed, inner, dtype) -> RMSNorm | Miss:
     if out_dtype not in (torch.float32, dtype):
         return Miss(f"norm output in {out_dtype} (neither f32 nor the input dtype)", cur)
     for n in inner:  # the norm's intermediates must not be read elsewhere
-        if any(u not in inner and u is not cur for u in n.users):
+        if any(u not in inner and u is not cur and (h is None or u is not h) for u in n.users):
             return Miss("an intermediate of the norm is read outside it", n)
     return RMSNorm(x, residual, h, weight, eps, offset, off_in_w, round_before, out_dtype,
-                   cur, tuple(inner))
+                   cur, tuple(inner), sum_in_f32=sum_in_f32)
 
 
-def _weight(w, h) -> tuple | Miss | None:
+def _weight(w, x) -> tuple | Miss | None:
     """(raw weight, offset, offset added in the weight's dtype) for the weight operand
     w: w | convert(w, f32) | (w | convert(w, f32)) + number; None if w is not a weight."""
     if not isinstance(w, fx.Node):
@@ -181,7 +220,7 @@ def _weight(w, h) -> tuple | Miss | None:
     if _cast_to(w, torch.float32):
         w, off_in_w = w.args[0], False
     v = w.meta.get("val") if isinstance(w, fx.Node) else None
-    hidden = h.meta["val"].shape[-1]
+    hidden = x.meta["val"].shape[-1]
     if not isinstance(v, torch.Tensor) or v.dim() != 1 or not same_shape(v.shape, [hidden]):
         return Miss("norm weight is not a [hidden] vector", w)
     if v.dtype not in (torch.float32, torch.bfloat16, torch.float16):

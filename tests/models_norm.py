@@ -38,8 +38,39 @@ def norm_gemma_lowp(h, w, eps):
     return (n * (1.0 + w)).to(h.dtype)
 
 
+def norm_vllm(h, w, eps, residual=None):
+    """vLLM's native rms_norm / fused_add_rms_norm (vllm/ir/ops/layernorm.py), which
+    vLLM CPU traces when its IR ops are not wrapped: the residual add in f32, the norm
+    of the f32 sum, the new residual cast back; weight multiply in the weight's dtype.
+    Returns (normed, new residual) with a residual, else normed."""
+    orig = h.dtype
+    x = h.to(torch.float32)
+    if residual is not None:
+        x = x + residual.to(torch.float32)
+        new_residual = x.to(orig)
+    x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+    if w is not None:
+        x = x.to(w.dtype) * w
+    out = x.to(orig)
+    return out if residual is None else (out, new_residual)
+
+
+def norm_vllm_w32(h, w, eps, residual=None):
+    """vLLM's form with an f32 weight (weight multiply in f32, cast last)."""
+    return norm_vllm(h, w.float(), eps, residual)
+
+
+def norm_vllm_ir(h, w, eps, residual=None):
+    """vLLM's IR ops, as vLLM emits them with ir_enable_torch_wrap (needs vllm)."""
+    if residual is None:
+        return torch.ops.vllm_ir.rms_norm(h, w, eps)
+    return torch.ops.vllm_ir.fused_add_rms_norm.maybe_inplace(h, residual, w, eps)
+
+
 NORMS = {"hand": norm_hand, "functional": norm_functional, "gemma": norm_gemma,
-         "gemma_lowp": norm_gemma_lowp}
+         "gemma_lowp": norm_gemma_lowp, "vllm": norm_vllm, "vllm_w32": norm_vllm_w32,
+         "vllm_ir": norm_vllm_ir}
+FUSED_ADD = {"vllm", "vllm_w32", "vllm_ir"}  # norms that take the residual themselves
 OFFSET = {"gemma": 1.0, "gemma_lowp": 1.0}
 
 
@@ -67,6 +98,8 @@ def make_block(norm: str, coll: str, residual: bool, res_first: bool, eps: float
 
     def block(x, r, w):
         y = afn(x * 1)  # x * 1: in-place all_reduce on an intermediate, not the input
+        if residual and norm in FUSED_ADD:  # r * 1: vLLM's residual is no graph input
+            return nfn(r * 1, w, eps, y) if res_first else nfn(y, w, eps, r * 1)
         if residual:
             y = (r + y) if res_first else (y + r)
         return nfn(y, w, eps), y

@@ -1,0 +1,136 @@
+"""RMSNorm as vLLM's IR ops (vLLM run with ``ir_enable_torch_wrap``), as one RMSNorm
+match:
+
+    vllm_ir.rms_norm.default(x, weight, epsilon[, variance_size=None])
+    auto_functionalized(vllm_ir.fused_add_rms_norm.maybe_inplace, x=x, x_residual=r,
+                        weight=w, epsilon=eps, variance_size=None)
+        -> getitem 0 (normed), getitem 1 (new residual; absent when dead)
+    (vLLM's graphs use auto_functionalized; torch's default auto_functionalized_v2
+    passes x and x_residual as _all_bases[_x_base_index] etc.: both are read)
+
+What they compute (vllm/ir/ops/layernorm.py; on CPU the "native" implementation runs,
+eagerly, so every cast rounds): s = f32(x) [+ f32(r)], new residual = round_D(s),
+n = s * rsqrt(mean(s^2) + eps), out = round_D(round_W(n) * w) where W is the weight's
+dtype. So: the norm reads the f32 sum, and the normalized value is rounded to the
+weight's dtype before the multiply. A weight whose dtype is neither f32 nor x's is not
+matched (the product would be rounded twice, in two dtypes).
+vLLM's ops are looked up by name and only when registered (commfold never imports vLLM).
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from .common import Miss, is_call, is_getitem, same_shape
+
+
+def _ir_op(name: str, overload: str):
+    try:
+        return getattr(getattr(torch.ops.vllm_ir, name), overload)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _dtype(node):
+    v = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return v.dtype if isinstance(v, torch.Tensor) else None
+
+
+def match_ir_norm(x: fx.Node):
+    """The vllm_ir norm reading x (as its x, or as the residual of a fused add): an
+    RMSNorm, a Miss, or None when no vllm_ir norm reads x."""
+    rms = _ir_op("rms_norm", "default")
+    fused = _ir_op("fused_add_rms_norm", "maybe_inplace")
+    if rms is None and fused is None:
+        return None
+    from torch._higher_order_ops.auto_functionalize import (auto_functionalized,
+                                                            auto_functionalized_v2)
+
+    for user in x.users:
+        if rms is not None and is_call(user, rms):
+            return _rms_norm(x, user)
+        if fused is not None and is_call(user, auto_functionalized, auto_functionalized_v2) \
+                and user.args and user.args[0] is fused:
+            return _fused_add(x, user)
+    return None
+
+
+def _functional_kwargs(af: fx.Node) -> dict | None:
+    """The op's kwargs of an auto_functionalized(_v2) node; None when a mutated
+    argument is a view of a base (v2), which the fused op does not model."""
+    kw = dict(af.kwargs)
+    bases = kw.pop("_all_bases", None)
+    if bases is None:
+        return kw
+    out = {}
+    for k, v in kw.items():
+        if k.startswith("_") and k.endswith("_base_index"):
+            name = k[1:-len("_base_index")]
+            if any(f"_{name}_{x}" in kw for x in ("size", "stride", "storage_offset")) \
+                    or any(key.startswith(f"_{name}_slice") for key in kw):
+                return None
+            out[name] = bases[v]
+        elif not k.startswith("_"):
+            out[k] = v
+    return out
+
+
+def _args(node: fx.Node, names: tuple[str, ...]) -> dict:
+    out = dict(zip(names, node.args))
+    out.update(node.kwargs)
+    return out
+
+
+def _rms_norm(x, node):
+    a = _args(node, ("x", "weight", "epsilon", "variance_size"))
+    if a.get("x") is not x:
+        return None
+    return _build(x, None, node, a, out=node, h=x, inner=())  # h: x is the residual
+
+
+def _fused_add(x, af):
+    a = _functional_kwargs(af)
+    if a is None:
+        return Miss("vllm_ir.fused_add_rms_norm on a view of a mutated base", af)
+    if a.get("x") is x:
+        residual = a.get("x_residual")
+    elif a.get("x_residual") is x:
+        residual = a.get("x")
+    else:
+        return None
+    if not isinstance(residual, fx.Node) or residual is x or not same_shape(residual, x) \
+            or _dtype(residual) != _dtype(x):
+        return Miss("vllm_ir.fused_add_rms_norm operands differ in shape or dtype", af)
+    outs = {}
+    for u in af.users:
+        if not is_getitem(u) or u.args[1] in outs:
+            return Miss("vllm_ir.fused_add_rms_norm result read other than by getitem", af)
+        outs[u.args[1]] = u
+    if 0 not in outs:
+        return None
+    if any(outs[i].users for i in outs if i not in (0, 1)):
+        return Miss("vllm_ir.fused_add_rms_norm's in-place inputs are read after it", af)
+    extra = tuple(outs[i] for i in sorted(outs) if i not in (0, 1))
+    return _build(x, residual, af, a, out=outs[0], h=outs.get(1), inner=(af, *extra))
+
+
+def _build(x, residual, node, a, out, h, inner):
+    from .rmsnorm import RMSNorm
+
+    eps, weight = a.get("epsilon"), a.get("weight")
+    if a.get("variance_size") is not None:
+        return Miss("vllm_ir norm with variance_size (a partial-row variance)", node)
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
+        return Miss("vllm_ir norm eps is not a number", node)
+    dtype = _dtype(x)
+    round_before = False
+    if weight is not None:
+        v = weight.meta.get("val") if isinstance(weight, fx.Node) else None
+        if not isinstance(v, torch.Tensor) or v.dim() != 1 \
+                or not same_shape(v.shape, [x.meta["val"].shape[-1]]):
+            return Miss("norm weight is not a [hidden] vector", node)
+        if v.dtype not in (torch.float32, dtype):
+            return Miss(f"vllm_ir norm weight in {v.dtype}, input in {dtype}", node)
+        round_before = v.dtype != torch.float32
+    return RMSNorm(x, residual, h, weight, float(eps), 0.0, False, round_before, dtype,
+                   out, tuple(inner), sum_in_f32=True, eager=True)

@@ -1,0 +1,60 @@
+"""fuse_allreduce_rmsnorm on vLLM's norm spellings, on real gloo ranks, without the
+engine: vLLM's native fused add + norm as vLLM CPU traces it (the sum in f32 from
+two upcasts, the new residual cast back, weight in its own dtype; the final norm
+without the new residual) and vLLM's IR ops (``vllm_ir.rms_norm``,
+``auto_functionalized(vllm_ir.fused_add_rms_norm.maybe_inplace)``), which run
+eagerly and round at every cast. Each result matches the unfused compiled program
+(f32 within 1e-5; bf16/fp16: the new residual bit-equal, the output no further from
+an f64 reference) and each block is fused once."""
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from test_fuse_allreduce_rmsnorm import _check, numerics_on_rank
+
+
+def _case(dtype, norm, residual, res_first=False, tokens=(9, 40), hidden=96, eps=1e-6,
+          seed=1):
+    return dict(dtype=dtype, hidden=hidden, eps=eps, norm=norm, coll="funcol",
+                residual=residual, res_first=res_first, scale=1.0, seed=seed,
+                tokens=tokens)
+
+
+DECOMPOSED = [_case("bf16", "vllm", True), _case("f16", "vllm", True, res_first=True),
+              _case("bf16", "vllm_w32", True, hidden=200, eps=1e-5),
+              _case("bf16", "vllm", False), _case("f32", "vllm", True, eps=0.25)]
+
+
+def _assert_fused(per_rank, cases):
+    for results in per_rank:
+        _check(results)
+        per_graph = [r["rewrites"] for r in results if "rewrites" in r]
+        assert len(per_graph) == len(cases) and all(c and set(c) == {1} for c in per_graph), \
+            per_graph
+        for r in results:
+            assert r["calls"] == {"all_reduce": 1, "reduce_scatter": 0, "all_gather": 0}, r
+    assert len({tuple(r["out_hash"] for r in res) for res in per_rank}) == 1
+
+
+def test_vllm_native_norm_forms(ranks2):
+    _assert_fused(ranks2.run(numerics_on_rank, DECOMPOSED), DECOMPOSED)
+
+
+def ir_numerics_on_rank(cases, emulate_casts):
+    import vllm.ir.ops  # noqa: F401  (registers torch.ops.vllm_ir)
+
+    return numerics_on_rank(cases, None, emulate_casts)
+
+
+IR = [_case("bf16", "vllm_ir", True), _case("f16", "vllm_ir", True, res_first=True),
+      _case("bf16", "vllm_ir", False), _case("f32", "vllm_ir", True)]
+
+
+def test_vllm_ir_ops(ranks2):
+    pytest.importorskip("vllm.ir.ops", reason="vLLM IR ops need vllm")
+    per_rank = ranks2.run(ir_numerics_on_rank, IR, False)
+    _assert_fused(per_rank, IR)
+    for results in per_rank:  # bf16/fp16: the eager op rounds where the fused op does,
+        for r in results:     # so (almost) every element is bit-equal
+            assert r["dtype"] == "torch.float32" or r["mismatch"] <= 0.02, r
