@@ -66,38 +66,64 @@ def monotone_step(node: fx.Node, x: fx.Node) -> str | None:
     return f"{name} between the gather and the argmax is not a known monotone elementwise op"
 
 
-def match_greedy(g: VocabGather) -> GreedyPick | Miss | None:
-    """The greedy pick reading g, a Miss saying why g's reader is not one, or None
-    when nothing argmax-like reads g at all (not a near-miss: no record)."""
+@dataclass(frozen=True)
+class RowWalk:
+    """The single-consumer path from a gathered row to the op that reads it: an
+    optional slice to the valid vocab, then column-uniform elementwise ops."""
+
+    valid_vocab: "int | fx.Node | None"
+    elementwise: tuple[fx.Node, ...]
+    reader: fx.Node
+
+
+def walk_to_reader(g: VocabGather, readers) -> RowWalk | Miss | None:
+    """Follow g's gathered row through a vocab slice and monotone elementwise ops to
+    an op whose target is in `readers`; a Miss says why the path breaks (only when a
+    reader is a few ops downstream), None when no reader reads g at all."""
     node, valid, chain = g.gathered, None, []
     rank = g.shard.meta["val"].dim()
     while True:
         user = only_user(node)
         if user is None:
-            return _near(node, "the gathered logits have other consumers") if node.users else None
-        if user.target in _PICKS:
-            return _match_pick(g, user, valid, chain, rank)
+            return _near(node, "the gathered logits have other consumers", readers) \
+                if node.users else None
+        if user.target in readers:
+            return RowWalk(valid, tuple(chain), user)
         if is_call(user, aten.slice.Tensor) and not chain and valid is None:
             given = list(user.args[1:])
             dim, start, end, step = given + [0, None, None, 1][len(given):]
             if norm_dim(dim, rank) != rank - 1:
-                return _near(user, "slice on a dim other than vocab")
+                return _near(user, "slice on a dim other than vocab", readers)
             if start not in (0, None) or step != 1 or not _int_like(end):
-                return _near(user, "slice of the vocab dim other than [0:V]")
+                return _near(user, "slice of the vocab dim other than [0:V]", readers)
             if isinstance(end, int) and end <= 0:
-                return _near(user, "slice of the vocab dim with a non-positive end")
-            # The op applies slice's own clamping at run time (end may be symbolic).
+                return _near(user, "slice of the vocab dim with a non-positive end", readers)
+            # The ops apply slice's own clamping at run time (end may be symbolic).
             valid = end
             node = user
             continue
         if user.op == "call_function" and _is_elementwise(user):
             why = monotone_step(user, node)
             if why is not None:
-                return _near(user, why)
+                return _near(user, why, readers)
             chain.append(user)
             node = user
             continue
-        return _near(user, None)
+        return _near(user, None, readers)
+
+
+def match_greedy(g: VocabGather) -> GreedyPick | Miss | None:
+    """The greedy pick reading g, a Miss saying why g's reader is not one, or None
+    when nothing argmax-like reads g at all (not a near-miss: no record). topk with
+    k > 1 is not a greedy pick: it is left to the top-k recognizer (None)."""
+    walk = walk_to_reader(g, _PICKS)
+    if not walk:
+        return walk
+    pick = walk.reader
+    if pick.target is aten.topk.default and pick.args[1] != 1:
+        return None
+    return _match_pick(g, pick, walk.valid_vocab, list(walk.elementwise),
+                       g.shard.meta["val"].dim())
 
 
 def _int_like(x) -> bool:
@@ -107,20 +133,25 @@ def _int_like(x) -> bool:
     return isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.SymInt)
 
 
-def _near(node: fx.Node, reason: str | None):
-    """A Miss if an argmax-like op is at most a few ops downstream of node (on any
-    path), else None: a gather nobody picks from is not a near-miss."""
+def _near(node: fx.Node, reason: str | None, readers):
+    """A Miss if a reader op is at most a few ops downstream of node (on any path),
+    else None: a gather nobody reads that way is not a near-miss."""
     frontier, seen = [node], set()
     for _ in range(6):
         nxt = []
         for n in frontier:
-            if n.target in _PICKS:
-                return Miss(reason or "an unsupported op between the gather and the argmax", n)
+            if n.target in readers:
+                return Miss(reason or "an unsupported op between the gather and the "
+                                      f"{_name(n.target)}", n)
             if n not in seen:
                 seen.add(n)
                 nxt.extend(n.users)
         frontier = nxt
     return None
+
+
+def _name(target) -> str:
+    return getattr(target, "__name__", str(target)).split(".")[0]
 
 
 def _is_elementwise(node: fx.Node) -> bool:
@@ -145,11 +176,8 @@ def _match_pick(g, pick, valid, chain, rank) -> GreedyPick | Miss:
         if not all(is_getitem(u) for u in pick.users):
             return Miss("max() result used as a tuple", pick)
     else:
-        k = pick.args[1]
         dim = pick.args[2] if len(pick.args) > 2 else pick.kwargs.get("dim", -1)
         largest = pick.args[3] if len(pick.args) > 3 else pick.kwargs.get("largest", True)
-        if k != 1:
-            return Miss(f"topk with k={k} (only k=1 is a greedy pick)", pick)
         if not largest:
             return Miss("topk(largest=False)", pick)
         if not all(is_getitem(u) for u in pick.users):

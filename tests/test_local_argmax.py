@@ -98,12 +98,24 @@ def check_program(name: str, dtype_name: str, cases: list[dict]) -> dict:
         gathered.append((case["rows"], [e.elements for e in log.of("all_gather")]))
         for label, got in (("eager", eager), ("inductor", plain), ("commfold", ours),
                            ("commfold-2nd", again)):
-            if not torch.equal(got, expect):
+            want = expect
+            if label in ("eager", "inductor") and name == "dtensor_topk":
+                # torch.topk may return any of several tied maxima: check it picked one
+                got, want = picked_value(logits, vocab, got), picked_value(logits, vocab, expect)
+            if not torch.equal(got, want):
                 mismatches.append((label, {k: v for k, v in case.items() if k != "dtype"},
                                    got.tolist(), expect.tolist()))
     return {"mismatches": mismatches, "gathered": gathered,
             "fingerprints": fingerprints,
             "reports": [r.summary() for r in commfold.reports()[-3:]]}
+
+
+def picked_value(logits, vocab, index):
+    """The soft-capped logits dtensor_topk compares, at the chosen indices, NaN made
+    comparable (NaN == NaN)."""
+    capped = torch.tanh(logits[:, :vocab] / 30.0) * 30.0
+    v = capped.double().gather(-1, index.unsqueeze(-1)).squeeze(-1)
+    return torch.where(v.isnan(), torch.full_like(v, 1e300), v)
 
 
 def _run(pool, name, dtype_name, cases):
