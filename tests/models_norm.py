@@ -92,17 +92,23 @@ def ar_inplace(x):
 ALL_REDUCES = {"funcol": ar_funcol, "funcol_wait": ar_funcol_wait, "inplace": ar_inplace}
 
 
-def make_block(norm: str, coll: str, residual: bool, res_first: bool, eps: float):
-    """fn(x, r, w) -> (normed, new residual): all_reduce(x) [+ r] -> RMSNorm."""
+def make_block(norm: str, coll: str, residual: bool, res_first: bool, eps: float,
+               weight: bool = True, dead_residual: bool = False):
+    """fn(x, r, w) -> (normed, new residual): all_reduce(x) [+ r] -> RMSNorm.
+    weight=False: a norm without weight (w is ignored); dead_residual: the new
+    residual is not returned (a final norm; r is returned in its place)."""
     nfn, afn = NORMS[norm], ALL_REDUCES[coll]
 
     def block(x, r, w):
+        w = w if weight else None
         y = afn(x * 1)  # x * 1: in-place all_reduce on an intermediate, not the input
         if residual and norm in FUSED_ADD:  # r * 1: vLLM's residual is no graph input
-            return nfn(r * 1, w, eps, y) if res_first else nfn(y, w, eps, r * 1)
-        if residual:
-            y = (r + y) if res_first else (y + r)
-        return nfn(y, w, eps), y
+            out, y = nfn(r * 1, w, eps, y) if res_first else nfn(y, w, eps, r * 1)
+        else:
+            if residual:
+                y = (r + y) if res_first else (y + r)
+            out = nfn(y, w, eps)
+        return out, (r if dead_residual else y)
 
     return block
 

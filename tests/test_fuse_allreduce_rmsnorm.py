@@ -40,7 +40,7 @@ def _reference(case, xs, r, w) -> torch.Tensor:
     """The exact (f64) result for the low-precision inputs."""
     h = xs.double().sum(0) + (r.double() if case["residual"] else 0)
     n = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + case["eps"])
-    return n * (w.double() + OFFSET.get(case["norm"], 0.0))
+    return n * (w.double() + OFFSET.get(case["norm"], 0.0)) if case.get("weight", True) else n
 
 
 def numerics_on_rank(cases, two_shot=None, emulate_casts=False):
@@ -55,7 +55,7 @@ def _numerics(cases, two_shot):
     out = []
     for case in cases:
         block = make_block(case["norm"], case["coll"], case["residual"], case["res_first"],
-                           case["eps"])
+                           case["eps"], case.get("weight", True), case.get("dead_residual", False))
         torch._dynamo.reset()
         commfold.clear_reports()
         unfused = torch.compile(block, backend="inductor")

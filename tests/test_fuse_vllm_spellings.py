@@ -15,15 +15,18 @@ from test_fuse_allreduce_rmsnorm import _check, numerics_on_rank
 
 
 def _case(dtype, norm, residual, res_first=False, tokens=(9, 40), hidden=96, eps=1e-6,
-          seed=1):
-    return dict(dtype=dtype, hidden=hidden, eps=eps, norm=norm, coll="funcol",
-                residual=residual, res_first=res_first, scale=1.0, seed=seed,
-                tokens=tokens)
+          weight=True, dead_residual=False, coll="funcol"):
+    return dict(dtype=dtype, hidden=hidden, eps=eps, norm=norm, coll=coll,
+                residual=residual, res_first=res_first, scale=1.0, seed=1, tokens=tokens,
+                weight=weight, dead_residual=dead_residual)
 
 
-DECOMPOSED = [_case("bf16", "vllm", True), _case("f16", "vllm", True, res_first=True),
-              _case("bf16", "vllm_w32", True, hidden=200, eps=1e-5),
-              _case("bf16", "vllm", False), _case("f32", "vllm", True, eps=0.25)]
+# also: no weight, and a final norm whose new residual is never computed
+DECOMPOSED = [_case("bf16", "vllm", True),
+              _case("f16", "vllm", True, res_first=True, dead_residual=True),
+              _case("bf16", "vllm_w32", True, hidden=200, eps=1e-5, coll="inplace"),
+              _case("bf16", "vllm", True, weight=False, eps=0.25),
+              _case("f32", "hand", False, weight=False)]
 
 
 def _assert_fused(per_rank, cases):
@@ -48,7 +51,8 @@ def ir_numerics_on_rank(cases, emulate_casts):
 
 
 IR = [_case("bf16", "vllm_ir", True), _case("f16", "vllm_ir", True, res_first=True),
-      _case("bf16", "vllm_ir", False), _case("f32", "vllm_ir", True)]
+      _case("bf16", "vllm_ir", True, dead_residual=True, weight=False, hidden=200),
+      _case("bf16", "vllm_ir", False), _case("f32", "vllm_ir", True, coll="funcol_wait")]
 
 
 def test_vllm_ir_ops(ranks2):
