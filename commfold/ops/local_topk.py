@@ -1,0 +1,94 @@
+"""commfold::local_topk - the k largest logits (values, global indices) over
+vocab-sharded logits without gathering them.
+
+Each rank takes the top k of its valid columns (padding past the true vocab masked
+out; a rank holding only padding offers nothing), the ranks exchange k (key, value)
+pairs per row in one collective, and the top k keys over ranks win.
+
+Order: descending value, equal values lowest index first - the order of
+``torch.sort(descending=True, stable=True)``. torch.topk's order among equal values
+is unspecified (on CPU it varies with the row length), so commfold's indices equal
+torch.topk's whenever the row has no ties among its top k, and otherwise point at the
+same values. NaN counts as the largest value (as in torch.topk and torch.sort).
+
+Exactness: each column gets a unique int64 key, (ordered value bits << 32) |
+(2^32 - 1 - global index); comparing keys is comparing (value, -index), so local and
+global top-k are both exact and deterministic. -0.0 and +0.0 share a key's value bits
+(torch compares them equal), every NaN gets the largest ones; the values returned are
+the original columns' bits (signed zeros and NaN payloads survive).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..collectives import communicator
+
+_BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+# float64 has no room for an index next to its 64 value bits in one int64 key.
+SUPPORTED_DTYPES = tuple(_BITS)
+_LOW = (1 << 32) - 1
+_NONE = torch.iinfo(torch.int64).min  # below every real key (see _keys)
+
+
+def ordered_bits(x: torch.Tensor) -> torch.Tensor:
+    """int64 per element, in the same order as x's values under torch.topk's rule:
+    -0.0 == +0.0, every NaN above +inf."""
+    bits_dtype = _BITS[x.dtype]
+    top = torch.iinfo(bits_dtype).max  # the magnitude mask, 0x7fff...
+    b = x.view(bits_dtype).to(torch.int64)
+    b = torch.where(b < 0, b ^ top, b)  # negatives: larger magnitude -> smaller
+    b = torch.where(x == 0, torch.zeros_like(b), b)  # -0.0 is +0.0
+    return torch.where(x.isnan(), torch.full_like(b, top), b)
+
+
+def _keys(cols: torch.Tensor, first_index: int) -> torch.Tensor:
+    """Unique int64 keys: larger value first, then lower global index first. The
+    smallest real key is above int64 min (value bits > int32/int16 min)."""
+    index = torch.arange(first_index, first_index + cols.shape[-1], dtype=torch.int64)
+    return (ordered_bits(cols) << 32) + (_LOW - index)
+
+
+@torch.library.custom_op("commfold::local_topk", mutates_args=())
+def local_topk(shard: torch.Tensor, valid_vocab: int | None, comm: str,
+               k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, global indices) of the k largest entries of the last dim of
+    gathered[..., :valid_vocab], the ranks' shards [..., Vs] concatenated in rank
+    order; sorted descending, ties lowest index first. valid_vocab is a slice end with
+    Python's rules (negative counts from the end); None keeps all columns."""
+    c = communicator(comm)
+    world, rank = c.world_size(), c.rank()
+    vs = shard.shape[-1]
+    total = _slice_end(valid_vocab, world * vs)
+    if not 0 <= k <= total:  # every rank sees the same total: all raise, none gathers
+        raise RuntimeError("commfold.local_topk: selected index k out of range "
+                           "(the original program's topk raises here too)")
+    lead = shard.shape[:-1]
+    rows = shard.reshape(-1, vs)
+    n_local = max(0, min(vs, total - rank * vs))
+    pack = torch.full((rows.shape[0], k, 2), _NONE, dtype=torch.int64)
+    take = min(k, n_local)
+    if take > 0:
+        cols = rows[:, :n_local]
+        keys, where = torch.topk(_keys(cols, rank * vs), take, dim=-1)
+        pack[:, :take, 0] = keys
+        pack[:, :take, 1] = cols.gather(-1, where).view(_BITS[rows.dtype]).to(torch.int64)
+    packs = c.all_gather(pack).view(world, rows.shape[0], k, 2)
+    packs = packs.permute(1, 0, 2, 3).reshape(rows.shape[0], world * k, 2)
+    keys, where = torch.topk(packs[..., 0], k, dim=-1)  # total >= k: no _NONE wins
+    bits = packs[..., 1].gather(-1, where).to(_BITS[rows.dtype])
+    values = bits.view(rows.dtype).reshape(*lead, k)
+    indices = (_LOW - (keys & _LOW)).reshape(*lead, k)
+    return values, indices
+
+
+def _slice_end(end: int | None, width: int) -> int:
+    if end is None:
+        return width
+    return max(0, min(width, end if end >= 0 else width + end))
+
+
+@local_topk.register_fake
+def _(shard, valid_vocab, comm, k):
+    shape = list(shard.shape[:-1]) + [k]
+    return shard.new_empty(shape), shard.new_empty(shape, dtype=torch.int64)

@@ -1,0 +1,77 @@
+"""local_topk: the k largest logits (values and token ids) over vocab-sharded logits
+without gathering the logits - top-k sampling and top-k logprobs.
+
+Uses: patterns.gather.VocabGather (the all-gather on the vocab dim, any spelling) and
+patterns.topk.TopK (slice to the valid vocab, monotone elementwise ops, then topk(k)
+or a descending sort sliced to its first k; static 2 <= k <= 64).
+
+Why it is safe:
+- nothing but the topk / the sort's first-k slices reads the gathered logits (the
+  recognizer checks every node on the way has one consumer), so the full row need
+  not exist;
+- the elementwise ops are replayed on the shard, so each logit compared is bit-for-bit
+  the value compared before;
+- shards are concatenated in rank order (checked), so a rank's column j is global
+  column rank * Vs + j; commfold::local_topk ranks columns by unique (value, -index)
+  keys: exact values, NaN largest, padding past the valid vocab masked;
+- order: descending, equal values lowest index first (stable descending sort's
+  order). torch.topk and an unstable sort leave the order among ties unspecified, so
+  that is one of the orders the original program may produce.
+
+Writes: shard -> replayed ops -> commfold::local_topk(., valid_vocab, comm, k) whose
+one collective gathers k (key, value) int64 pairs per row per rank.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from commfold.context import PassContext
+from commfold.graph import erase_if_dead, insert_call, nbytes, numel, tensor_val
+from commfold.ops.local_topk import SUPPORTED_DTYPES
+from commfold.patterns.gather import gather_candidates, match_vocab_gather
+from commfold.patterns.topk import TopK, match_topk
+from commfold.report import Comm
+
+PATTERN = "all_gather->topk"
+
+
+def run(ctx: PassContext) -> None:
+    for m in ctx.matches(PATTERN, gather_candidates(ctx.graph), _topk_pick):
+        if tensor_val(m.reader.args[0]).dtype not in SUPPORTED_DTYPES:
+            ctx.skipped(PATTERN, m.reader, "logits dtype not supported (float64: "
+                                           "no room for an index in a 64-bit key)")
+            continue
+        _rewrite(ctx, m)
+
+
+def _topk_pick(coll):
+    gather = match_vocab_gather(coll)
+    return match_topk(gather) if gather else None
+
+
+def _rewrite(ctx: PassContext, m: TopK) -> None:
+    graph = ctx.graph
+    before = Comm(nbytes(tensor_val(m.gather.gathered)), 1)
+    with graph.inserting_before(m.reader):
+        x = m.gather.shard
+        for op in m.elementwise:  # replay on the shard: same values per column
+            args = tuple(x if isinstance(a, torch.fx.Node) else a for a in op.args)
+            x = insert_call(graph, op.target, args, dict(op.kwargs), like=op)
+        top = insert_call(graph, torch.ops.commfold.local_topk.default,
+                          (x, m.valid_vocab, m.gather.comm, m.k), like=m.reader)
+        new = [insert_call(graph, operator.getitem, (top, i), like=m.reader) for i in (0, 1)]
+    for old, which in m.outputs:
+        old.replace_all_uses_with(new[which])
+        erase_if_dead(old, also=m.gather.comm_nodes)  # transitively: up to the gather
+    ctx.rewrote(PATTERN, m.reader, before,
+                Comm(_pair_bytes(tensor_val(new[1]), m.gather.world_size), 1),
+                detail=f"{m.kind} k={m.k}, world {m.gather.world_size}, "
+                       f"{'no padding' if m.valid_vocab is None else 'padding sliced off'}")
+
+
+def _pair_bytes(indices_val, world: int):
+    """k int64 (key, value) pairs per row per rank, as the collective outputs."""
+    n = numel(indices_val)
+    return n * 16 * world if isinstance(n, int) else f"{n}*{16 * world}"

@@ -1,0 +1,96 @@
+"""Top-k programs over vocab-sharded logits, one per gather spelling, run on every
+rank of a pool by tests/test_local_topk.py. Each takes this rank's logits shard
+[rows, Vs] and returns (values, token ids) of the k largest scaled logits of the
+valid vocab."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+
+def _world():
+    return dist.group.WORLD
+
+
+def funcol_topk(shard, vocab, temp, k):
+    full = funcol.all_gather_single(shard, -1, _world())
+    v, i = torch.topk(full[:, :vocab] / temp, k, dim=-1)
+    return v, i
+
+
+def inplace_sort(shard, vocab, temp, k):
+    w = dist.get_world_size()
+    out = torch.empty(w * shard.shape[0], shard.shape[1], dtype=shard.dtype)
+    dist.all_gather_into_tensor(out, shard)
+    full = out.view(w, shard.shape[0], shard.shape[1]).movedim(0, 1).reshape(shard.shape[0], -1)
+    v, i = torch.sort(full[:, :vocab] * (1.0 / temp), dim=-1, descending=True, stable=True)
+    return v[:, :k], i[:, :k]
+
+
+_MESH = None
+
+
+def setup_mesh():
+    """Create the 1-D device mesh outside compiled code (dynamo cannot trace its
+    creation in torch 2.13)."""
+    global _MESH
+    if _MESH is None:
+        from torch.distributed.tensor import init_device_mesh
+
+        _MESH = init_device_mesh("cpu", (dist.get_world_size(),))
+    return _MESH
+
+
+def dtensor_topk(shard, vocab, temp, k):
+    from torch.distributed.tensor import DTensor, Shard
+
+    full = DTensor.from_local(shard, _MESH, [Shard(1)], run_check=False).full_tensor()
+    out = (full[:, :vocab] / temp).topk(k, sorted=False)  # order unspecified: any is fine
+    return out.values, out.indices
+
+
+PROGRAMS = {"funcol_topk": funcol_topk, "inplace_sort": inplace_sort,
+            "dtensor_topk": dtensor_topk}
+
+
+def scaled(logits, vocab, temp, name):
+    """The values each program ranks, on the full logits, in eager torch."""
+    x = logits[:, :vocab]
+    return x * (1.0 / temp) if name == "inplace_sort" else x / temp
+
+
+def reference(logits, vocab, temp, name, k):
+    """commfold's promise: the stable descending sort's first k (ties lowest index
+    first, NaN largest)."""
+    v, i = torch.sort(scaled(logits, vocab, temp, name), dim=-1, descending=True, stable=True)
+    return v[:, :k], i[:, :k]
+
+
+def bench_topk(batch: int = 64, vocab: int = 151936, ks=(8, 50), repeats: int = 20) -> list:
+    """Rank body (run with commfold.testing.run_on_ranks(bench_topk, 2)): median ms
+    of funcol gather + topk(k) per call, commfold vs plain Inductor, per k. Returns
+    [(k, inductor_ms, commfold_ms)]."""
+    import statistics
+    import time
+
+    torch.manual_seed(0)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    vs = -(-vocab // world)
+    shard = torch.randn(batch, world * vs)[:, rank * vs:(rank + 1) * vs].contiguous()
+    out = []
+    for k in ks:
+        times = {}
+        for backend in ("inductor", "commfold"):
+            fn = torch.compile(lambda s, k=k: funcol_topk(s, vocab, 0.7, k), backend=backend)
+            for _ in range(3):
+                fn(shard)
+            samples = []
+            for _ in range(repeats):
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn(shard)
+                samples.append((time.perf_counter() - t0) * 1e3)
+            times[backend] = statistics.median(samples)
+        out.append((k, times["inductor"], times["commfold"]))
+    return out
