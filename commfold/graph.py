@@ -93,8 +93,19 @@ def insert_call(graph: fx.Graph, target, args=(), kwargs=None, like: fx.Node | N
     fake_args = fx.node.map_arg(args, lambda n: n.meta.get("val"))
     fake_kwargs = fx.node.map_arg(kwargs, lambda n: n.meta.get("val"))
     mode = fake_mode_of(graph)
-    with mode if mode is not None else nullcontext():
-        node.meta["val"] = target(*fake_args, **fake_kwargs)
+    kernel = _fake_kernel(target) if mode is not None else None
+    value = _fake_via_meta(mode, kernel, fake_args, fake_kwargs) if kernel is not None else None
+    if value is not None:
+        node.meta["val"] = value
+    elif kernel is not None:  # what FakeTensorMode would run, minus dispatch and its cache
+        from torch._library.fake_impl import FakeImplCtx, set_ctx_getter
+
+        ctx = FakeImplCtx(mode, target)
+        with set_ctx_getter(lambda: ctx), mode:
+            node.meta["val"] = kernel(*fake_args, **fake_kwargs)
+    else:
+        with mode if mode is not None else nullcontext():
+            node.meta["val"] = target(*fake_args, **fake_kwargs)
     if like is not None:
         for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
             if key in like.meta:
@@ -102,20 +113,104 @@ def insert_call(graph: fx.Graph, target, args=(), kwargs=None, like: fx.Node | N
     return node
 
 
+_FAKE_KERNELS: dict = {}
+
+
+def _fake_kernel(target):
+    """The Python fake kernel of one of commfold's own ops (torch.library
+    register_fake), or None (aten ops, Python callables, other libraries' ops)."""
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "commfold":
+        return None
+    if target not in _FAKE_KERNELS:
+        from torch._library.simple_registry import singleton
+
+        try:
+            _FAKE_KERNELS[target] = singleton.find(target.name()).fake_impl.kernel
+        except Exception:
+            _FAKE_KERNELS[target] = None
+    return _FAKE_KERNELS[target]
+
+
+def _static(t: torch.Tensor) -> bool:
+    return all(type(s) is int for s in t.shape) and all(type(s) is int for s in t.stride())
+
+
+def _fake_via_meta(mode, kernel, args, kwargs):
+    """kernel's outputs for static-shaped fake inputs, computed on meta stand-ins and
+    wrapped as fakes on the inputs' device, as FakeTensorMode wraps a meta kernel's
+    outputs: ~20 µs a tensor against ~150 for fake dispatch (insert_call's main cost
+    per rewrite). None when it does not apply (symbolic shapes, several devices, a
+    kernel that needs the fake context or makes non-meta tensors): the caller falls
+    back to fake dispatch."""
+    device = None
+
+    def to_meta(a):
+        nonlocal device
+        if not isinstance(a, torch.Tensor):
+            return a
+        if not _static(a) or (device is not None and a.device != device):
+            raise _NotStatic
+        device = a.device
+        return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+
+    try:
+        margs = fx.node.map_aggregate(args, to_meta)
+        mkwargs = fx.node.map_aggregate(kwargs, to_meta)
+        if device is None:
+            return None
+        out = kernel(*margs, **mkwargs)
+    except Exception:
+        return None
+    outs = out if isinstance(out, tuple) else (out,)
+    if not all(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in outs):
+        return None
+    conv = mode.fake_tensor_converter
+    fakes = tuple(conv.from_meta_and_device(mode, t, device) for t in outs)
+    return fakes if isinstance(out, tuple) else fakes[0]
+
+
+class _NotStatic(Exception):
+    pass
+
+
 def snapshot(graph: fx.Graph) -> fx.Graph:
-    """A copy of graph's nodes (meta shallow-copied) that restore() can put back."""
+    """A copy of graph's nodes (meta shallow-copied) that restore() can put back; an
+    independent fx.Graph (for observers). Checkpoint is the cheap form for restore."""
     copy = fx.Graph()
     out = copy.graph_copy(graph, {})
     copy.output(out)
     return copy
 
 
-def restore(graph: fx.Graph, saved: fx.Graph) -> None:
-    """Make graph hold exactly saved's nodes again (after a failed rewrite)."""
+class Checkpoint:
+    """A graph's nodes as they are now, cheaply: each node's identity, op, target,
+    args, kwargs, name and a shallow copy of its meta (FX replaces args/kwargs on
+    update, never mutates them in place, so holding them is holding a copy). A few
+    microseconds per node, against ~50 for snapshot()'s node copies; restore()
+    rebuilds the nodes from it (rare: only after a pass failed)."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self, graph: fx.Graph):
+        self.rows = [(n, n.op, n.target, n.args, n.kwargs, n.name, n.type, dict(n.meta))
+                     for n in graph.nodes]
+
+
+def restore(graph: fx.Graph, saved) -> None:
+    """Make graph hold exactly saved's nodes again (after a failed rewrite); saved is a
+    Checkpoint or a snapshot() graph."""
     for node in reversed(list(graph.nodes)):
         node.users.clear()
         graph.erase_node(node)
-    env: dict = {}
+    if isinstance(saved, Checkpoint):
+        env: dict = {}
+        for old, op, target, args, kwargs, name, type_expr, meta in saved.rows:
+            new = graph.create_node(op, target, fx.node.map_arg(args, env.__getitem__),
+                                    fx.node.map_arg(kwargs, env.__getitem__), name, type_expr)
+            new.meta = dict(meta)
+            env[old] = new
+        return
+    env = {}
     out = graph.graph_copy(saved, env)
     old_out = next(n for n in saved.nodes if n.op == "output")
     new_out = graph.output(out)

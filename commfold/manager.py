@@ -15,7 +15,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .config import Config
 from .context import PassContext
-from .graph import restore, snapshot
+from .graph import Checkpoint, restore, snapshot
 from .report import PassError, Report, publish
 
 log = logging.getLogger("commfold")
@@ -96,10 +96,16 @@ class CommfoldPass(CustomGraphPass):
     def _run(self, graph: fx.Graph, report: Report, config: Config) -> None:
         """Run the passes; if one raises, put the graph back as it came (one snapshot,
         taken up front) and run the others again without it. Passes are deterministic,
-        so the rerun gives the same rewrites; failures are rare, snapshots are not free."""
+        so the rerun gives the same rewrites; failures are rare, so the saved state is a
+        cheap Checkpoint, rebuilt into nodes only on failure.
+
+        The graph is linted once after all passes (a malformed rewrite fails here, not
+        in Inductor); if that fails, the passes rerun with a lint after each, which
+        names the pass to drop. Strict and observed runs lint after each pass at once."""
         registry = _registry()
-        saved = None if config.strict else snapshot(graph)
+        saved = None if config.strict else Checkpoint(graph)
         failed: dict[str, str] = {}
+        lint_each = config.strict or _observer is not None
         while True:
             report.rewrites.clear()
             report.near_misses.clear()
@@ -114,16 +120,22 @@ class CommfoldPass(CustomGraphPass):
                     n_rewrites = len(report.rewrites)
                     t0 = time.perf_counter()
                     registry[name](PassContext(graph, config, report, name))
-                    if len(report.rewrites) > n_rewrites:
-                        graph.lint()  # a malformed rewrite fails here, not in Inductor
+                    if lint_each and len(report.rewrites) > n_rewrites:
+                        graph.lint()
                     report.pass_seconds[name] = time.perf_counter() - t0
                     if _observer is not None:
                         observed.append((name, before, snapshot(graph)))
+                if not lint_each and report.rewrites:
+                    current = None
+                    graph.lint()
                 break
             except Exception as e:  # never break a user's compile
                 if config.strict:
                     raise
                 restore(graph, saved)
+                if current is None:  # the final lint: find the pass that broke the graph
+                    lint_each = True
+                    continue
                 failed[current] = f"{type(e).__name__}: {e}"
                 log.debug("commfold pass %s failed:\n%s", current, traceback.format_exc())
         report.errors.extend(PassError(name, err) for name, err in failed.items())
