@@ -137,7 +137,9 @@ def _match_norm(x, residual, h, hf=None, pre=()) -> RMSNorm | Miss | None:
     if hf is None:
         hf = h
         if dtype not in (torch.float32, torch.float64):  # low precision: upcast first
-            ups = [u for u in h.users if _cast_to(u, torch.float32)]
+            # the upcast the norm squares (vLLM also upcasts h apart, as a residual)
+            ups = [u for u in h.users if _cast_to(u, torch.float32)
+                   and any(_is_square(v, u) for v in u.users)]
             if len(ups) != 1:
                 return None
             hf = ups[0]

@@ -133,9 +133,23 @@ class HandNorm(nn.Module):
         return norm_hand(h, self.weight, self.eps)
 
 
+class VllmNorm(nn.Module):
+    """vLLM's RMSNorm layer: norm(x) or, with a residual, (norm(x + residual), x + residual)."""
+
+    def __init__(self, kind, hidden, eps):
+        super().__init__()
+        self.fn, self.eps = NORMS[kind], eps
+        self.weight = nn.Parameter(torch.ones(hidden))
+
+    def forward(self, h, residual=None):
+        return self.fn(h, self.weight, self.eps, residual)
+
+
 def _norm_module(kind, hidden, eps):
     if kind == "nn":
         return nn.RMSNorm(hidden, eps=eps)
+    if kind in FUSED_ADD:
+        return VllmNorm(kind, hidden, eps)
     return {"hand": HandNorm, "gemma": GemmaNorm}[kind](hidden, eps)
 
 
@@ -143,6 +157,7 @@ class TPDecoder(nn.Module):
     """Pre-norm decoder whose 'attention' and MLP are column-parallel up ->
     row-parallel down (+ all-reduce): 2 all-reduce + norm boundaries per layer, one
     after the input projection, and the final norm (new residual dead): 2L+1 norms.
+    vLLM's norms (FUSED_ADD) take the residual themselves, as in vLLM's models.
 
     coll: "funcol" | "funcol_wait" | "inplace" (manual shards) or "dtensor"
     (ColwiseParallel / RowwiseParallel via parallelize_module)."""
@@ -150,6 +165,7 @@ class TPDecoder(nn.Module):
     def __init__(self, layers, hidden, inter, norm, coll, world, eps=1e-6, res_first=False):
         super().__init__()
         self.coll, self.world, self.res_first = coll, world, res_first
+        self.fused_add = norm in FUSED_ADD
         div = 1 if coll == "dtensor" else world
         self.hidden, self.layers = hidden, layers
         self.inp = nn.Linear(hidden // div, hidden, bias=False)
@@ -160,8 +176,12 @@ class TPDecoder(nn.Module):
     def _ar(self, x):
         return x if self.coll == "dtensor" else ALL_REDUCES[self.coll](x)
 
-    def _add(self, a, residual):
-        return (residual + a) if self.res_first else (a + residual)
+    def _add_norm(self, k, a, residual):
+        """(normed, new residual) of norms[k] over a + residual."""
+        if self.fused_add:
+            return self.norms[k](residual, a) if self.res_first else self.norms[k](a, residual)
+        residual = (residual + a) if self.res_first else (a + residual)
+        return self.norms[k](residual), residual
 
     def forward(self, x):
         cols = x.shape[-1] // self.world
@@ -171,13 +191,13 @@ class TPDecoder(nn.Module):
         k = 1
         for i in range(self.layers):
             if i > 0:
-                residual = self._add(h, residual)
-                h, k = self.norms[k](residual), k + 1
+                h, residual = self._add_norm(k, h, residual)
+                k += 1
             a = self._ar(self.downs[2 * i](torch.relu(self.ups[2 * i](h))))
-            residual = self._add(a, residual)
-            h, k = self.norms[k](residual), k + 1
+            h, residual = self._add_norm(k, a, residual)
+            k += 1
             h = self._ar(self.downs[2 * i + 1](torch.relu(self.ups[2 * i + 1](h))))
-        return self.norms[k](self._add(h, residual))
+        return self._add_norm(k, h, residual)[0]
 
 
 def build_decoder(layers, hidden, inter, norm, coll, dtype, seed=0, res_first=False):

@@ -197,7 +197,8 @@ def decoders_on_rank(specs, tokens):
 
 
 DECODERS = [("hand", "funcol", "f32", False), ("nn", "funcol_wait", "bf16", True),
-            ("gemma", "inplace", "bf16", False), ("nn", "dtensor", "f32", True)]
+            ("gemma", "inplace", "bf16", False), ("nn", "dtensor", "f32", True),
+            ("vllm", "funcol", "bf16", False)]
 
 
 def test_tp_decoder_every_spelling(ranks2):
