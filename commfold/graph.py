@@ -199,8 +199,10 @@ class Checkpoint:
 def restore(graph: fx.Graph, saved) -> None:
     """Make graph hold exactly saved's nodes again (after a failed rewrite); saved is a
     Checkpoint or a snapshot() graph."""
-    for node in reversed(list(graph.nodes)):
-        node.users.clear()
+    nodes = list(graph.nodes)
+    for node in nodes:  # unlink first: a malformed graph may read a node defined later
+        node.args, node.kwargs = (), {}
+    for node in reversed(nodes):
         graph.erase_node(node)
     if isinstance(saved, Checkpoint):
         env: dict = {}
