@@ -85,7 +85,7 @@ def match_rmsnorm(x: fx.Node) -> RMSNorm | Miss | None:
     """The residual add + RMSNorm reading x; a Miss when one almost matches; None when
     no RMSNorm reads x. A norm reading x itself wins over one reading x + residual
     (then x is also the new residual, read by a later add)."""
-    from .rmsnorm_vllm import match_ir_norm
+    from .rmsnorm_vllm import match_ir_norm  # imports this module: import when used
 
     ir = match_ir_norm(x)
     if ir is not None:

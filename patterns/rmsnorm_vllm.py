@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 
 from .common import Miss, is_call, is_getitem, same_shape
+from .rmsnorm import RMSNorm
 
 
 def _ir_op(name: str, overload: str):
@@ -115,8 +116,6 @@ def _fused_add(x, af):
 
 
 def _build(x, residual, node, a, out, h, inner):
-    from .rmsnorm import RMSNorm
-
     eps, weight = a.get("epsilon"), a.get("weight")
     if a.get("variance_size") is not None:
         return Miss("vllm_ir norm with variance_size (a partial-row variance)", node)

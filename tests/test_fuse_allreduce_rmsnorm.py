@@ -103,7 +103,7 @@ case_st = st.fixed_dictionaries({
     "dtype": st.sampled_from(sorted(DTYPES)),
     "hidden": st.sampled_from([8, 48, 128, 200, 1024]),
     "eps": st.sampled_from([1e-6, 1e-5, 3e-3, 0.25]),
-    "norm": st.sampled_from(["hand", "functional", "gemma", "gemma_lowp"]),
+    "norm": st.sampled_from(["hand", "functional", "gemma", "gemma_lowp", "vllm", "vllm_w32"]),
     "coll": st.sampled_from(["funcol", "funcol_wait", "inplace"]),
     "residual": st.booleans(),
     "res_first": st.booleans(),
