@@ -9,13 +9,14 @@ between the variants, every call starts after a barrier, and the table shows the
 median per call on rank 0 and the ratio unfused/fused (> 1: fused is faster); the
 ratio of the fastest calls is printed too (less sensitive to a busy machine).
 ``--two-shot`` adds the forced two-shot variant (reduce_scatter + all_gathers): the
-measurement behind the default size rule (off on gloo).
+measurement behind the default size rule (off on gloo). The fusion keeps the
+communication (one all-reduce of T x H values): its lower bound is the unfused one.
+``measure`` is the rank-side function the suite (``python -m benchmarks``) runs.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 
 import commfold
 from commfold.testing import run_on_ranks
+from commfold.testing.bench import call_times, comm_of_variants
 
 
 def block(x, r, w):
@@ -43,8 +45,10 @@ def _variants(two_shot: bool) -> dict:
     return v
 
 
-def bench_on_rank(dtypes, hiddens, tokens, iters, two_shot):
-    rank = dist.get_rank()
+def measure(dtypes, hiddens, tokens, iters, two_shot=False) -> list[dict]:
+    """On every rank: one row per (dtype, T, H): median and fastest seconds per call of
+    each variant, max |fused - unfused| of the normed output, communication per call."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     rows = []
     for dname in dtypes:
         dtype = getattr(torch, dname)
@@ -57,23 +61,20 @@ def bench_on_rank(dtypes, hiddens, tokens, iters, two_shot):
                 r = torch.randn(t, hidden, dtype=dtype)
                 for a in (x, r):
                     torch._dynamo.maybe_mark_dynamic(a, 0)
-                times = {k: [] for k in variants}
-                for _ in range(2):  # warm-up (compiles on first use)
-                    for fn in variants.values():
-                        fn(x, r, w)
-                for _ in range(iters):
-                    for name, fn in variants.items():
-                        dist.barrier()
-                        t0 = time.perf_counter()
-                        fn(x, r, w)
-                        times[name].append(time.perf_counter() - t0)
-                med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-                best = {k: min(v) * 1e3 for k, v in times.items()}
-                rows.append((dname, t, hidden, med, best))
+                out = {k: f(x, r, w)[0] for k, f in variants.items()}
+                diff = float((out["fused"].float() - out["unfused"].float()).abs().max()) if t else 0.0
+                times = call_times(variants, (x, r, w), iters, warmup=2)
+                comm = comm_of_variants(variants, (x, r, w))
+                comm["bound"] = {"bytes": t * hidden * x.element_size(), "calls": 1}
+                rows.append({"baseline": "unfused", "rewritten": "fused",
+                             "world": world, "dtype": dname, "T": t, "H": hidden,
+                             **{f"{k}_s": statistics.median(v) for k, v in times.items()},
+                             "best_s": {k: min(v) for k, v in times.items()},
+                             "max_abs_diff": diff, "comm": comm})
     return rows
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 256, 2048])
@@ -81,10 +82,10 @@ def main():
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--two-shot", action="store_true")
-    a = p.parse_args()
-    rows = run_on_ranks(bench_on_rank, a.world, a.dtypes, a.hidden, a.tokens, a.iters,
+    a = p.parse_args(argv)
+    rows = run_on_ranks(measure, a.world, a.dtypes, a.hidden, a.tokens, a.iters,
                         a.two_shot, timeout=3600)[0]
-    names = list(rows[0][3])
+    names = ["unfused", "fused"] + (["two-shot"] if a.two_shot else [])
     head = f"{'dtype':9} {'T':>5} {'H':>5} " + " ".join(f"{n + ' ms':>12}" for n in names) \
         + f" {'unfused/fused':>14} {'(of minima)':>12}"
     if a.two_shot:
@@ -92,12 +93,14 @@ def main():
     print(f"TP={a.world}, gloo, {torch.get_num_threads()} threads in this process, "
           f"median of {a.iters} calls each (rank 0)")
     print(head)
-    for dname, t, hidden, med, best in rows:
-        line = f"{dname:9} {t:>5} {hidden:>5} " + " ".join(f"{med[n]:>12.3f}" for n in names)
-        line += f" {med['unfused'] / med['fused']:>13.2f}x"
+    for r in rows:
+        best = r["best_s"]
+        line = f"{r['dtype']:9} {r['T']:>5} {r['H']:>5} " \
+            + " ".join(f"{r[n + '_s'] * 1e3:>12.3f}" for n in names)
+        line += f" {r['unfused_s'] / r['fused_s']:>13.2f}x"
         line += f" {best['unfused'] / best['fused']:>11.2f}x"
         if a.two_shot:
-            line += f" {med['unfused'] / med['two-shot']:>13.2f}x"
+            line += f" {r['unfused_s'] / r['two-shot_s']:>13.2f}x"
         print(line)
 
 

@@ -1,11 +1,14 @@
-"""Greedy token selection over vocab-sharded logits at TP=2 on this CPU (gloo):
-plain Inductor (all-gather of the logits + argmax) vs commfold (local argmax + a
-gather of one (value, index) pair per row per rank), side by side in one run.
+"""Greedy token selection over vocab-sharded logits on this CPU (gloo): plain
+Inductor (all-gather of the logits + argmax) vs commfold (local argmax + a gather of
+one (value, index) pair per row per rank), side by side in one run.
 
     python benchmarks/bench_local_argmax.py                  # B in {1, 64}, V=151936
     python benchmarks/bench_local_argmax.py --batch 1 8 64 256 --vocab 32000 151936
 
-Prints rank 0's median time per call and the ratio plain / commfold (>1: faster).
+Prints rank 0's median time per call, the ratio plain / commfold (>1: faster) and the
+bytes each rank put into collectives per call (lower bound after the rewrite: one
+int64 pair, 16 B, per row). ``measure`` is the rank-side function the suite
+(``python -m benchmarks``) runs.
 """
 from __future__ import annotations
 
@@ -15,7 +18,9 @@ import torch
 import torch.distributed as dist
 
 from commfold.testing import run_on_ranks
-from commfold.testing.bench import time_side_by_side
+from commfold.testing.bench import comm_of_variants, time_side_by_side
+
+PAIR_BYTES = 16  # one (value bits, index) int64 pair per row
 
 
 def greedy(shard, vocab):
@@ -26,7 +31,9 @@ def greedy(shard, vocab):
     return full[:, :vocab].argmax(-1)
 
 
-def bench(batches, vocabs, iters) -> list:
+def measure(batches, vocabs, iters) -> list[dict]:
+    """On every rank: one row per (B, V) with median seconds per call of each variant,
+    whether both picked the same tokens, and communication per call vs the bound."""
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = []
     for vocab in vocabs:
@@ -39,7 +46,11 @@ def bench(batches, vocabs, iters) -> list:
                         "commfold": torch.compile(fn, backend="commfold")}
             same = torch.equal(variants["inductor"](shard), variants["commfold"](shard))
             t = time_side_by_side(variants, (shard,), iters)
-            rows.append((b, vocab, t["inductor"], t["commfold"], same))
+            comm = comm_of_variants(variants, (shard,))
+            comm["bound"] = {"bytes": b * PAIR_BYTES, "calls": 1}
+            rows.append({"baseline": "inductor", "rewritten": "commfold",
+                         "world": world, "B": b, "V": vocab, "inductor_s": t["inductor"],
+                         "commfold_s": t["commfold"], "same": same, "comm": comm})
     return rows
 
 
@@ -50,12 +61,15 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=15)
     p.add_argument("--world-size", type=int, default=2)
     a = p.parse_args(argv)
-    rows = run_on_ranks(bench, a.world_size, a.batch, a.vocab, a.iters, timeout=3600)[0]
+    rows = run_on_ranks(measure, a.world_size, a.batch, a.vocab, a.iters, timeout=3600)[0]
     print(f"local_argmax, TP={a.world_size}, CPU gloo, median of {a.iters} (rank 0)")
-    print("| B | V | Inductor (ms) | commfold (ms) | speed-up | same tokens |")
-    print("|---|---|---|---|---|---|")
-    for b, v, t0, t1, same in rows:
-        print(f"| {b} | {v} | {t0 * 1e3:.3f} | {t1 * 1e3:.3f} | {t0 / t1:.2f}x | {same} |")
+    print("| B | V | Inductor (ms) | commfold (ms) | speed-up | same tokens | bytes/rank: Inductor | commfold | bound |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        c = r["comm"]
+        print(f"| {r['B']} | {r['V']} | {r['inductor_s'] * 1e3:.3f} | {r['commfold_s'] * 1e3:.3f} | "
+              f"{r['inductor_s'] / r['commfold_s']:.2f}x | {r['same']} | {c['inductor']['bytes']} | "
+              f"{c['commfold']['bytes']} | {c['bound']['bytes']} |")
 
 
 if __name__ == "__main__":

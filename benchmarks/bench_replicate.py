@@ -11,7 +11,9 @@ Rows (rank 0's median per step over interleaved iterations; ratio = sharded / ot
                 gather)  vs  replicated matmul + argmax: the measurement behind
                 ARGMAX_REPLICATE_MAX_BYTES in passes/replicate_vocab_parallel.py.
 build ms: the one-time (and after-reload) cost of assembling the full weight.
-Every variant is the same program compiled with a different commfold config.
+Every variant is the same program compiled with a different commfold config. The
+replicated form's lower bound is no collective at all per step. ``measure`` is the
+rank-side function the suite (``python -m benchmarks``) runs.
 """
 from __future__ import annotations
 
@@ -27,9 +29,10 @@ import torch.nn.functional as F
 import commfold
 from commfold.ops import replicate
 from commfold.testing import run_on_ranks
-from commfold.testing.bench import time_side_by_side
+from commfold.testing.bench import comm_of_variants, time_side_by_side
 
 BIG = 1 << 40  # replicate_max_bytes for the benchmark: replicate whatever is measured
+LAYERS = ("embedding", "head", "head+argmax")
 
 
 def embedding_program(start, end):
@@ -57,7 +60,8 @@ def _compile(fn, passes):
 
 def _time(variants: dict, args, iters: int) -> dict:
     """Median step time of each variant, side by side, plus the one-time cost of
-    assembling the replicated weight (a collective), as "build"."""
+    assembling the replicated weight (a collective), as "build"; then each variant's
+    steady-state communication per step."""
     out = time_side_by_side(variants, args, iters)
     rebuilds = []
     for _ in range(3):
@@ -67,10 +71,14 @@ def _time(variants: dict, args, iters: int) -> dict:
         variants["replicated"](*args)
         rebuilds.append(time.perf_counter() - t0 - out["replicated"])
     out["build"] = statistics.median(rebuilds)
+    out["comm"] = comm_of_variants(variants, args)
+    out["comm"]["bound"] = {"bytes": 0, "calls": 0}
     return out
 
 
-def bench(vocab: int, ranks: tuple, batch: int, iters: int, layers=("embedding", "head", "head+argmax")) -> list:
+def measure(vocab: int, ranks: tuple, batch: int, iters: int, layers=LAYERS) -> list[dict]:
+    """On every rank: one row per (layer, r) with median seconds per step of each
+    variant (``<variant>_s``), the build time and communication per step."""
     rank, world = dist.get_rank(), dist.get_world_size()
     vs = -(-vocab // world)
     start, end = min(rank * vs, vocab), min((rank + 1) * vs, vocab)
@@ -82,42 +90,45 @@ def bench(vocab: int, ranks: tuple, batch: int, iters: int, layers=("embedding",
         head_w = torch.randn(vs, r, generator=g) / r ** 0.5
         ids = torch.randint(0, vocab, (batch,), generator=g)
         h = torch.randn(batch, r, generator=g)
-        mib = vocab * r * 4 / 2 ** 20
-        emb = embedding_program(start, end)
-        t = None if "embedding" not in layers else _time({"sharded": _compile(emb, ()),
-                   "replicated": _compile(emb, ("replicate_vocab_parallel",))}, (ids, emb_w), iters)
-        rows.append((f"embedding {vocab}x{r}", mib, t))
-        head = head_program(vocab, argmax=False)
-        t = None if "head" not in layers else _time({"sharded": _compile(head, ()),
-                   "replicated": _compile(head, ("replicate_vocab_parallel",))}, (h, head_w), iters)
-        rows.append((f"head {r}x{vocab}", mib, t))
-        pick = head_program(vocab, argmax=True)
-        t = None if "head+argmax" not in layers else _time({"sharded": _compile(pick, ()),
-                   "local_argmax": _compile(pick, ("local_argmax",)),
-                   "replicated": _compile(pick, ("replicate_vocab_parallel",))}, (h, head_w), iters)
-        rows.append((f"head+argmax {r}x{vocab}", mib, t))
-    return [row for row in rows if row[2] is not None]
+        cases = {
+            "embedding": (embedding_program(start, end), (ids, emb_w), ()),
+            "head": (head_program(vocab, argmax=False), (h, head_w), ()),
+            "head+argmax": (head_program(vocab, argmax=True), (h, head_w), ("local_argmax",)),
+        }
+        for layer in (x for x in LAYERS if x in layers):
+            fn, args, others = cases[layer]
+            variants = {"sharded": _compile(fn, ()),
+                        **{p: _compile(fn, (p,)) for p in others},
+                        "replicated": _compile(fn, ("replicate_vocab_parallel",))}
+            t = _time(variants, args, iters)
+            comm = t.pop("comm")
+            rows.append({"baseline": "sharded", "rewritten": "replicated", "world": world,
+                         "layer": layer, "V": vocab, "r": r, "batch": batch,
+                         "full_mib": vocab * r * 4 / 2 ** 20,
+                         **{f"{k}_s": v for k, v in t.items()}, "comm": comm})
+    return rows
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--r", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--layers", nargs="+", default=["embedding", "head", "head+argmax"],
-                    choices=["embedding", "head", "head+argmax"])
-    a = ap.parse_args()
-    rows = run_on_ranks(bench, 2, a.vocab, tuple(a.r), a.batch, a.iters, tuple(a.layers),
+    ap.add_argument("--layers", nargs="+", default=list(LAYERS), choices=LAYERS)
+    a = ap.parse_args(argv)
+    rows = run_on_ranks(measure, 2, a.vocab, tuple(a.r), a.batch, a.iters, tuple(a.layers),
                         timeout=1800)[0]
     print(f"TP=2, gloo, CPU, batch {a.batch}, f32, median of {a.iters} interleaved steps (rank 0)")
     print(f"{'layer':28} {'full MiB':>8} {'sharded ms':>11} {'local_argmax ms':>16} "
           f"{'replicated ms':>14} {'sharded/replicated':>19} {'build ms':>9}")
-    for name, mib, t in rows:
-        la = f"{t['local_argmax'] * 1e3:16.3f}" if "local_argmax" in t else " " * 16
-        print(f"{name:28} {mib:8.1f} {t['sharded'] * 1e3:11.3f} {la} "
-              f"{t['replicated'] * 1e3:14.3f} {t['sharded'] / t['replicated']:18.2f}x "
-              f"{t['build'] * 1e3:9.1f}")
+    for t in rows:
+        name = f"{t['layer']} {t['V']}x{t['r']}" if t["layer"] == "embedding" \
+            else f"{t['layer']} {t['r']}x{t['V']}"
+        la = f"{t['local_argmax_s'] * 1e3:16.3f}" if "local_argmax_s" in t else " " * 16
+        print(f"{name:28} {t['full_mib']:8.1f} {t['sharded_s'] * 1e3:11.3f} {la} "
+              f"{t['replicated_s'] * 1e3:14.3f} {t['sharded_s'] / t['replicated_s']:18.2f}x "
+              f"{t['build_s'] * 1e3:9.1f}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""The `commfold` command: `commfold diff` (what each pass rewrote, dumped) and
-`commfold demo` (the 2-rank before/after demo)."""
+"""The `commfold` command: `commfold diff` (what each pass rewrote, dumped),
+`commfold demo` (the 2-rank before/after demo) and `commfold bench` (the performance
+suite of a source checkout)."""
 from __future__ import annotations
 
 import argparse
@@ -58,6 +59,25 @@ def _diff_parser(sub) -> None:
                         "a rank hung in a collective (default: 600)")
 
 
+def _bench(argv) -> int:
+    """Run benchmarks/ of the source checkout this commfold is installed from (an
+    editable install); the suite is not part of the installed package."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "benchmarks" / "suite.py").is_file():
+        print(f"commfold bench: no benchmark suite next to this commfold ({root}): the suite "
+              "lives in the source checkout (benchmarks/). Clone the repository and run "
+              "`python -m benchmarks` in it, or install commfold from the checkout with "
+              "`pip install -e .` so that `commfold bench` finds it.", file=sys.stderr)
+        return 2
+    if sys.path[:1] != [str(root)]:
+        sys.path.insert(0, str(root))  # this checkout's benchmarks/, also for spawned ranks
+    from benchmarks.suite import main as bench_main
+
+    return bench_main(argv, prog="commfold bench")
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
@@ -68,10 +88,15 @@ def main(argv=None) -> int:
     sub.add_parser("demo", add_help=False,
                    help="2-rank CPU demo: a TP decoder with and without commfold "
                         "(`commfold demo --help` for its options)")
+    sub.add_parser("bench", add_help=False,
+                   help="performance suite: commfold vs plain Inductor side by side, JSON + "
+                        "markdown + plots (needs a source checkout; `commfold bench --help`)")
     if argv[:1] == ["demo"]:  # the demo owns its options
         from commfold.demo import main as demo_main
 
         return demo_main(argv[1:])
+    if argv[:1] == ["bench"]:  # so does the suite
+        return _bench(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "diff":
         from commfold.diff import run_diff

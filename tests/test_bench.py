@@ -1,0 +1,158 @@
+"""The performance suite runs (a smoke test on tiny sizes: not a timed test), and the
+pass manager's cheaper bookkeeping (Checkpoint restore, one lint after all passes)
+keeps its behaviour.
+
+- `commfold bench --quick` (run from outside the checkout: the CLI finds the suite)
+  writes results.json with every figure's rows, results.md with every table, and the
+  communication each rewritten form really ran (record_collectives) equals its lower
+  bound: one int64 pair per row for local_argmax, the kept all-reduce for the fused
+  norm, nothing for replication, their sum for a decode step; the baseline sends more.
+- A pass whose rewrite leaves a malformed graph is caught by the final lint, dropped
+  (report.errors), the graph restored from the Checkpoint (the full-row gather runs
+  again), and the result equals plain Inductor's.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch._inductor import config as inductor_config
+
+import commfold
+from commfold.testing import record_collectives
+
+ROOT = Path(__file__).resolve().parent.parent
+FIGURES = {"local_argmax", "allreduce_rmsnorm", "replicate", "decode", "compile_cost"}
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    proc = subprocess.run([sys.executable, "-m", "commfold.cli", "bench", "--quick", "--out", str(out)],
+                          cwd=out, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, json.loads((out / "results.json").read_text()), (out / "results.md").read_text()
+
+
+def test_quick_suite_writes_every_figure(quick_run):
+    out, results, md = quick_run
+    assert results["meta"]["quick"] is True
+    assert set(results["figures"]) == FIGURES
+    for name, fig in results["figures"].items():
+        assert fig["errors"] == [], (name, fig["errors"])
+        assert fig["rows"] and fig["world_sizes"] == [2], name
+        assert f"`{name}`" in md
+    keys = {"local_argmax": {"B", "V", "inductor_s", "commfold_s", "same"},
+            "allreduce_rmsnorm": {"T", "H", "unfused_s", "fused_s", "max_abs_diff"},
+            "replicate": {"layer", "r", "sharded_s", "replicated_s", "build_s"},
+            "decode": {"B", "inductor_tok_s", "commfold_tok_s", "same", "rewrites"},
+            "compile_cost": {"layers", "nodes", "compile_s", "commfold_s", "rewrites"}}
+    for name, want in keys.items():
+        for row in results["figures"][name]["rows"]:
+            assert want <= set(row), (name, want - set(row))
+    figs = results["figures"]
+    assert all(r["same"] for r in figs["local_argmax"]["rows"] + figs["decode"]["rows"])
+    assert all(r["max_abs_diff"] < 1e-4 for r in figs["allreduce_rmsnorm"]["rows"])
+    for r in figs["compile_cost"]["rows"]:
+        assert 0 < r["commfold_s"] < r["compile_s"] and r["rewrites"] > 0
+    assert {r["layer"] for r in figs["replicate"]["rows"]} == {"embedding", "head"}
+    assert "Targets: share" in md and "## Communication per call" in md
+    plots = sorted(p.name for p in out.glob("*.png"))
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert plots == sorted(f"{n}.png" for n in FIGURES)
+        assert all(f"]({p})" in md for p in plots)
+    else:
+        assert plots == [] and "Plots skipped" in md
+
+
+def test_rewritten_forms_send_their_lower_bound(quick_run):
+    _, results, md = quick_run
+    seen = set()
+    for name, fig in results["figures"].items():
+        for r in fig["rows"]:
+            if "comm" not in r:
+                continue
+            seen.add(name)
+            c = r["comm"]
+            assert c[r["rewritten"]] == c["bound"], (name, r)
+            assert c[r["baseline"]]["bytes"] >= c["bound"]["bytes"]
+    assert seen == FIGURES - {"compile_cost"}
+    argmax = results["figures"]["local_argmax"]["rows"]
+    assert all(r["comm"]["bound"] == {"bytes": 16 * r["B"], "calls": 1} for r in argmax)
+    assert all(r["comm"]["inductor"]["bytes"] == r["B"] * (r["V"] // 2) * 4 for r in argmax)
+    rep = results["figures"]["replicate"]["rows"]
+    assert all(r["comm"]["replicated"] == {"bytes": 0, "calls": 0} for r in rep)
+    assert "| NO |" not in md
+
+
+def test_without_matplotlib_json_and_markdown_still_written(quick_run, tmp_path, monkeypatch, capsys):
+    _, results, _ = quick_run
+    monkeypatch.syspath_prepend(str(ROOT))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
+    from benchmarks.suite import write_results
+
+    written = write_results(results, tmp_path)
+    assert written["plots"] == [] and "pip install" in written["plots_skipped"]
+    assert json.loads((tmp_path / "results.json").read_text())["figures"].keys() == FIGURES
+    md = (tmp_path / "results.md").read_text()
+    assert "Plots skipped: matplotlib is not installed" in md and ".png" not in md
+    assert "plots skipped" in capsys.readouterr().out
+
+
+def test_bench_cli_without_a_checkout(monkeypatch, capsys, tmp_path):
+    import commfold.cli as cli
+
+    monkeypatch.setattr(cli, "__file__", str(tmp_path / "site-packages" / "commfold" / "cli.py"))
+    assert cli.main(["bench", "--quick"]) == 2
+    assert "python -m benchmarks" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- lint once
+
+def greedy(x):
+    return funcol.all_gather_tensor(x, -1, dist.group.WORLD).argmax(-1)
+
+
+def malformed_rewrite_program() -> dict:
+    """local_argmax rewrites, then leaves a node that reads a value defined after it."""
+    import commfold.passes as passes
+
+    real = passes.PASSES["local_argmax"]
+
+    def rewrite_then_malform(ctx):
+        real(ctx)
+        g = ctx.graph
+        late = [n for n in g.nodes if n.op == "call_function"][-1]
+        with g.inserting_before(next(iter(g.nodes))):
+            g.call_function(torch.ops.aten.neg.default, (late,))
+
+    passes.PASSES["local_argmax"] = rewrite_then_malform
+    try:
+        torch._dynamo.reset()
+        x = torch.randn(3, 40) + dist.get_rank()
+        fn = torch.compile(greedy, backend=commfold.backend())
+        # no FX graph cache: the patched pass is not in its key (a cached graph would
+        # skip the pass here, and serve this broken rewrite to other tests' compiles)
+        with inductor_config.patch(fx_graph_cache=False):
+            got = fn(x)
+        report = commfold.last_report()
+        with record_collectives() as log:
+            fn(x)
+        return {"equal": torch.equal(got, greedy(x)), "rewrites": report.count("local_argmax"),
+                "errors": [e.pass_name for e in report.errors],
+                "gather_elements": log.elements("all_gather")}
+    finally:
+        passes.PASSES["local_argmax"] = real
+
+
+def test_final_lint_drops_a_malformed_rewrite(ranks2):
+    for res in ranks2.run(malformed_rewrite_program):
+        assert res == {"equal": True, "rewrites": 0, "errors": ["local_argmax"],
+                       "gather_elements": 3 * 40}  # the full row gather runs again
