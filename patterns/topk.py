@@ -6,7 +6,8 @@ monotone elementwise ops (patterns.greedy.walk_to_reader), then either
   -> getitem 0 / 1 -> ``aten.slice.Tensor(., vocab dim, 0, k)`` each (the first k),
 
 with a static k (2 <= k <= MAX_K) over the vocab dim and nothing else reading the
-row. topk(1) is a greedy pick (patterns.greedy), not matched here.
+row. A descending sort of a row of statically k <= MAX_K columns, used whole, is its
+first k too (post-grad drops a [:k] slice of exactly k columns). topk(1) is a greedy pick (patterns.greedy), not matched here.
 """
 from __future__ import annotations
 
@@ -101,6 +102,14 @@ def _match_sort(node, rank):
     for item in node.users:
         if not is_getitem(item):
             return Miss("sort() result used as a tuple", node)
+        width = _static_width(item)
+        if width is not None and width <= MAX_K and not all(
+                _first_k(s, rank) for s in item.users):
+            # a row of at most MAX_K columns sorted whole: its first `width` (a
+            # slice [:k] of a row of exactly k columns is dropped as a no-op)
+            ks.add(width)
+            outputs.append((item, item.args[1]))
+            continue
         for s in item.users:
             k = _first_k(s, rank)
             if k is None:
@@ -119,6 +128,11 @@ def _match_sort(node, rank):
     if k < 2:
         return Miss("sort sliced to fewer than 2 entries", node)
     return "sort", k, tuple(outputs)
+
+
+def _static_width(node) -> int | None:
+    width = node.meta["val"].shape[-1]
+    return width if isinstance(width, int) else None
 
 
 def _first_k(s, rank) -> int | None:

@@ -89,9 +89,12 @@ _compiled: dict = {}
 def _compile(name, k, backend):
     key = (name, k, backend)
     if key not in _compiled:
-        fn = PROGRAMS[name]
-        _compiled[key] = torch.compile(lambda s, vocab: fn(s, vocab, TEMP, k),
-                                       backend=STRICT if backend == "commfold" else backend)
+        # k as a literal in its own code object: a closure int that differs between
+        # compiles of one code object becomes symbolic (dynamo's automatic dynamic
+        # shapes), and local_topk rewrites only a static k (a symbolic one: a near-miss)
+        fn = eval(f"lambda s, vocab: fn(s, vocab, TEMP, {int(k)})",
+                  {"fn": PROGRAMS[name], "TEMP": TEMP})
+        _compiled[key] = torch.compile(fn, backend=STRICT if backend == "commfold" else backend)
     return _compiled[key]
 
 
@@ -123,7 +126,8 @@ def check_program(name: str, dtype_name: str, k: int, cases: list[dict]) -> dict
         for label, (v, i) in (("commfold", ours), ("commfold-2nd", again)):
             if not (torch.equal(bits(v), bits(want_v)) and torch.equal(i, want_i)):
                 mismatches.append((label, label_case, v.tolist(), i.tolist(),
-                                   want_v.tolist(), want_i.tolist()))
+                                   want_v.tolist(), want_i.tolist(), gathered[-1],
+                                   [r.summary() for r in new]))
         eager = PROGRAMS[name](shard, vocab, TEMP, k)
         plain = _compile(name, k, "inductor")(shard, vocab)
         for label, (v, i) in (("eager", eager), ("inductor", plain)):
@@ -144,7 +148,7 @@ def _run(pool, name, dtype_name, k, cases):
         assert res["mismatches"] == [], f"rank {rank}: {res['mismatches'][:2]}"
         # every compile rewrote the one top-k, and what ran gathered k pairs per row
         # per rank (the input each rank sends: rows * k * 2 int64), nothing else
-        assert res["counts"] and set(res["counts"]) == {1}, res["reports"]
+        assert set(res["counts"]) <= {1}, res["reports"]  # empty: compiles reused
         for rows, elems in res["gathered"]:
             assert elems == [rows * k * 2], (rows, elems, res["reports"])
             assert elems[0] * world <= rows * 2 * k * world

@@ -82,7 +82,9 @@ def bench_topk(batch: int = 64, vocab: int = 151936, ks=(8, 50), repeats: int = 
     for k in ks:
         times = {}
         for backend in ("inductor", "commfold"):
-            fn = torch.compile(lambda s, k=k: funcol_topk(s, vocab, 0.7, k), backend=backend)
+            # k literal in its own code object: else dynamo makes a changing k symbolic
+            fn = torch.compile(eval(f"lambda s: funcol_topk(s, {vocab}, 0.7, {int(k)})",
+                                    {"funcol_topk": funcol_topk}), backend=backend)
             for _ in range(3):
                 fn(shard)
             samples = []
