@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 # Order matters: replication first (it removes a vocab-parallel embedding's all-reduce
 # outright, better than fusing it into the next norm), then the fusion, then
 # local_argmax on the gathers replication left sharded.
-ALL_PASSES = ("replicate_vocab_parallel", "fuse_allreduce_rmsnorm", "local_argmax")
+ALL_PASSES = ("replicate_vocab_parallel", "fuse_allreduce_rmsnorm", "local_topk",
+              "local_argmax")
 
 
 @dataclass(frozen=True)
