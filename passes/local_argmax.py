@@ -41,7 +41,7 @@ def run(ctx: PassContext) -> None:
         if tensor_val(pick.pick.args[0]).dtype not in SUPPORTED_DTYPES:
             ctx.skipped(PATTERN, pick.pick, "logits dtype not supported")
             continue
-        _rewrite(ctx, pick)
+        rewrite_pick(ctx, pick)
 
 
 def _greedy_pick(coll):
@@ -50,10 +50,13 @@ def _greedy_pick(coll):
     return match_greedy(gather) if gather else None
 
 
-def _rewrite(ctx: PassContext, m: GreedyPick) -> None:
+def rewrite_pick(ctx: PassContext, m: GreedyPick, before: Comm | None = None) -> None:
+    """Replace m's pick by commfold::local_argmax on the shard (also used by the
+    softmax-statistics pass for picks that share a row with statistics; it passes
+    `before` so the removed gather is counted once)."""
     graph = ctx.graph
     full = tensor_val(m.gather.gathered)
-    before = Comm(nbytes(full), 1)
+    before = before or Comm(nbytes(full), 1)
     with graph.inserting_before(m.pick):
         x = m.gather.shard
         for op in m.elementwise:  # replay on the shard: same values per column

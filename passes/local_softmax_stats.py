@@ -1,0 +1,208 @@
+"""local_softmax_stats: log_softmax at chosen tokens, logsumexp and softmax's top
+probability over vocab-sharded logits without gathering the logits.
+
+Uses: patterns.gather.VocabGather and patterns.softmax_stats.RowReads (every reader
+of the gathered row is an amax -> shift -> exp -> sum structure, read only through
+row statistics, gathers at chosen columns and max(dim=-1) of the softmax, or a greedy
+pick).
+
+Why it is safe:
+- nothing row-sized escapes (the recognizer checks every consumer of every
+  vocab-wide node), so the full row need not exist;
+- the graph's row reductions amax and sum become commfold::softmax_stats's exact
+  global max and its float64-combined sum (within rounding of the graph's own
+  float32 sum: a different summation order, no other change);
+- everything after the reductions is the graph's own ops: log, the where(|A| == inf)
+  of logsumexp, and `(x[idx] - shift) - log(S)` for each chosen column (the graph's
+  `gather(D - L)`, elementwise so bit-identical given x, shift and L);
+- softmax's max is exp(max - shift) / S at the first maximum of the row, and index 0
+  when that value is NaN (the whole softmax row is NaN then: +inf, NaN or all -inf).
+  A column whose probability rounds equal to the top one is not a tie: commfold
+  returns the first maximum of the logits (see docs/GUARANTEES.md);
+- a greedy argmax of the same row (exactly widened at most) is the statistics' own
+  first maximum: its logprob is (M - shift) - log(S), nothing gathered; any other
+  greedy pick of the row gets commfold::local_argmax.
+
+Writes: shard -> replayed elementwise ops -> commfold::softmax_stats(., valid_vocab,
+comm, finite_shift, want_argmax, picks) whose one collective gathers 2 + argmax +
+picks float64 values per row per rank.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+from torch._inductor.pattern_matcher import stable_topological_sort
+
+from commfold.context import PassContext
+from commfold.graph import erase_if_dead, insert_call, nbytes, numel, tensor_val
+from commfold.patterns.common import aten, is_call
+from commfold.patterns.gather import gather_candidates, match_vocab_gather
+from commfold.patterns.greedy import GreedyPick
+from commfold.patterns.softmax_stats import (Greedy, RowReads, SoftmaxStats, exact_widening,
+                                             match_row_reads)
+from commfold.report import Comm
+
+from .local_argmax import rewrite_pick
+
+PATTERN = "all_gather->softmax_stats"
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def run(ctx: PassContext) -> None:
+    changed = False
+    for reads in ctx.matches(PATTERN, gather_candidates(ctx.graph), _row_reads):
+        bad = [s for s in reads.stats if tensor_val(s.base).dtype not in _DTYPES]
+        if bad:
+            ctx.skipped(PATTERN, bad[0].amax, "softmax over non-floating logits")
+            continue
+        _rewrite(ctx, reads)
+        changed = True
+    if changed:  # the op sits before the amax; a chosen index may be computed later
+        stable_topological_sort(ctx.graph)
+
+
+def _row_reads(coll):
+    gather = match_vocab_gather(coll)
+    return match_row_reads(gather) if gather else None
+
+
+def _rewrite(ctx: PassContext, m: RowReads) -> None:
+    graph = ctx.graph
+    before = Comm(nbytes(tensor_val(m.gather.gathered)), 1)
+    replayed: dict[fx.Node, fx.Node] = {}
+    fused: set[fx.Node] = set()
+    sent = 0
+    for s in m.stats:
+        argmax = _fusable_argmax(s, m.greedy, fused)
+        if argmax is not None:
+            fused.add(argmax.pick)
+        sent += _rewrite_stats(graph, m, s, argmax, replayed)
+    for gr in m.greedy:
+        if gr.pick not in fused:  # its own (value, index) exchange
+            keep = bool(gr.pick.args[2] if len(gr.pick.args) > 2
+                        else gr.pick.kwargs.get("keepdim", False))
+            kind = "argmax" if gr.pick.target is aten.argmax.default else "max"
+            rewrite_pick(ctx, GreedyPick(m.gather, m.valid_vocab, gr.chain, gr.pick, kind, keep),
+                         before=Comm(0, 0))
+    erase_if_dead(m.gather.gathered, also=m.gather.comm_nodes)
+    rows = tensor_val(m.stats[0].sum)
+    ctx.rewrote(PATTERN, m.stats[0].amax, before, Comm(_bytes(rows, sent, m.gather.world_size), len(m.stats)),
+                detail=_detail(m, fused))
+
+
+def _rewrite_stats(graph, m: RowReads, s: SoftmaxStats, argmax: Greedy | None,
+                   replayed) -> int:
+    """Rewrite one structure; returns float64 values sent per row per rank."""
+    picks = [p for p in s.picks if not (argmax is not None and _is_index_of(p.args[2], argmax.pick))]
+    with graph.inserting_before(s.amax):
+        x = _replay(graph, m.gather.shard, s.chain, replayed)
+        index = None
+        if picks:
+            parts = [p.args[2] for p in picks]
+            index = parts[0] if len(parts) == 1 else insert_call(
+                graph, aten.cat.default, (parts, -1), like=picks[0])
+        out = insert_call(graph, torch.ops.commfold.softmax_stats.default,
+                          (x, m.valid_vocab, m.gather.comm, s.finite_shift is not None,
+                           argmax is not None or bool(s.softmax_max), index), like=s.amax)
+        big_m, big_s, first, picked = (insert_call(graph, operator.getitem, (out, i), like=s.amax)
+                                       for i in range(4))
+    s.amax.replace_all_uses_with(big_m)
+    shift = s.finite_shift if s.finite_shift is not None else big_m
+    keep = bool(s.sum.args[2] if len(s.sum.args) > 2 else s.sum.kwargs.get("keepdim", False))
+    with graph.inserting_before(s.sum):
+        total = big_s if keep else insert_call(graph, aten.squeeze.dim, (big_s, -1), like=s.sum)
+    s.sum.replace_all_uses_with(total)
+    offset = 0
+    for p in s.picks:  # gather(D - L, -1, idx) == (x[idx] - shift) - L, elementwise
+        with graph.inserting_before(p):
+            if p in picks:  # the op's own (x[idx] - shift) - log(S)
+                k = tensor_val(p).shape[-1]
+                new = picked if len(picks) == 1 else insert_call(
+                    graph, aten.slice.Tensor, (picked, -1, offset, offset + k), like=p)
+                offset += k
+            else:  # the logprob of the row's own argmax: x[idx] is M; the graph's L
+                new = insert_call(graph, aten.sub.Tensor, (
+                    insert_call(graph, aten.sub.Tensor, (big_m, shift), like=p), s.log), like=p)
+        p.replace_all_uses_with(new)
+    for mx in s.softmax_max:
+        _rewrite_softmax_max(graph, mx, big_m, shift, big_s, first, s)
+    if argmax is not None:
+        with graph.inserting_before(argmax.pick):
+            keepdim = bool(argmax.pick.args[2] if len(argmax.pick.args) > 2
+                           else argmax.pick.kwargs.get("keepdim", False))
+            idx = insert_call(graph, aten.unsqueeze.default, (first, -1), like=argmax.pick) \
+                if keepdim else first
+        argmax.pick.replace_all_uses_with(idx)
+    for dead in (*s.picks, *s.softmax_max, argmax.pick if argmax else None, s.sum, s.amax):
+        if dead is not None and not dead._erased:
+            erase_if_dead(dead, also=m.gather.comm_nodes)
+    return 2 + (argmax is not None or bool(s.softmax_max)) + sum(
+        tensor_val(p).shape[-1] for p in picks)
+
+
+def _rewrite_softmax_max(graph, mx, big_m, shift, big_s, first, s) -> None:
+    """max(E / S, -1): value exp(M - shift) / S at the first maximum; index 0 when the
+    value is NaN (then the whole softmax row is NaN)."""
+    keep = bool(mx.args[2] if len(mx.args) > 2 else mx.kwargs.get("keepdim", False))
+    with graph.inserting_before(mx):
+        top = insert_call(graph, aten.div.Tensor, (insert_call(graph, aten.exp.default, (
+            insert_call(graph, aten.sub.Tensor, (big_m, shift), like=mx),), like=mx), big_s), like=mx)
+        nan = insert_call(graph, aten.isnan.default, (top,), like=mx)
+        index = insert_call(graph, aten.where.ScalarSelf, (
+            nan, 0, insert_call(graph, aten.unsqueeze.default, (first, -1), like=mx)), like=mx)
+        if not keep:
+            top = insert_call(graph, aten.squeeze.dim, (top, -1), like=mx)
+            index = insert_call(graph, aten.squeeze.dim, (index, -1), like=mx)
+    for user in list(mx.users):
+        user.replace_all_uses_with(top if user.args[1] == 0 else index)
+        graph.erase_node(user)
+
+
+def _fusable_argmax(s: SoftmaxStats, greedy, taken) -> Greedy | None:
+    """A greedy argmax of the same row as s, up to exact float widenings: the
+    statistics' first maximum is its answer."""
+    for gr in greedy:
+        if gr.pick in taken or gr.pick.target is not aten.argmax.default:
+            continue
+        n = len(gr.chain)
+        if s.chain[:n] == gr.chain and all(exact_widening(op) for op in s.chain[n:]):
+            return gr
+    return None
+
+
+def _is_index_of(idx, pick: fx.Node) -> bool:
+    """idx is argmax(..., keepdim=True) or argmax(...).unsqueeze(-1)."""
+    if idx is pick:
+        return bool(pick.args[2] if len(pick.args) > 2 else pick.kwargs.get("keepdim", False))
+    if not is_call(idx, aten.unsqueeze.default) or idx.args[0] is not pick:
+        return False
+    return idx.args[1] in (-1, tensor_val(pick).dim())
+
+
+def _replay(graph, shard, chain, replayed) -> fx.Node:
+    """The chain of elementwise ops re-run on the shard (shared between structures)."""
+    x = shard
+    for op in chain:
+        if op not in replayed:
+            args = tuple(x if isinstance(a, fx.Node) else a for a in op.args)
+            replayed[op] = insert_call(graph, op.target, args, dict(op.kwargs), like=op)
+        x = replayed[op]
+    return x
+
+
+def _bytes(rows_val, per_row: int, world: int):
+    n = numel(rows_val)
+    return n * 8 * per_row * world if isinstance(n, int) else f"{n}*{8 * per_row * world}"
+
+
+def _detail(m: RowReads, fused) -> str:
+    kinds = []
+    for s in m.stats:
+        kinds.append("logsumexp" if s.finite_shift is not None else
+                     "softmax max" if s.softmax_max and not s.picks else "log_softmax")
+    extra = len(m.greedy) - len(fused)
+    return (f"{', '.join(kinds)}, world {m.gather.world_size}"
+            + (f", {len(fused)} greedy pick(s) fused" if fused else "")
+            + (f", {extra} greedy pick(s) via local_argmax" if extra else ""))

@@ -1,0 +1,245 @@
+"""Softmax-family row statistics over gathered logits, as torch 2.13 decomposes them
+post-grad (the row X is the gathered row, after an optional slice to the valid vocab
+and column-uniform elementwise ops such as a cast to float32 or a temperature):
+
+    log_softmax(X)[.., idx]:  A = amax(X, [-1], True); D = X - A; S = sum(exp(D), [-1], True)
+                              L = log(S); LP = D - L; gather(LP, -1, idx)
+    logsumexp(X):             A = amax(..); W = where(abs(A) == inf, 0, A); D = X - W
+                              S = sum(exp(D), [-1]); log(S) + squeeze(W)
+    softmax(X).max(-1):       A, D, E = exp(D), S as above; max(E / S, -1)
+
+plus greedy picks (argmax / max(dim=-1)) of the same gathered row. Every consumer of
+every row-sized (vocab-wide) node must be one of these: a row-sized value that escapes
+would need the gather. Row-wide reductions (A, S) and the values at chosen columns are
+all the rewrite needs; row-sized nodes are left dead.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .common import Miss, aten, is_call, is_getitem, norm_dim, only_user, prims, same_shape
+from .gather import VocabGather
+from .greedy import _int_like, _is_elementwise, monotone_step
+
+_GREEDY = (aten.argmax.default, aten.max.dim)
+
+
+@dataclass(frozen=True)
+class SoftmaxStats:
+    """One amax -> (x - shift) -> exp -> sum structure over row `base`."""
+
+    base: fx.Node  # the row the statistics read
+    chain: tuple[fx.Node, ...]  # elementwise ops from the gathered (sliced) row to base
+    amax: fx.Node
+    finite_shift: "fx.Node | None"  # logsumexp's where(|A| == inf, 0, A), or None
+    shifted: fx.Node  # D
+    exp: fx.Node
+    sum: fx.Node
+    log: "fx.Node | None"
+    picks: tuple[fx.Node, ...]  # gather(LP, -1, idx) nodes
+    softmax_max: tuple[fx.Node, ...]  # max.dim(E / S, -1) nodes
+
+
+@dataclass(frozen=True)
+class Greedy:
+    """argmax / max(dim=-1) of row `base`."""
+
+    base: fx.Node
+    chain: tuple[fx.Node, ...]
+    pick: fx.Node
+
+
+@dataclass(frozen=True)
+class RowReads:
+    """Everything that reads gathered row `gather`: statistics and greedy picks."""
+
+    gather: VocabGather
+    valid_vocab: "int | fx.Node | None"
+    stats: tuple[SoftmaxStats, ...]
+    greedy: tuple[Greedy, ...]
+
+
+def match_row_reads(g: VocabGather) -> RowReads | Miss | None:
+    """The softmax statistics (and greedy picks) that are the only readers of g's
+    row; None when no amax reads the row (nothing of this pattern here)."""
+    start, valid = g.gathered, None
+    rank = g.shard.meta["val"].dim()
+    first = only_user(start)
+    if first is not None and is_call(first, aten.slice.Tensor):
+        given = list(first.args[1:])
+        dim, lo, end, step = given + [0, None, None, 1][len(given):]
+        if (norm_dim(dim, rank) == rank - 1 and lo in (0, None) and step == 1
+                and _int_like(end) and not (isinstance(end, int) and end <= 0)):
+            start, valid = first, end
+    stats, greedy, todo = [], [], [(start, ())]
+    near = _has_amax(g.gathered)
+    while todo:
+        row, chain = todo.pop()
+        claimed: set[fx.Node] = set()
+        for user in list(row.users):  # structures first: they claim their D = X - A
+            if is_call(user, aten.amax.default) and _over_last(user.args[1], rank) \
+                    and _keepdim(user, 2):
+                s = _match_stats(row, chain, user, rank)
+                if not s:
+                    return s
+                stats.append(s)
+                claimed.update((user, s.shifted))
+        for user in row.users:
+            if user in claimed:
+                continue
+            if is_call(user, *_GREEDY) and _greedy_dim_ok(user, rank) and (
+                    user.target is aten.argmax.default
+                    or all(is_getitem(x) for x in user.users)):
+                greedy.append(Greedy(row, chain, user))
+            elif is_call(user, aten.clone.default) or (
+                    user.op == "call_function" and _is_elementwise(user)
+                    and monotone_step(user, row) is None):  # clone: log_softmax's contiguous()
+                todo.append((user, chain + (user,)))
+            else:
+                return _miss(near, user, "the gathered row has a consumer that needs "
+                                         f"the full row ({_name(user)})")
+    if not stats:
+        return None
+    return RowReads(g, valid, tuple(stats), tuple(greedy))
+
+
+def _match_stats(row, chain, amax, rank) -> SoftmaxStats | Miss:
+    shift_node, finite = amax, None
+    amax_users = set(amax.users)
+    where = next((u for u in amax_users if is_call(u, aten.where.self)), None)
+    if where is not None:  # logsumexp: where(abs(A) == inf, 0, A)
+        if not _is_finite_shift(where, amax):
+            return Miss("amax is post-processed in an unknown way", where)
+        shift_node, finite = where, where
+    shifted = [u for u in row.users if _is_shift(u, row) and u.args[1] is shift_node]
+    if len(shifted) != 1:
+        return Miss("amax of the row is used other than as the softmax shift", amax)
+    d = shifted[0]
+    exp = only_user(d) if len(d.users) == 1 else next(
+        (u for u in d.users if is_call(u, aten.exp.default)), None)
+    if exp is None or not is_call(exp, aten.exp.default):
+        return Miss("shifted row is not exponentiated", d)
+    sums = [u for u in exp.users if is_call(u, aten.sum.dim_IntList)]
+    if len(sums) != 1 or not _over_last(sums[0].args[1], rank):
+        return Miss("exp of the shifted row is not summed over the vocab dim", exp)
+    total = sums[0]
+    log = next((u for u in total.users if is_call(u, aten.log.default)), None)
+    picks, maxes = [], []
+    for u in d.users:  # log_softmax: LP = D - L, read only at chosen columns
+        if u is exp:
+            continue
+        if not (is_call(u, aten.sub.Tensor) and u.args[0] is d and log is not None
+                and u.args[1] is log and len(u.args) == 2 and not u.kwargs):
+            return Miss(f"the shifted row feeds {_name(u)}, which needs the full row", u)
+        for r in u.users:
+            why = _pick_problem(r, u, rank)
+            if why:
+                return Miss(why, r)
+            picks.append(r)
+    for u in exp.users:  # softmax: E / S, read only by max(dim=-1)
+        if u is total:
+            continue
+        if not (is_call(u, aten.div.Tensor) and u.args[0] is exp and u.args[1] is total):
+            return Miss(f"exp of the shifted row feeds {_name(u)}, which needs the full row", u)
+        for r in u.users:
+            if not (is_call(r, aten.max.dim) and _greedy_dim_ok(r, rank)
+                    and all(is_getitem(x) for x in r.users)):
+                return Miss(f"softmax row feeds {_name(r)}, which needs the full row", r)
+            maxes.append(r)
+    return SoftmaxStats(row, chain, amax, finite, d, exp, total, log,
+                        tuple(picks), tuple(maxes))
+
+
+def _pick_problem(r: fx.Node, lp: fx.Node, rank: int) -> str | None:
+    if not is_call(r, aten.gather.default) or r.args[0] is not lp:
+        return f"log_softmax row feeds {_name(r)}, which needs the full row"
+    if norm_dim(r.args[1], rank) != rank - 1 or r.kwargs.get("sparse_grad") or len(r.args) > 3:
+        return "gather from the log_softmax row on a dim other than vocab"
+    idx = r.args[2]
+    iv, lv = idx.meta.get("val"), lp.meta.get("val")
+    if not isinstance(idx, fx.Node) or iv is None or iv.dim() != rank:
+        return "gather index of another rank"
+    if rank != 2 and not same_shape(list(iv.shape[:-1]), list(lv.shape[:-1])):
+        return "gather index leading dims differ from the logits' (beyond 2-D)"
+    return None
+
+
+def _is_finite_shift(where: fx.Node, amax: fx.Node) -> bool:
+    cond, zero, a = where.args
+    if a is not amax or not is_call(cond, aten.eq.Scalar) or cond.args[1] != math.inf:
+        return False
+    ab = cond.args[0]
+    if not (is_call(ab, aten.abs.default) and ab.args[0] is amax):
+        return False
+    if is_call(zero, aten.full.default):
+        return zero.args[1] == 0 and list(zero.args[0]) == []
+    return isinstance(zero, (int, float)) and zero == 0
+
+
+def _is_shift(node, row) -> bool:
+    return (is_call(node, aten.sub.Tensor) and node.args[0] is row and len(node.args) == 2
+            and not node.kwargs and isinstance(node.args[1], fx.Node))
+
+
+def _over_last(dims, rank) -> bool:
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    return len(dims) == 1 and norm_dim(dims[0], rank) == rank - 1
+
+
+def _keepdim(node, pos) -> bool:
+    return bool(node.args[pos] if len(node.args) > pos else node.kwargs.get("keepdim", False))
+
+
+def _greedy_dim_ok(node, rank) -> bool:
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    return dim is not None and norm_dim(dim, rank) == rank - 1
+
+
+def _has_amax(node: fx.Node) -> bool:
+    """An amax within a few ops downstream (then an unmatched shape is a near-miss)."""
+    frontier, seen = [node], set()
+    for _ in range(6):
+        nxt = []
+        for n in frontier:
+            if is_call(n, aten.amax.default):
+                return True
+            if n not in seen:
+                seen.add(n)
+                nxt.extend(n.users)
+        frontier = nxt
+    return False
+
+
+def _miss(near: bool, node, reason):
+    return Miss(reason, node) if near else None
+
+
+def _name(node: fx.Node) -> str:
+    t = node.target
+    if t is operator.getitem:
+        return "getitem"
+    return getattr(t, "__name__", str(t)).split(".")[0] if node.op == "call_function" \
+        else node.op
+
+
+EXACT_WIDENING = {torch.bfloat16: torch.float32, torch.float16: torch.float32,
+                  torch.float32: torch.float64}
+
+
+def exact_widening(node: fx.Node) -> bool:
+    """A copy or float cast that changes no value and no order (clone; bf16/fp16 ->
+    f32 -> f64)."""
+    if is_call(node, aten.clone.default):
+        return True
+    if not is_call(node, prims.convert_element_type.default):
+        return False
+    src = node.args[0].meta["val"].dtype
+    dst = node.args[1]
+    while src in EXACT_WIDENING and src != dst:
+        src = EXACT_WIDENING[src]
+    return src == dst
