@@ -10,10 +10,11 @@ import json
 from dataclasses import dataclass, field
 
 # Order matters: replication first (it removes a vocab-parallel embedding's all-reduce
-# outright, better than fusing it into the next norm), then the fusion, then
-# local_argmax on the gathers replication left sharded.
-ALL_PASSES = ("replicate_vocab_parallel", "fuse_allreduce_rmsnorm", "local_topk",
-              "local_argmax")
+# outright, better than fusing it into the next norm), then the fusion, then the
+# readers of gathers replication left sharded: softmax statistics first (they take
+# a row's greedy picks along), then top-k, then plain greedy picks.
+ALL_PASSES = ("replicate_vocab_parallel", "fuse_allreduce_rmsnorm", "local_softmax_stats",
+              "local_topk", "local_argmax")
 
 
 @dataclass(frozen=True)

@@ -4,3 +4,4 @@ from . import allreduce_rmsnorm  # noqa: F401
 from . import local_argmax  # noqa: F401
 from . import local_topk  # noqa: F401
 from . import replicate  # noqa: F401
+from . import softmax_stats  # noqa: F401
