@@ -143,8 +143,8 @@ def _rewrite_stats(graph, m: RowReads, s: SoftmaxStats, argmax: Greedy | None,
 
 
 def _rewrite_softmax_max(graph, mx, big_m, shift, big_s, first, s) -> None:
-    """max(E / S, -1): value exp(M - shift) / S at the first maximum; index 0 when the
-    value is NaN (then the whole softmax row is NaN)."""
+    """max(E / S, -1) (or argmax): value exp(M - shift) / S at the first maximum; index
+    0 when the value is NaN (then the whole softmax row is NaN)."""
     keep = bool(mx.args[2] if len(mx.args) > 2 else mx.kwargs.get("keepdim", False))
     with graph.inserting_before(mx):
         top = insert_call(graph, aten.div.Tensor, (insert_call(graph, aten.exp.default, (
@@ -155,6 +155,9 @@ def _rewrite_softmax_max(graph, mx, big_m, shift, big_s, first, s) -> None:
         if not keep:
             top = insert_call(graph, aten.squeeze.dim, (top, -1), like=mx)
             index = insert_call(graph, aten.squeeze.dim, (index, -1), like=mx)
+    if mx.target is aten.argmax.default:
+        mx.replace_all_uses_with(index)
+        return
     for user in list(mx.users):
         user.replace_all_uses_with(top if user.args[1] == 0 else index)
         graph.erase_node(user)

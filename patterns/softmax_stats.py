@@ -6,7 +6,7 @@ and column-uniform elementwise ops such as a cast to float32 or a temperature):
                               L = log(S); LP = D - L; gather(LP, -1, idx)
     logsumexp(X):             A = amax(..); W = where(abs(A) == inf, 0, A); D = X - W
                               S = sum(exp(D), [-1]); log(S) + squeeze(W)
-    softmax(X).max(-1):       A, D, E = exp(D), S as above; max(E / S, -1)
+    softmax(X).max(-1):       A, D, E = exp(D), S as above; max(E / S, -1) or argmax
 
 plus greedy picks (argmax / max(dim=-1)) of the same gathered row. Every consumer of
 every row-sized (vocab-wide) node must be one of these: a row-sized value that escapes
@@ -42,7 +42,7 @@ class SoftmaxStats:
     sum: fx.Node
     log: "fx.Node | None"
     picks: tuple[fx.Node, ...]  # gather(LP, -1, idx) nodes
-    softmax_max: tuple[fx.Node, ...]  # max.dim(E / S, -1) nodes
+    softmax_max: tuple[fx.Node, ...]  # max.dim / argmax (E / S, -1) nodes
 
 
 @dataclass(frozen=True)
@@ -147,8 +147,8 @@ def _match_stats(row, chain, amax, rank) -> SoftmaxStats | Miss:
         if not (is_call(u, aten.div.Tensor) and u.args[0] is exp and u.args[1] is total):
             return Miss(f"exp of the shifted row feeds {_name(u)}, which needs the full row", u)
         for r in u.users:
-            if not (is_call(r, aten.max.dim) and _greedy_dim_ok(r, rank)
-                    and all(is_getitem(x) for x in r.users)):
+            if not (is_call(r, *_GREEDY) and _greedy_dim_ok(r, rank) and (
+                    r.target is aten.argmax.default or all(is_getitem(x) for x in r.users))):
                 return Miss(f"softmax row feeds {_name(r)}, which needs the full row", r)
             maxes.append(r)
     return SoftmaxStats(row, chain, amax, finite, d, exp, total, log,

@@ -36,10 +36,6 @@ def abs_first(x, t):
     return _gather(x).abs().argmax(-1)
 
 
-def softmax_first(x, t):
-    return torch.softmax(_gather(x), -1).argmax(-1)
-
-
 def rows_gather(x, t):
     return funcol.all_gather_tensor(x, 0, dist.group.WORLD).argmax(-1)
 
@@ -50,7 +46,6 @@ CASES = {
     second_consumer: "other consumers",
     negated: "negation",
     abs_first: "not a known monotone",
-    softmax_first: "other consumers",  # softmax decomposes into amax + sub over the row
     rows_gather: None,  # a gather of rows is no vocab gather: no rewrite, no record
 }
 

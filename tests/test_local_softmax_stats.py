@@ -22,7 +22,7 @@ import commfold
 from commfold.testing import record_collectives
 
 from softmax_programs import PROGRAMS, setup_mesh
-from test_local_argmax import DTYPES, case_st, make_logits
+from test_local_argmax import DTYPES, SPECIALS, case_st, make_logits
 
 # gathered float64 values per row per rank: (max, sum), plus the argmax or picks
 SENT = {"logprob_at": 3, "greedy_logprob": 3, "logsumexp_temp": 2, "top_prob": 3}
@@ -137,3 +137,11 @@ def test_same_results_2_ranks(ranks2, name, cases, dtype_name):
 @given(cases=st.lists(case_st, min_size=3, max_size=3))
 def test_greedy_logprob_4_ranks(ranks4, cases):
     _run(ranks4, "greedy_logprob", "f32", cases)
+
+
+@pytest.mark.parametrize("name,dtype_name", [("greedy_logprob", "bf16"), ("logsumexp_temp", "f16"),
+                                             ("top_prob", "f32"), ("logprob_at", "f32")])
+def test_every_edge_row_kind(ranks2, name, dtype_name):
+    """Ties, NaN, +-inf, all -inf rows and NaN/inf padding bait, each in one run."""
+    cases = [{"rows": 3, "vocab": 37, "seed": i, "special": k} for i, k in enumerate(SPECIALS)]
+    _run(ranks2, name, dtype_name, cases)
