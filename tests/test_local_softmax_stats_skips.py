@@ -37,7 +37,7 @@ CASES = {full_log_softmax: "needs the full row", cumulative_probs: "needs the fu
          entropy: "needs the full row", softmax_argmax: None}
 
 
-def run_case(name: str) -> dict:
+def run_case(name: str, backend="commfold") -> dict:
     fn = next(f for f in CASES if f.__name__ == name)
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -45,7 +45,7 @@ def run_case(name: str) -> dict:
     full[1, 5] = full[1, 40] = 9.0  # a tie across ranks: first index wins
     x = full.chunk(dist.get_world_size(), -1)[rank].contiguous()
     commfold.clear_reports()
-    compiled = torch.compile(fn, backend="commfold")
+    compiled = torch.compile(fn, backend=backend)
     got = compiled(x)
     with record_collectives() as log:
         compiled(x)
@@ -71,3 +71,35 @@ def test_skipped_with_reason_or_taken(ranks2, fn):
             assert res["gather_elements"] == 4 * 32  # the full shard still travels
             assert len(res["reasons"]) == 1 and want in res["reasons"][0], res["reasons"]
     assert results[0]["fingerprint"] == results[1]["fingerprint"]
+
+
+def faulty_surgery() -> dict:
+    """A fault midway through the pass's graph surgery: the compile still works, the
+    result is plain Inductor's, the report names the failed pass."""
+    import commfold.passes.local_softmax_stats as mod
+
+    real, calls = mod.insert_call, [0]
+
+    def insert_call(*a, **k):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("injected fault")
+        return real(*a, **k)
+
+    mod.insert_call = insert_call
+    try:
+        # a fresh config: no cached graph skips the passes
+        out = run_case("softmax_argmax", commfold.backend(extra=(("nonce", "fault"),)))
+    finally:
+        mod.insert_call = real
+    report = commfold.last_report()
+    return {"same": out["same"], "errors": [(e.pass_name, e.error) for e in report.errors],
+            "gather_elements": out["gather_elements"]}
+
+
+def test_fault_in_surgery_leaves_program_unchanged(ranks2):
+    for res in ranks2.run(faulty_surgery):
+        assert res["same"]
+        assert res["gather_elements"] == 4 * 32  # undone: the full gather runs
+        assert len(res["errors"]) == 1 and res["errors"][0][0] == "local_softmax_stats"
+        assert "injected fault" in res["errors"][0][1]
