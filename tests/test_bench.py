@@ -1,6 +1,6 @@
 """The performance suite runs (a smoke test on tiny sizes: not a timed test), and the
-pass manager's cheaper bookkeeping (Checkpoint restore, one lint after all passes)
-keeps its behaviour.
+compile-time savings (Checkpoint restore, one lint after all passes, cheap fake
+values) keep commfold's behaviour.
 
 - `commfold bench --quick` (run from outside the checkout: the CLI finds the suite)
   writes results.json with every figure's rows, results.md with every table, and the
@@ -10,9 +10,12 @@ keeps its behaviour.
 - A pass whose rewrite leaves a malformed graph is caught by the final lint, dropped
   (report.errors), the graph restored from the Checkpoint (the full-row gather runs
   again), and the result equals plain Inductor's.
+- insert_call's cheap fake values (meta stand-ins, remembered per input metadata)
+  equal FakeTensorMode dispatch's for every commfold op.
 """
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import subprocess
@@ -156,3 +159,54 @@ def test_final_lint_drops_a_malformed_rewrite(ranks2):
     for res in ranks2.run(malformed_rewrite_program):
         assert res == {"equal": True, "rewrites": 0, "errors": ["local_argmax"],
                        "gather_elements": 3 * 40}  # the full row gather runs again
+
+
+# ------------------------------------------------- insert_call's fake values
+
+def test_insert_call_fake_values_equal_fake_dispatch(monkeypatch):
+    """insert_call computes commfold ops' fake values on meta stand-ins (and remembers
+    them per input metadata): the same shapes, strides, dtypes, devices and fake mode
+    as FakeTensorMode's dispatch, for every op, transposed inputs and repeat calls."""
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import commfold.graph as cg
+    importlib.import_module("commfold.ops")  # registers the ops
+
+    mode = FakeTensorMode()
+    ops = torch.ops.commfold
+
+    def values():
+        g = fx.Graph()
+        g._commfold_fake_mode = mode
+
+        def ph(shape, dtype=torch.float32, transpose=False):
+            p = g.placeholder(f"p{len(g.nodes)}")
+            with mode:
+                v = torch.empty(shape, dtype=dtype)
+            p.meta["val"] = v.t() if transpose else v
+            return p
+
+        bf = torch.bfloat16
+        x, r, w = ph((5, 8), bf), ph((5, 8), bf), ph((8,), bf)
+        s, st = ph((3, 7)), ph((7, 3), transpose=True)
+        ids, shard, h = ph((4,), torch.int64), ph((6, 8)), ph((2, 8))
+        calls = [(ops.allreduce_rmsnorm.default,
+                  (x, r, w, 1e-6, 0.0, False, False, True, torch.float32, "c10d:0", -1)),
+                 (ops.allreduce_rmsnorm.default,
+                  (x, None, None, 1e-6, 1.0, False, False, False, bf, "c10d:0", -1)),
+                 (ops.local_argmax.default, (s, 10, "c10d:0", True)),
+                 (ops.local_argmax.default, (st, None, "c10d:0")),
+                 (ops.replicated_embedding.default, (ids, shard, [0, 6, 0], 2, "c10d:0")),
+                 (ops.replicated_lm_head.default, (h, shard, 11, 2, "c10d:0"))]
+        out = []
+        for target, args in calls * 2:  # the second round hits the remembered metadata
+            v = cg.insert_call(g, target, args).meta["val"]
+            out.append([(type(t).__name__, tuple(t.shape), t.stride(), t.dtype, t.device,
+                         t.fake_mode is mode) for t in (v if isinstance(v, tuple) else (v,))])
+        return out
+
+    fast = values()
+    monkeypatch.setattr(cg, "_fake_kernel", lambda target: None)  # plain fake dispatch
+    assert fast == values()
+    assert fast[0][1][3] == torch.bfloat16 and fast[2][0][1] == (3, 1)
