@@ -44,7 +44,7 @@ COVERAGE = [
      dict(kind="lm_head", seed=6, vocab=20, hidden=16, rows=3, coll="inplace")],
     [dict(G, bad=bad, ops=[], ties=False, gather="inplace" if i % 2 else "funcol")
      for i, bad in enumerate(["neg_scale", "abs", "sin", "rsub", "second_consumer",
-                              "rows_gather", "topk2"])]
+                              "rows_gather", "topk_smallest"])]
     + [_norm("funcol", "hand", "f32", True, "max"), _norm("dtensor", "functional", "f32", False, "avg"),
        _norm("inplace", "gemma", "bf16", True, "min"),
        G],  # and one good site among the distractors
