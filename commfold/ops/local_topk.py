@@ -11,9 +11,11 @@ is unspecified (on CPU it varies with the row length), so commfold's indices equ
 torch.topk's whenever the row has no ties among its top k, and otherwise point at the
 same values. NaN counts as the largest value (as in torch.topk and torch.sort).
 
-Exactness: each column gets a unique int64 key, (ordered value bits << 32) |
-(2^32 - 1 - global index); comparing keys is comparing (value, -index), so local and
-global top-k are both exact and deterministic. -0.0 and +0.0 share a key's value bits
+Exactness: each candidate gets a unique int64 key, (ordered value bits << 32) |
+(2^32 - 1 - global index); comparing keys is comparing (value, -index), so the merge
+is exact and deterministic. Local candidates come from a float topk (fast); a row
+whose k-th place falls inside a group of equal values (or is NaN) is redone with
+keys over its whole row. -0.0 and +0.0 share a key's value bits
 (torch compares them equal), every NaN gets the largest ones; the values returned are
 the original columns' bits (signed zeros and NaN payloads survive).
 """
@@ -42,11 +44,27 @@ def ordered_bits(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x.isnan(), torch.full_like(b, top), b)
 
 
-def _keys(cols: torch.Tensor, first_index: int) -> torch.Tensor:
+def _keys(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Unique int64 keys: larger value first, then lower global index first. The
     smallest real key is above int64 min (value bits > int32/int16 min)."""
-    index = torch.arange(first_index, first_index + cols.shape[-1], dtype=torch.int64)
-    return (ordered_bits(cols) << 32) + (_LOW - index)
+    return (ordered_bits(values) << 32) + (_LOW - index)
+
+
+def _local_top(cols: torch.Tensor, k: int, first_index: int):
+    """(keys, values) of the k best columns of each row under (value desc, index
+    asc). A float topk finds them (fast); only rows where a group of equal values
+    straddles the k-th place (topk may keep any of them), or whose k-th value is NaN
+    (NaN != NaN), are redone with keys over the whole row."""
+    values, where = torch.topk(cols, k, dim=-1)
+    kth = values[:, -1:]
+    redo = ((cols == kth).sum(-1) > (values == kth).sum(-1)) | kth.squeeze(-1).isnan()
+    if bool(redo.any()):
+        rows = redo.nonzero().squeeze(-1)
+        index = torch.arange(first_index, first_index + cols.shape[-1], dtype=torch.int64)
+        _, where_exact = torch.topk(_keys(cols[rows], index), k, dim=-1)
+        where = where.index_put((rows,), where_exact)
+        values = cols.gather(-1, where)
+    return _keys(values, where + first_index), values
 
 
 @torch.library.custom_op("commfold::local_topk", mutates_args=())
@@ -69,10 +87,9 @@ def local_topk(shard: torch.Tensor, valid_vocab: int | None, comm: str,
     pack = torch.full((rows.shape[0], k, 2), _NONE, dtype=torch.int64)
     take = min(k, n_local)
     if take > 0:
-        cols = rows[:, :n_local]
-        keys, where = torch.topk(_keys(cols, rank * vs), take, dim=-1)
+        keys, values = _local_top(rows[:, :n_local], take, rank * vs)
         pack[:, :take, 0] = keys
-        pack[:, :take, 1] = cols.gather(-1, where).view(_BITS[rows.dtype]).to(torch.int64)
+        pack[:, :take, 1] = values.view(_BITS[rows.dtype]).to(torch.int64)
     packs = c.all_gather(pack).view(world, rows.shape[0], k, 2)
     packs = packs.permute(1, 0, 2, 3).reshape(rows.shape[0], world * k, 2)
     keys, where = torch.topk(packs[..., 0], k, dim=-1)  # total >= k: no _NONE wins
