@@ -123,6 +123,9 @@ def _match_stats(row, chain, amax, rank) -> SoftmaxStats | Miss:
     exp = only_user(d) if len(d.users) == 1 else next(
         (u for u in d.users if is_call(u, aten.exp.default)), None)
     if exp is None or not is_call(exp, aten.exp.default):
+        if any(is_call(u, aten.mul.Tensor) for u in d.users):  # (x - max(x)) * c, guarded
+            return Miss("softmax of a scaled row in Inductor's guarded form "
+                        "(where(all finite, (x - max x) * c, ...)): not supported yet", d)
         return Miss("shifted row is not exponentiated", d)
     sums = [u for u in exp.users if is_call(u, aten.sum.dim_IntList)]
     if len(sums) != 1 or not _over_last(sums[0].args[1], rank):

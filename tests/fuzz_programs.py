@@ -32,8 +32,10 @@ import torch.nn.functional as F
 from hypothesis import strategies as st
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
-TOLERANCE = {"f32": 1e-5, "bf16": 2 ** -7}  # relative, vs plain Inductor
+TOLERANCE = {"f32": 1e-5, "bf16": 2 ** -7, "logprob": 1e-6}  # relative (floor 1), vs plain Inductor
 LA, FUSE, REP = "local_argmax", "fuse_allreduce_rmsnorm", "replicate_vocab_parallel"
+TOPK, STATS = "local_topk", "local_softmax_stats"
+PICK_PASS = {"argmax": LA, "max": LA, "topk": LA, "topk3": TOPK, "logprob": STATS}
 
 # ------------------------------------------------------------------ strategies
 
@@ -45,11 +47,14 @@ greedy_good = st.fixed_dictionaries({
     "dtype": st.sampled_from(["f32", "bf16"]),
     "rows": st.integers(2, 5), "vs": st.integers(3, 40), "pad": st.integers(0, 2),
     "ops": st.lists(st.sampled_from(["scale", "div", "add", "softcap"]), max_size=2),
-    "pick": st.sampled_from(["argmax", "max", "topk"]),
+    "pick": st.sampled_from(["argmax", "max", "topk", "topk3", "logprob"]),
     "ties": st.booleans(),
-}).map(lambda b: {**b, "dtype": "f32", "ties": False} if b["pick"] == "topk" else b)
+}).map(lambda b: {**b, "dtype": "f32", "ties": False} if b["pick"] in ("topk", "topk3") else b
+       ).map(lambda b: {**b, "ops": [o for o in b["ops"] if o == "add"]} if b["pick"] == "logprob" else b)
 # topk's choice among equal values is unspecified (so no ties, and f32, where the
-# monotone ops cannot round two logits together)
+# monotone ops cannot round two logits together). topk3: local_topk; logprob: the
+# greedy token and its logprob, local_softmax_stats (without a scale last: Inductor
+# rewrites log_softmax(c * x) into a guarded form commfold does not recognize yet).
 greedy_bad = st.fixed_dictionaries({
     "kind": st.just("greedy"), "seed": seeds,
     "bad": st.sampled_from(["neg_scale", "abs", "sin", "rsub", "second_consumer",
@@ -99,7 +104,9 @@ def expected_rewrites(b: dict) -> dict:
     """Rewrites per pass this block must get (all passes configured)."""
     if is_distractor(b):
         return {}
-    return {"greedy": {LA: 1}, "norm": {FUSE: 1}, "embed": {REP: 1}, "lm_head": {REP: 1}}[b["kind"]]
+    if b["kind"] == "greedy":
+        return {PICK_PASS[b["pick"]]: 1}
+    return {"norm": {FUSE: 1}, "embed": {REP: 1}, "lm_head": {REP: 1}}[b["kind"]]
 
 
 def expected_near_miss(b: dict) -> str | None:
@@ -124,6 +131,10 @@ def compare_modes(b: dict) -> list[str]:
             return ["exact", "f32"]  # tokens, sum of the logits
         if b["bad"] in ("rows_gather", "topk_smallest"):
             return ["exact"]
+        if b["pick"] == "logprob":
+            return ["exact", "logprob"]  # token, its logprob (another summation order)
+        if b["pick"] == "topk3":
+            return ["exact", "exact"]  # indices, values
         return ["exact", "exact"] if b["pick"] == "max" else ["exact"]  # ids (, values)
     return ["exact"]
 
@@ -244,6 +255,12 @@ def _greedy(b, shard):
     if b["pick"] == "max":
         v, i = x.max(dim=-1)
         return i, v
+    if b["pick"] == "topk3":
+        v, i = torch.topk(x, 3, dim=-1)
+        return i, v
+    if b["pick"] == "logprob":
+        tok = x.argmax(-1)
+        return tok, torch.log_softmax(x.float(), -1).gather(-1, tok[:, None])
     return (torch.topk(x, 1, dim=-1).indices.squeeze(-1),)
 
 

@@ -36,6 +36,8 @@ def _norm(coll, norm, dtype, residual, reduce="sum", seed=2):
 COVERAGE = [
     [G, dict(G, gather="inplace", pick="max", dtype="bf16", ops=["div"]),
      dict(G, gather="dtensor", pick="topk", ties=False, pad=0, ops=["add"]),
+     dict(G, gather="funcol", pick="topk3", ties=False, dtype="f32", ops=["div"]),
+     dict(G, gather="inplace", pick="logprob", dtype="bf16", ops=["add"]),
      _norm("funcol", "hand", "f32", True), _norm("funcol_wait", "functional", "bf16", False),
      _norm("inplace", "gemma", "bf16", True), _norm("dtensor", "hand", "f32", True),
      dict(kind="embed", seed=3, vocab=11, hidden=4, ids=(2, 3), spelling="masked_fill", coll="funcol"),
