@@ -7,7 +7,8 @@ monotone elementwise ops (patterns.greedy.walk_to_reader), then either
 
 with a static k (2 <= k <= MAX_K) over the vocab dim and nothing else reading the
 row. A descending sort of a row of statically k <= MAX_K columns, used whole, is its
-first k too (post-grad drops a [:k] slice of exactly k columns). topk(1) is a greedy pick (patterns.greedy), not matched here.
+first k too (post-grad drops a [:k] slice of exactly k columns). topk(1) is a
+greedy pick (patterns.greedy), not matched here.
 """
 from __future__ import annotations
 
