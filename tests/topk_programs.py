@@ -66,33 +66,3 @@ def reference(logits, vocab, temp, name, k):
     v, i = torch.sort(scaled(logits, vocab, temp, name), dim=-1, descending=True, stable=True)
     return v[:, :k], i[:, :k]
 
-
-def bench_topk(batch: int = 64, vocab: int = 151936, ks=(8, 50), repeats: int = 20) -> list:
-    """Rank body (run with commfold.testing.run_on_ranks(bench_topk, 2)): median ms
-    of funcol gather + topk(k) per call, commfold vs plain Inductor, per k. Returns
-    [(k, inductor_ms, commfold_ms)]."""
-    import statistics
-    import time
-
-    torch.manual_seed(0)
-    world, rank = dist.get_world_size(), dist.get_rank()
-    vs = -(-vocab // world)
-    shard = torch.randn(batch, world * vs)[:, rank * vs:(rank + 1) * vs].contiguous()
-    out = []
-    for k in ks:
-        times = {}
-        for backend in ("inductor", "commfold"):
-            # k literal in its own code object: else dynamo makes a changing k symbolic
-            fn = torch.compile(eval(f"lambda s: funcol_topk(s, {vocab}, 0.7, {int(k)})",
-                                    {"funcol_topk": funcol_topk}), backend=backend)
-            for _ in range(3):
-                fn(shard)
-            samples = []
-            for _ in range(repeats):
-                dist.barrier()
-                t0 = time.perf_counter()
-                fn(shard)
-                samples.append((time.perf_counter() - t0) * 1e3)
-            times[backend] = statistics.median(samples)
-        out.append((k, times["inductor"], times["commfold"]))
-    return out
