@@ -3,7 +3,7 @@ and calls per call/step vs the rewritten form's lower bound) and the compile-cos
 targets."""
 from __future__ import annotations
 
-from benchmarks.bench_compile_cost import table as compile_cost_table
+from benchmarks.bench_compile_cost import own_cpu_s, table as compile_cost_table
 
 
 def _ms(s: float) -> str:
@@ -65,12 +65,14 @@ def _decode(rows):
 
 
 def compile_targets(rows) -> dict:
-    """The issue's targets against the measured rows: worst share, worst ms per
-    rewrite, and µs per graph node at the largest vs the smallest graph (linearity)."""
+    """The issue's targets against the measured rows: worst share (wall, garbage
+    collection included), worst own CPU ms per rewrite, and own CPU µs per graph node
+    at the largest vs the smallest graph (linearity); own = less garbage collection."""
     share = max(r["commfold_s"] / r["compile_s"] for r in rows)
-    per_rewrite = max(r["commfold_s"] * 1e3 / max(1, r["rewrites"]) for r in rows)
-    per_node = [r["commfold_s"] * 1e6 / max(1, r["nodes"]) for r in rows]
-    return {"max_share": share, "max_ms_per_rewrite": per_rewrite,
+    share_own = max((r["commfold_s"] - r["commfold_gc_s"]) / r["compile_s"] for r in rows)
+    per_rewrite = max(own_cpu_s(r) * 1e3 / max(1, r["rewrites"]) for r in rows)
+    per_node = [own_cpu_s(r) * 1e6 / max(1, r["nodes"]) for r in rows]
+    return {"max_share": share, "max_share_less_gc": share_own, "max_ms_per_rewrite": per_rewrite,
             "us_per_node_largest_over_smallest": per_node[-1] / per_node[0] if per_node[0] else None}
 
 
@@ -112,8 +114,9 @@ def markdown(results: dict, plots: list[str], plots_skipped: str | None = None) 
             lines += list(TABLES[name](fig["rows"])) + [""]
         if name == "compile_cost" and fig["rows"]:
             t = compile_targets(fig["rows"])
-            lines += [f"Targets: share {100 * t['max_share']:.2f}% (<= 2%), "
-                      f"{t['max_ms_per_rewrite']:.2f} ms per rewrite (<= 1 ms), µs per node at the "
+            lines += [f"Targets: share {100 * t['max_share']:.2f}% "
+                      f"({100 * t['max_share_less_gc']:.2f}% less garbage collection; <= 2%), "
+                      f"{t['max_ms_per_rewrite']:.2f} CPU ms per rewrite (<= 1 ms), CPU µs per node at the "
                       f"largest graph / smallest: {t['us_per_node_largest_over_smallest'] or 0:.2f} "
                       f"(1.0 = linear).", ""]
         for e in fig["errors"]:

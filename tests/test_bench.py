@@ -56,7 +56,8 @@ def test_quick_suite_writes_every_figure(quick_run):
             "allreduce_rmsnorm": {"T", "H", "unfused_s", "fused_s", "max_abs_diff"},
             "replicate": {"layer", "r", "sharded_s", "replicated_s", "build_s"},
             "decode": {"B", "inductor_tok_s", "commfold_tok_s", "same", "rewrites"},
-            "compile_cost": {"layers", "nodes", "compile_s", "commfold_s", "rewrites"}}
+            "compile_cost": {"layers", "nodes", "compile_s", "commfold_s", "commfold_cpu_s",
+                             "rewrites"}}
     for name, want in keys.items():
         for row in results["figures"][name]["rows"]:
             assert want <= set(row), (name, want - set(row))
@@ -64,7 +65,8 @@ def test_quick_suite_writes_every_figure(quick_run):
     assert all(r["same"] for r in figs["local_argmax"]["rows"] + figs["decode"]["rows"])
     assert all(r["max_abs_diff"] < 1e-4 for r in figs["allreduce_rmsnorm"]["rows"])
     for r in figs["compile_cost"]["rows"]:
-        assert 0 < r["commfold_s"] < r["compile_s"] and r["rewrites"] > 0
+        assert 0 < r["commfold_s"] < r["compile_s"] and 0 < r["commfold_cpu_s"]
+        assert r["rewrites"] > 0
     assert {r["layer"] for r in figs["replicate"]["rows"]} == {"embedding", "head"}
     assert "Targets: share" in md and "## Communication per call" in md
     plots = sorted(p.name for p in out.glob("*.png"))
