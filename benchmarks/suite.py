@@ -67,8 +67,9 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         prog=prog,
         description="commfold vs plain Inductor, side by side on gloo ranks of this CPU: "
                     "writes results.json, results.md and PNG plots.",
-        epilog="Figures: " + ", ".join(FIGURES) + ". The full run takes about 10 minutes "
-               "on a quiet 2-core machine; --quick about one.")
+        epilog="Figures: " + ", ".join(FIGURES) + ". The full run takes about 5-8 minutes "
+               "on a quiet 2-core machine (the per-figure times are printed and kept in "
+               "results.md); --quick about one.")
     p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test, not figures)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, metavar="DIR",
                    help=f"output directory (default: {DEFAULT_OUT})")
