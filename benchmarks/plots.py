@@ -58,6 +58,12 @@ def _local_argmax(ax, rows):
     ax.legend(fontsize=7)
 
 
+def _sampling(ax, rows):
+    labels = [f"{r['case']}\nB={r['B']}" for r in rows]
+    _bars(ax, labels, {"Inductor": [r["inductor_s"] * 1e3 for r in rows],
+                       "commfold": [r["commfold_s"] * 1e3 for r in rows]}, "ms per call (median)")
+
+
 def _allreduce_rmsnorm(ax, rows):
     labels = [f"T={r['T']}\nH={r['H']}" for r in rows]
     _bars(ax, labels, {"unfused / fused": [r["unfused_s"] / r["fused_s"] for r in rows]},
@@ -95,5 +101,6 @@ def _compile_cost(ax, rows):
     ax.legend(fontsize=8, loc="upper left")
 
 
-PLOTS = {"local_argmax": _local_argmax, "allreduce_rmsnorm": _allreduce_rmsnorm,
+PLOTS = {"local_argmax": _local_argmax, "sampling": _sampling,
+         "allreduce_rmsnorm": _allreduce_rmsnorm,
          "replicate": _replicate, "decode": _decode, "compile_cost": _compile_cost}

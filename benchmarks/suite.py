@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks import (bench_allreduce_rmsnorm, bench_compile_cost, bench_decode,
-                        bench_local_argmax, bench_replicate)
+                        bench_local_argmax, bench_replicate, bench_sampling)
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
@@ -45,6 +45,8 @@ FIGURES = {f.name: f for f in (
            bench_local_argmax.measure,
            full=([1, 8, 64, 256], [32000, V], 7), quick=([4], [1000], 5),
            worlds=(2, 4), extra={4: ([1, 64, 256], [V], 5)}),
+    Figure("sampling", "Beyond greedy: greedy token + logprob, top-k, over vocab-sharded logits",
+           bench_sampling.measure, full=([64], V, [1, 8, 50], 7), quick=([4], 1000, [1, 8], 5)),
     Figure("allreduce_rmsnorm", "all_reduce -> residual add -> RMSNorm: unfused vs fused (f32)",
            bench_allreduce_rmsnorm.measure,
            full=(["float32"], [1024, 4096], [1, 16, 256, 2048], 7),
@@ -67,7 +69,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         prog=prog,
         description="commfold vs plain Inductor, side by side on gloo ranks of this CPU: "
                     "writes results.json, results.md and PNG plots.",
-        epilog="Figures: " + ", ".join(FIGURES) + ". The full run takes about 5-8 minutes "
+        epilog="Figures: " + ", ".join(FIGURES) + ". The full run takes about 6-9 minutes "
                "on a quiet 2-core machine (the per-figure times are printed and kept in "
                "results.md); --quick about one.")
     p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test, not figures)")

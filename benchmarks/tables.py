@@ -18,6 +18,8 @@ def case(name: str, r: dict) -> str:
     """A short label for one row of a figure."""
     if name == "local_argmax":
         return f"B={r['B']} V={r['V']}"
+    if name == "sampling":
+        return f"{r['case']} B={r['B']} V={r['V']}"
     if name == "allreduce_rmsnorm":
         return f"T={r['T']} H={r['H']} {r['dtype']}"
     if name == "replicate":
@@ -32,6 +34,14 @@ def _local_argmax(rows):
     yield "|---|---|---|---|---|---|---|"
     for r in rows:
         yield (f"| {r['world']} | {r['B']} | {r['V']} | {_ms(r['inductor_s'])} | "
+               f"{_ms(r['commfold_s'])} | {_x(r['inductor_s'], r['commfold_s'])} | {r['same']} |")
+
+
+def _sampling(rows):
+    yield "| TP | case | B | V | Inductor (ms) | commfold (ms) | speed-up | same results |"
+    yield "|---|---|---|---|---|---|---|---|"
+    for r in rows:
+        yield (f"| {r['world']} | {r['case']} | {r['B']} | {r['V']} | {_ms(r['inductor_s'])} | "
                f"{_ms(r['commfold_s'])} | {_x(r['inductor_s'], r['commfold_s'])} | {r['same']} |")
 
 
@@ -76,7 +86,8 @@ def compile_targets(rows) -> dict:
             "us_per_node_largest_over_smallest": per_node[-1] / per_node[0] if per_node[0] else None}
 
 
-TABLES = {"local_argmax": _local_argmax, "allreduce_rmsnorm": _allreduce_rmsnorm,
+TABLES = {"local_argmax": _local_argmax, "sampling": _sampling,
+          "allreduce_rmsnorm": _allreduce_rmsnorm,
           "replicate": _replicate, "decode": _decode,
           "compile_cost": lambda rows: compile_cost_table(rows)}
 
@@ -127,7 +138,8 @@ def markdown(results: dict, plots: list[str], plots_skipped: str | None = None) 
     lines += ["## Communication per call (per decode step for `decode`), bytes each rank "
               "puts into collectives, measured at run time", "",
               "Baseline: plain Inductor / unfused / sharded. Lower bound: the rewritten "
-              "form's (local argmax: one int64 pair per row; fused norm: the all-reduce it "
-              "keeps; replication: none).", ""]
+              "form's (local argmax: one int64 pair per row; greedy + logprob: 3 float64 per "
+              "row; top-k: k int64 pairs per row; fused norm: the all-reduce it keeps; "
+              "replication: none).", ""]
     lines += list(_comm_table(results)) + [""]
     return "\n".join(lines)
