@@ -1,11 +1,13 @@
-"""commfold::softmax_stats - the row statistics of softmax / log_softmax / logsumexp
+"""commfold::softmax_combine - the row statistics of softmax / log_softmax / logsumexp
 over vocab-sharded logits, without gathering the logits.
 
-Each rank reduces its valid columns to (m, s): its maximum m (NaN if it holds a NaN)
-and s = sum(exp(x - c)) with the safe local shift c = m if m is finite else 0, summed
-in float64. The ranks exchange those two numbers per row, plus optionally the first
-maximum's global index and the logits at requested indices: one all-gather of
-2 + argmax + picks float64 values per row per rank. Every rank then rebuilds
+Each rank reduces its valid columns (commfold::valid_columns masks the padding) to
+(m, s): its maximum m (NaN if it holds a NaN) and s = sum(exp(x - c)) with the safe
+local shift c = m if m is finite else 0, accumulated in float64 - graph ops, so
+Inductor compiles those row-wide reductions into its own kernels. softmax_combine
+exchanges those two numbers per row, plus optionally the first maximum's global index
+and the logits at requested indices: one all-gather of 2 + argmax + picks float64
+values per row per rank. Every rank then rebuilds
 
     M = max over ranks (NaN-propagating, as aten.amax)
     S = sum over ranks of s_r * exp(c_r - shift), shift = M, or the "finite shift"
@@ -28,44 +30,51 @@ import torch
 from ..collectives import communicator
 
 
-@torch.library.custom_op("commfold::softmax_stats", mutates_args=())
-def softmax_stats(x: torch.Tensor, valid_vocab: int | None, comm: str, finite_shift: bool,
-                  want_argmax: bool, picks: torch.Tensor | None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(M [*lead, 1], S [*lead, 1], argmax [*lead] int64 (empty unless want_argmax),
-    log_softmax at picks [*plead, k] (empty unless picks)) of gathered[..., :valid_vocab],
-    gathered = the ranks' shards x [*lead, Vs] concatenated in rank order. As
-    aten.gather, picks may have fewer rows than x (2-D): the first rows are read."""
+@torch.library.custom_op("commfold::valid_columns", mutates_args=())
+def valid_columns(x: torch.Tensor, valid_vocab: int | None, comm: str) -> torch.Tensor:
+    """bool [Vs]: which of this rank's columns lie inside gathered[..., :valid_vocab]."""
+    c = communicator(comm)
+    vs = x.shape[-1]
+    total = _slice_end(valid_vocab, c.world_size() * vs)
+    return torch.arange(vs, device=x.device) + c.rank() * vs < total
+
+
+@valid_columns.register_fake
+def _(x, valid_vocab, comm):
+    return x.new_empty(x.shape[-1:], dtype=torch.bool)
+
+
+@torch.library.custom_op("commfold::softmax_combine", mutates_args=())
+def softmax_combine(x: torch.Tensor, m: torch.Tensor, s: torch.Tensor,
+                    first: torch.Tensor | None, picks: torch.Tensor | None,
+                    valid_vocab: int | None, comm: str, finite_shift: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every rank's local statistics of shard x [*lead, Vs] - m (max of the valid
+    columns, x's dtype), s (float64 sum of exp(x - m), m made finite) and first (the
+    first max's local index) - exchanged in ONE all-gather and combined:
+    (M [*lead, 1], S [*lead, 1], argmax [*lead] int64 (empty without first),
+    log_softmax at picks [*plead, k] (empty without picks)). As aten.gather, picks may
+    have fewer rows than x (2-D): the first rows are read."""
     c = communicator(comm)
     world, rank = c.world_size(), c.rank()
     vs = x.shape[-1]
     total = _slice_end(valid_vocab, world * vs)
     lead = x.shape[:-1]
-    rows = x.reshape(-1, vs)[:, :max(0, min(vs, total - rank * vs))].double()
+    rows = x.reshape(-1, vs)
     n = rows.shape[0]
-
-    if rows.shape[1] > 0:
-        m, first = rows.max(dim=-1)  # NaN is the max; first max / first NaN
-    else:  # only padding here: never the max, contributes nothing
-        m = torch.full((n,), float("-inf"), dtype=torch.float64)
-        first = torch.zeros(n, dtype=torch.int64)
-    shift = torch.where(m.isfinite(), m, torch.zeros_like(m))
-    s = (rows - shift[:, None]).exp().sum(-1)
-    fields = [m, s]
-    if want_argmax:
-        fields.append((first + rank * vs).double())  # exact: vocab < 2**53
+    fields = [m.reshape(n, 1).double(), s.reshape(n, 1).double()]
+    if first is not None:
+        fields.append((first.reshape(n, 1) + rank * vs).double())  # exact: vocab < 2**53
     if picks is not None:
         idx = _pick_rows(picks, x).long()
         _check_index(idx, total)
         local = idx - rank * vs
-        mine = (local >= 0) & (local < rows.shape[1])
-        safe = torch.where(mine, local, torch.zeros_like(local))
-        part_rows = rows[:idx.shape[0]]
-        got = part_rows.gather(-1, safe) if rows.shape[1] > 0 else \
-            torch.zeros_like(safe, dtype=torch.float64)
+        mine = (local >= 0) & (local < vs)
+        got = rows[:idx.shape[0]].gather(-1, local.clamp(0, max(vs - 1, 0))).double() \
+            if vs > 0 else torch.zeros(idx.shape, dtype=torch.float64)
         got = torch.where(mine, got, torch.zeros_like(got))
         fields.append(torch.cat([got, got.new_zeros(n - idx.shape[0], idx.shape[1])]))
-    packed = torch.cat([f.reshape(n, -1) for f in fields], dim=-1)  # [rows, F]
+    packed = torch.cat(fields, dim=-1)  # [rows, F]
     every = c.all_gather(packed).view(world, n, -1)
 
     ms, ss = every[..., 0], every[..., 1]  # [world, rows]
@@ -84,7 +93,7 @@ def softmax_stats(x: torch.Tensor, valid_vocab: int | None, comm: str, finite_sh
     out_m = big_m.to(dtype).reshape(*lead, 1)
     out_s = big_s.to(dtype).reshape(*lead, 1)
     col = 2
-    if want_argmax:
+    if first is not None:
         winner = ms.argmax(dim=0, keepdim=True)  # first max / first NaN over ranks
         out_i = every[..., col].gather(0, winner).to(torch.int64).reshape(lead)
         col += 1
@@ -93,7 +102,7 @@ def softmax_stats(x: torch.Tensor, valid_vocab: int | None, comm: str, finite_sh
     if picks is not None:  # (x[idx] - shift) - log(S), as the graph's gather(D - L, idx)
         idx = _pick_rows(picks, x).long()
         p = idx.shape[0]
-        owner = (idx // vs).clamp(0, world - 1)  # [p, k]
+        owner = (idx // max(vs, 1)).clamp(0, world - 1)  # [p, k]
         vals = every[:, :p, col:]  # [world, p, k]
         picked = vals.gather(0, owner.unsqueeze(0)).squeeze(0).to(dtype)
         shift = g_shift[:p, None].to(dtype)
@@ -101,6 +110,15 @@ def softmax_stats(x: torch.Tensor, valid_vocab: int | None, comm: str, finite_sh
     else:
         out_p = x.new_empty((0,))
     return out_m, out_s, out_i, out_p
+
+
+@softmax_combine.register_fake
+def _(x, m, s, first, picks, valid_vocab, comm, finite_shift):
+    lead = list(x.shape[:-1])
+    stat = x.new_empty(lead + [1])
+    index = x.new_empty(lead if first is not None else [0], dtype=torch.int64)
+    picked = x.new_empty(picks.shape) if picks is not None else x.new_empty([0])
+    return stat, stat.clone(), index, picked
 
 
 def _slice_end(end: int | None, width: int) -> int:
@@ -124,12 +142,3 @@ def _check_index(idx: torch.Tensor, total: int) -> None:
         raise RuntimeError(
             f"commfold.softmax_stats: gather index out of bounds for a vocab of {total} "
             "(the original program's gather raises here too)")
-
-
-@softmax_stats.register_fake
-def _(x, valid_vocab, comm, finite_shift, want_argmax, picks):
-    lead = list(x.shape[:-1])
-    stat = x.new_empty(lead + [1])
-    index = x.new_empty(lead if want_argmax else [0], dtype=torch.int64)
-    picked = x.new_empty(picks.shape) if picks is not None else x.new_empty([0])
-    return stat, stat.clone(), index, picked
