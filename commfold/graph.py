@@ -84,6 +84,20 @@ def fake_mode_of(graph: fx.Graph):
     return detect_fake_mode()
 
 
+def replay(graph: fx.Graph, x: fx.Node, ops, memo: dict | None = None) -> fx.Node:
+    """Re-run a chain of unary-in-x ops (each reads the previous one; other args are
+    constants) on x instead, at the insert point: a vocab pass replays the
+    elementwise ops between a gather and its reader on the shard. `memo` shares
+    replayed prefixes between chains that start alike."""
+    memo = {} if memo is None else memo
+    for op in ops:
+        if op not in memo:
+            args = tuple(x if isinstance(a, fx.Node) else a for a in op.args)
+            memo[op] = insert_call(graph, op.target, args, dict(op.kwargs), like=op)
+        x = memo[op]
+    return x
+
+
 def insert_call(graph: fx.Graph, target, args=(), kwargs=None, like: fx.Node | None = None):
     """Create call_function(target) at the graph's current insert point with meta['val']
     computed by running target on the fake inputs (so later passes and Inductor see

@@ -27,7 +27,7 @@ import operator
 import torch
 
 from commfold.context import PassContext
-from commfold.graph import erase_if_dead, insert_call, nbytes, numel, tensor_val
+from commfold.graph import erase_if_dead, insert_call, nbytes, numel, replay, tensor_val
 from commfold.ops.local_argmax import SUPPORTED_DTYPES
 from commfold.patterns.gather import gather_candidates, match_vocab_gather
 from commfold.patterns.greedy import GreedyPick, match_greedy
@@ -58,10 +58,7 @@ def rewrite_pick(ctx: PassContext, m: GreedyPick, before: Comm | None = None) ->
     full = tensor_val(m.gather.gathered)
     before = before or Comm(nbytes(full), 1)
     with graph.inserting_before(m.pick):
-        x = m.gather.shard
-        for op in m.elementwise:  # replay on the shard: same values per column
-            args = tuple(x if isinstance(a, torch.fx.Node) else a for a in op.args)
-            x = insert_call(graph, op.target, args, dict(op.kwargs), like=op)
+        x = replay(graph, m.gather.shard, m.elementwise)  # same values per column
         best = insert_call(graph, torch.ops.commfold.local_argmax.default,
                            (x, m.valid_vocab, m.gather.comm, m.keepdim), like=m.pick)
         value = insert_call(graph, operator.getitem, (best, 0), like=m.pick)

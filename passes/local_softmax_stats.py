@@ -37,7 +37,7 @@ import torch.fx as fx
 from torch._inductor.pattern_matcher import stable_topological_sort
 
 from commfold.context import PassContext
-from commfold.graph import erase_if_dead, insert_call, nbytes, numel, tensor_val
+from commfold.graph import erase_if_dead, insert_call, nbytes, numel, replay, tensor_val
 from commfold.patterns.common import aten, is_call, prims
 from commfold.patterns.gather import gather_candidates, match_vocab_gather
 from commfold.patterns.greedy import GreedyPick
@@ -98,7 +98,7 @@ def _rewrite_stats(graph, m: RowReads, s: SoftmaxStats, argmax: Greedy | None,
     """Rewrite one structure; returns float64 values sent per row per rank."""
     picks = [p for p in s.picks if not (argmax is not None and _is_index_of(p.args[2], argmax.pick))]
     with graph.inserting_before(s.amax):
-        x = _replay(graph, m.gather.shard, s.chain, replayed)
+        x = replay(graph, m.gather.shard, s.chain, replayed)
         index = None
         if picks:
             parts = [p.args[2] for p in picks]
@@ -210,17 +210,6 @@ def _is_index_of(idx, pick: fx.Node) -> bool:
     if not is_call(idx, aten.unsqueeze.default) or idx.args[0] is not pick:
         return False
     return idx.args[1] in (-1, tensor_val(pick).dim())
-
-
-def _replay(graph, shard, chain, replayed) -> fx.Node:
-    """The chain of elementwise ops re-run on the shard (shared between structures)."""
-    x = shard
-    for op in chain:
-        if op not in replayed:
-            args = tuple(x if isinstance(a, fx.Node) else a for a in op.args)
-            replayed[op] = insert_call(graph, op.target, args, dict(op.kwargs), like=op)
-        x = replayed[op]
-    return x
 
 
 def _bytes(rows_val, per_row: int, world: int):

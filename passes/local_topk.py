@@ -28,7 +28,7 @@ import operator
 import torch
 
 from commfold.context import PassContext
-from commfold.graph import erase_if_dead, insert_call, nbytes, numel, tensor_val
+from commfold.graph import erase_if_dead, insert_call, nbytes, numel, replay, tensor_val
 from commfold.ops.local_topk import SUPPORTED_DTYPES
 from commfold.patterns.gather import gather_candidates, match_vocab_gather
 from commfold.patterns.topk import TopK, match_topk
@@ -55,10 +55,7 @@ def _rewrite(ctx: PassContext, m: TopK) -> None:
     graph = ctx.graph
     before = Comm(nbytes(tensor_val(m.gather.gathered)), 1)
     with graph.inserting_before(m.reader):
-        x = m.gather.shard
-        for op in m.elementwise:  # replay on the shard: same values per column
-            args = tuple(x if isinstance(a, torch.fx.Node) else a for a in op.args)
-            x = insert_call(graph, op.target, args, dict(op.kwargs), like=op)
+        x = replay(graph, m.gather.shard, m.elementwise)  # same values per column
         top = insert_call(graph, torch.ops.commfold.local_topk.default,
                           (x, m.valid_vocab, m.gather.comm, m.k), like=m.reader)
         new = [insert_call(graph, operator.getitem, (top, i), like=m.reader) for i in (0, 1)]

@@ -4,7 +4,6 @@ collectives that ran are the graph's own, each spelling is found, and each unsaf
 form is skipped with its reason."""
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol

@@ -9,7 +9,6 @@ an f64 reference) and each block is fused once."""
 from __future__ import annotations
 
 import pytest
-import torch.distributed as dist
 
 from test_fuse_allreduce_rmsnorm import _check, decoders_on_rank, numerics_on_rank
 

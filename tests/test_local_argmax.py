@@ -7,8 +7,6 @@ lowest index, and says so in the README.
 """
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,34 +16,9 @@ import commfold
 from commfold.testing import record_collectives
 
 from argmax_programs import PROGRAMS, funcol_max_values, reference, setup_mesh
+from logit_cases import DTYPES, make_logits
 
-DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 SPECIALS = ("normal", "ties", "nan", "inf", "neginf_row", "boundary_tie", "padding_bait")
-
-
-def make_logits(case: dict, world: int) -> tuple[torch.Tensor, int]:
-    """Full padded logits [rows, world*Vs] (same on every rank), and the valid vocab.
-    Padding columns hold +inf / NaN bait: a pick that reads them is wrong."""
-    rows, vocab, kind = case["rows"], case["vocab"], case["special"]
-    vs = -(-vocab // world)
-    g = torch.Generator().manual_seed(case["seed"])
-    x = torch.randn(rows, world * vs, generator=g, dtype=torch.float64) * 4
-    if kind == "ties":
-        x = torch.randint(-2, 3, x.shape, generator=g).double()
-    elif kind == "nan":
-        x[torch.rand(x.shape, generator=g) < 0.05] = math.nan
-    elif kind == "inf":
-        x[torch.rand(x.shape, generator=g) < 0.05] = math.inf
-        x[torch.rand(x.shape, generator=g) < 0.05] = -math.inf
-    elif kind == "neginf_row":
-        x[:] = -math.inf
-    elif kind == "boundary_tie" and world * vs > vs:
-        x[:, vs - 1] = 100.0  # last column of rank 0 ties with first of rank 1
-        x[:, vs] = 100.0
-    x = x.to(case["dtype"])
-    if world * vs > vocab:  # padding bait
-        x[:, vocab:] = math.inf if kind != "padding_bait" else math.nan
-    return x, vocab
 
 
 case_st = st.fixed_dictionaries({

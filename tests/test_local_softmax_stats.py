@@ -23,7 +23,8 @@ import commfold
 from commfold.testing import record_collectives
 
 from softmax_programs import PROGRAMS, setup_mesh
-from test_local_argmax import DTYPES, SPECIALS, case_st, make_logits
+from logit_cases import DTYPES, make_logits
+from test_local_argmax import SPECIALS, case_st
 
 # gathered float64 values per row per rank: (max, sum), plus the argmax or picks
 SENT = {"logprob_at": 3, "greedy_logprob": 3, "logsumexp_temp": 2, "top_prob": 3}

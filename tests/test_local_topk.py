@@ -13,8 +13,6 @@ What is promised and checked, per case, against the full logits:
 """
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -24,40 +22,13 @@ import commfold
 from commfold.testing import record_collectives
 
 from topk_programs import PROGRAMS, reference, scaled, setup_mesh
+from logit_cases import DTYPES, make_logits
 
-DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 SPECIALS = ("normal", "ties", "nan", "inf", "neginf_row", "boundary_tie", "signed_zero")
 KS = (2, 3, 8, 50)
 TEMP = 0.7  # fixed: a temperature that changes between compiles becomes a symbolic
             # float whose sign is unknown, and commfold then (rightly) skips
 STRICT = commfold.backend(strict=True)
-
-
-def make_logits(case: dict, world: int) -> tuple[torch.Tensor, int]:
-    """Full padded logits [rows, world*Vs] (same on every rank) and the valid vocab.
-    Padding columns hold +inf / NaN bait: a top-k that reads them is wrong."""
-    rows, vocab, kind = case["rows"], case["vocab"], case["special"]
-    vs = -(-vocab // world)
-    g = torch.Generator().manual_seed(case["seed"])
-    x = torch.randn(rows, world * vs, generator=g, dtype=torch.float64) * 4
-    if kind == "ties":
-        x = torch.randint(-2, 3, x.shape, generator=g).double()
-    elif kind == "nan":
-        x[torch.rand(x.shape, generator=g) < 0.05] = math.nan
-    elif kind == "inf":
-        x[torch.rand(x.shape, generator=g) < 0.05] = math.inf
-        x[torch.rand(x.shape, generator=g) < 0.05] = -math.inf
-    elif kind == "neginf_row":
-        x[:] = -math.inf
-    elif kind == "boundary_tie" and world > 1:
-        x[:, vs - 2:vs + 2] = 100.0  # ties across rank 0's last and rank 1's first columns
-    elif kind == "signed_zero":  # -0.0 == +0.0: ties whose bits differ
-        x = torch.randint(-1, 2, x.shape, generator=g).double() * 0.0
-        x[:, ::3] = -0.0
-    x = x.to(case["dtype"])
-    if world * vs > vocab:
-        x[:, vocab:] = math.nan if case["seed"] % 2 else math.inf
-    return x, vocab
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

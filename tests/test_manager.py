@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol

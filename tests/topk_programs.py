@@ -8,6 +8,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+import argmax_programs
+from argmax_programs import setup_mesh  # noqa: F401  (re-exported: DTensor programs need the mesh)
+
 
 def _world():
     return dist.group.WORLD
@@ -28,24 +31,10 @@ def inplace_sort(shard, vocab, temp, k):
     return v[:, :k], i[:, :k]
 
 
-_MESH = None
-
-
-def setup_mesh():
-    """Create the 1-D device mesh outside compiled code (dynamo cannot trace its
-    creation in torch 2.13)."""
-    global _MESH
-    if _MESH is None:
-        from torch.distributed.tensor import init_device_mesh
-
-        _MESH = init_device_mesh("cpu", (dist.get_world_size(),))
-    return _MESH
-
-
 def dtensor_topk(shard, vocab, temp, k):
     from torch.distributed.tensor import DTensor, Shard
 
-    full = DTensor.from_local(shard, _MESH, [Shard(1)], run_check=False).full_tensor()
+    full = DTensor.from_local(shard, argmax_programs._MESH, [Shard(1)], run_check=False).full_tensor()
     out = (full[:, :vocab] / temp).topk(k, sorted=False)  # order unspecified: any is fine
     return out.values, out.indices
 
