@@ -90,19 +90,13 @@ def walk_to_reader(g: VocabGather, readers) -> RowWalk | Miss | None:
         if user.target in readers:
             return RowWalk(valid, tuple(chain), user)
         if is_call(user, aten.slice.Tensor) and not chain and valid is None:
-            given = list(user.args[1:])
-            dim, start, end, step = given + [0, None, None, 1][len(given):]
-            if norm_dim(dim, rank) != rank - 1:
-                return _near(user, "slice on a dim other than vocab", readers)
-            if start not in (0, None) or step != 1 or not _int_like(end):
-                return _near(user, "slice of the vocab dim other than [0:V]", readers)
-            if isinstance(end, int) and end <= 0:
-                return _near(user, "slice of the vocab dim with a non-positive end", readers)
-            # The ops apply slice's own clamping at run time (end may be symbolic).
-            valid = end
+            cut = vocab_slice_end(user, rank)
+            if not cut:
+                return _near(user, cut.reason, readers)
+            valid = cut[0]
             node = user
             continue
-        if user.op == "call_function" and _is_elementwise(user):
+        if user.op == "call_function" and is_elementwise(user):
             why = monotone_step(user, node)
             if why is not None:
                 return _near(user, why, readers)
@@ -124,6 +118,21 @@ def match_greedy(g: VocabGather) -> GreedyPick | Miss | None:
         return None
     return _match_pick(g, pick, walk.valid_vocab, list(walk.elementwise),
                        g.shard.meta["val"].dim())
+
+
+def vocab_slice_end(node: fx.Node, rank: int) -> "tuple | Miss":
+    """(end,) when slice node keeps the vocab dim's [0:end] (end an int, a SymInt
+    node, or None), else a Miss saying why. The ops given `end` apply slice's own
+    clamping at run time (end may be symbolic)."""
+    given = list(node.args[1:])
+    dim, start, end, step = given + [0, None, None, 1][len(given):]
+    if norm_dim(dim, rank) != rank - 1:
+        return Miss("slice on a dim other than vocab", node)
+    if start not in (0, None) or step != 1 or not _int_like(end):
+        return Miss("slice of the vocab dim other than [0:V]", node)
+    if isinstance(end, int) and end <= 0:
+        return Miss("slice of the vocab dim with a non-positive end", node)
+    return (end,)
 
 
 def _int_like(x) -> bool:
@@ -154,7 +163,7 @@ def _name(target) -> str:
     return getattr(target, "__name__", str(target)).split(".")[0]
 
 
-def _is_elementwise(node: fx.Node) -> bool:
+def is_elementwise(node: fx.Node) -> bool:
     tags = getattr(node.target, "tags", ())
     return torch.Tag.pointwise in tags or node.target in (
         prims.convert_element_type.default, aten._to_copy.default)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from .common import Miss, aten, is_call, ndim, norm_dim, prims, same_shape
+from .common import Miss, aten, is_call, ndim, prims, same_shape
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from .common import Miss, aten, is_call, is_getitem, norm_dim, only_user, prims, same_shape
 from .gather import VocabGather
-from .greedy import _int_like, _is_elementwise, monotone_step
+from .greedy import is_elementwise, monotone_step, vocab_slice_end
 
 _GREEDY = (aten.argmax.default, aten.max.dim)
 
@@ -71,11 +71,9 @@ def match_row_reads(g: VocabGather) -> RowReads | Miss | None:
     rank = g.shard.meta["val"].dim()
     first = only_user(start)
     if first is not None and is_call(first, aten.slice.Tensor):
-        given = list(first.args[1:])
-        dim, lo, end, step = given + [0, None, None, 1][len(given):]
-        if (norm_dim(dim, rank) == rank - 1 and lo in (0, None) and step == 1
-                and _int_like(end) and not (isinstance(end, int) and end <= 0)):
-            start, valid = first, end
+        cut = vocab_slice_end(first, rank)
+        if cut:
+            start, valid = first, cut[0]
     stats, greedy, todo = [], [], [(start, ())]
     near = _has_amax(g.gathered)
     while todo:
@@ -97,7 +95,7 @@ def match_row_reads(g: VocabGather) -> RowReads | Miss | None:
                     or all(is_getitem(x) for x in user.users)):
                 greedy.append(Greedy(row, chain, user))
             elif is_call(user, aten.clone.default) or (
-                    user.op == "call_function" and _is_elementwise(user)
+                    user.op == "call_function" and is_elementwise(user)
                     and monotone_step(user, row) is None):  # clone: log_softmax's contiguous()
                 todo.append((user, chain + (user,)))
             else:
