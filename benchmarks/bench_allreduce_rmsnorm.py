@@ -4,10 +4,13 @@ both Inductor-compiled, on gloo ranks of this machine (default TP=2).
     python benchmarks/bench_allreduce_rmsnorm.py                 # full grid
     python benchmarks/bench_allreduce_rmsnorm.py --tokens 1 16 --hidden 1024 --iters 20
 
-For each (dtype, H) one compile per variant (token count dynamic); calls alternate
-between the variants, every call starts after a barrier, and the table shows the
-median per call on rank 0 and the ratio unfused/fused (> 1: fused is faster); the
-ratio of the fastest calls is printed too (less sensitive to a busy machine).
+For each (dtype, H) one compile per variant (token count dynamic). A single call at
+small sizes is one latency-bound gloo all-reduce whose time scatters by +-30% on a
+shared CPU, so calls are timed in rounds (commfold.testing.bench.paired_rounds):
+each round runs a short block of back-to-back calls of each variant, order swapped
+every other round, slowest rank's time. The table shows the median per call and the
+median over rounds of the per-round ratio unfused/fused (> 1: fused is faster), with
+its quartiles.
 ``--two-shot`` adds the forced two-shot variant (reduce_scatter + all_gathers): the
 measurement behind the default size rule (off on gloo). The fusion keeps the
 communication (one all-reduce of T x H values): its lower bound is the unfused one.
@@ -25,7 +28,7 @@ import torch.nn.functional as F
 
 import commfold
 from commfold.testing import run_on_ranks
-from commfold.testing.bench import call_times, comm_of_variants
+from commfold.testing.bench import comm_of_variants, paired_ratio, paired_rounds
 
 
 def block(x, r, w):
@@ -45,9 +48,10 @@ def _variants(two_shot: bool) -> dict:
     return v
 
 
-def measure(dtypes, hiddens, tokens, iters, two_shot=False) -> list[dict]:
-    """On every rank: one row per (dtype, T, H): median and fastest seconds per call of
-    each variant, max |fused - unfused| of the normed output, communication per call."""
+def measure(dtypes, hiddens, tokens, rounds, two_shot=False) -> list[dict]:
+    """On every rank: one row per (dtype, T, H): median seconds per call of each
+    variant, the paired ratio unfused/fused (median, quartiles over `rounds` rounds),
+    max |fused - unfused| of the normed output, communication per call."""
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = []
     for dname in dtypes:
@@ -63,13 +67,14 @@ def measure(dtypes, hiddens, tokens, iters, two_shot=False) -> list[dict]:
                     torch._dynamo.maybe_mark_dynamic(a, 0)
                 out = {k: f(x, r, w)[0] for k, f in variants.items()}
                 diff = float((out["fused"].float() - out["unfused"].float()).abs().max()) if t else 0.0
-                times = call_times(variants, (x, r, w), iters, warmup=2)
+                times = paired_rounds(variants, (x, r, w), rounds, warmup=2)
                 comm = comm_of_variants(variants, (x, r, w))
                 comm["bound"] = {"bytes": t * hidden * x.element_size(), "calls": 1}
                 rows.append({"baseline": "unfused", "rewritten": "fused",
                              "world": world, "dtype": dname, "T": t, "H": hidden,
                              **{f"{k}_s": statistics.median(v) for k, v in times.items()},
-                             "best_s": {k: min(v) for k, v in times.items()},
+                             "ratio": {k: paired_ratio(times, "unfused", k)
+                                       for k in times if k != "unfused"},
                              "max_abs_diff": diff, "comm": comm})
     return rows
 
@@ -80,29 +85,23 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 256, 2048])
     p.add_argument("--hidden", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--rounds", type=int, default=60)
     p.add_argument("--two-shot", action="store_true")
     a = p.parse_args(argv)
-    rows = run_on_ranks(measure, a.world, a.dtypes, a.hidden, a.tokens, a.iters,
+    rows = run_on_ranks(measure, a.world, a.dtypes, a.hidden, a.tokens, a.rounds,
                         a.two_shot, timeout=3600)[0]
     names = ["unfused", "fused"] + (["two-shot"] if a.two_shot else [])
-    head = f"{'dtype':9} {'T':>5} {'H':>5} " + " ".join(f"{n + ' ms':>12}" for n in names) \
-        + f" {'unfused/fused':>14} {'(of minima)':>12}"
-    if a.two_shot:
-        head += f" {'unfused/2shot':>14}"
-    print(f"TP={a.world}, gloo, {torch.get_num_threads()} threads in this process, "
-          f"median of {a.iters} calls each (rank 0)")
-    print(head)
+    print(f"TP={a.world}, gloo, {a.rounds} rounds (rank 0); x: median over rounds of "
+          f"unfused/variant [quartiles]")
+    print(f"{'dtype':9} {'T':>5} {'H':>5} " + " ".join(f"{n + ' ms':>12}" for n in names)
+          + "".join(f" {'unfused/' + n:>26}" for n in names[1:]))
     for r in rows:
-        best = r["best_s"]
         line = f"{r['dtype']:9} {r['T']:>5} {r['H']:>5} " \
             + " ".join(f"{r[n + '_s'] * 1e3:>12.3f}" for n in names)
-        line += f" {r['unfused_s'] / r['fused_s']:>13.2f}x"
-        line += f" {best['unfused'] / best['fused']:>11.2f}x"
-        if a.two_shot:
-            line += f" {r['unfused_s'] / r['two-shot_s']:>13.2f}x"
+        for n in names[1:]:
+            q = r["ratio"][n]
+            line += f" {q['median']:>8.2f}x [{q['q1']:.2f}-{q['q3']:.2f}]".rjust(27)
         print(line)
-
 
 if __name__ == "__main__":
     main()

@@ -65,9 +65,12 @@ def _sampling(ax, rows):
 
 
 def _allreduce_rmsnorm(ax, rows):
-    labels = [f"T={r['T']}\nH={r['H']}" for r in rows]
-    _bars(ax, labels, {"unfused / fused": [r["unfused_s"] / r["fused_s"] for r in rows]},
-          "speed-up (>1: fused faster)")
+    labels = [f"TP={r['world']} T={r['T']}\nH={r['H']}" for r in rows]
+    ratios = [r["ratio"]["fused"] for r in rows]
+    _bars(ax, labels, {"unfused / fused": [q["median"] for q in ratios]},
+          "speed-up, median of paired rounds (>1: fused faster)")
+    ax.errorbar(range(len(rows)), [q["median"] for q in ratios], fmt="none", ecolor="k",
+                yerr=[[q["median"] - q["q1"] for q in ratios], [q["q3"] - q["median"] for q in ratios]])
     ax.axhline(1.0, color="k", lw=0.8)
 
 

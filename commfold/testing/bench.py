@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 import time
 
+import torch
 import torch.distributed as dist
 
 from .comm_log import record_collectives
@@ -35,6 +36,50 @@ def call_times(variants: dict, args: tuple, iters: int, warmup: int = 3) -> dict
             f(*args)
             times[k].append(time.perf_counter() - t0)
     return times
+
+
+def paired_rounds(variants: dict, args: tuple, rounds: int, block_s: float = 20e-3,
+                  max_block: int = 40, warmup: int = 3) -> dict:
+    """{name: [seconds per call, one value per round]} for latency-bound collectives,
+    where single calls on a shared CPU scatter by +-30%: each round times a block of
+    back-to-back calls of every variant (about `block_s` long, the same count on every
+    rank), the order reversed every other round so no variant always runs first, and
+    a block's time is its slowest rank's (a collective ends when its last rank does).
+    Compare variants round by round (paired_ratio): machine drift cancels."""
+    for f in variants.values():
+        for _ in range(warmup):
+            f(*args)
+    names = list(variants)
+    t0 = time.perf_counter()
+    variants[names[0]](*args)
+    block = _all_ranks_max(time.perf_counter() - t0)  # one count on every rank
+    block = max(1, min(max_block, int(block_s / max(block, 1e-9))))
+    times = {k: [] for k in names}
+    for i in range(max(rounds, MIN_ITERS)):
+        for k in (names if i % 2 == 0 else names[::-1]):
+            f = variants[k]
+            if dist.is_initialized():
+                dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(block):
+                f(*args)
+            times[k].append(_all_ranks_max((time.perf_counter() - t0) / block))
+    return times
+
+
+def paired_ratio(times: dict, base: str, other: str) -> dict:
+    """Median and quartiles over rounds of base / other (> 1: other is faster)."""
+    r = sorted(a / b for a, b in zip(times[base], times[other]))
+    q = statistics.quantiles(r, n=4) if len(r) > 1 else [r[0]] * 3
+    return {"median": statistics.median(r), "q1": q[0], "q3": q[2], "rounds": len(r)}
+
+
+def _all_ranks_max(value: float) -> float:
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
 
 
 def comm_of(fn, args: tuple) -> dict:
