@@ -19,6 +19,8 @@ Paths, chosen per call from shapes and arguments only (same on every rank):
   output and the residual. Used when rows % world == 0 and the tensor has at least
   ``two_shot_min_bytes`` bytes (< 0: never). The default comes from measurements
   (TWO_SHOT_DEFAULT_MIN_BYTES);
+- CUDA: FlashInfer's fused all-reduce + add + norm when installed and the call fits
+  it (commfold.ops.flashinfer_norm; not run on a GPU here), else composite;
 - composite: eager torch ops, for non-CPU tensors or when no C++ toolchain exists.
 """
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Optional
 import torch
 
 from ..collectives import communicator
-from . import add_rmsnorm_cpu
+from . import add_rmsnorm_cpu, flashinfer_norm
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -59,6 +61,12 @@ def allreduce_rmsnorm(x: torch.Tensor, residual: Optional[torch.Tensor],
                       two_shot_min_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(normed output, new residual) of RMSNorm(all_reduce_sum(x) [+ residual])."""
     c = communicator(comm)
+    if x.device.type in flashinfer_norm.DEVICE_TYPES:
+        done = flashinfer_norm.try_run(x, residual, weight, eps, weight_offset,
+                                       offset_in_weight_dtype, round_before_weight,
+                                       out_dtype, c)
+        if done is not None:
+            return done
     shape, hidden = x.shape, x.shape[-1]
     rows = x if x.dim() == 2 else x.reshape(-1, hidden)
     res = None
