@@ -4,7 +4,8 @@ both Inductor-compiled, on gloo ranks of this machine (default TP=2).
     python benchmarks/bench_allreduce_rmsnorm.py                 # full grid
     python benchmarks/bench_allreduce_rmsnorm.py --tokens 1 16 --hidden 1024 --iters 20
 
-For each (dtype, H) one compile per variant (token count dynamic). A single call at
+For each (dtype, H) one compile per variant (token count dynamic), plus a control:
+the unfused program compiled again (A/A; its ratio is the noise floor). A single call at
 small sizes is one latency-bound gloo all-reduce whose time scatters by +-30% on a
 shared CPU, so calls are timed in rounds (commfold.testing.bench.paired_rounds):
 each round runs a short block of back-to-back calls of each variant, order swapped
@@ -36,15 +37,20 @@ def block(x, r, w):
     return F.rms_norm(h, (h.shape[-1],), w, 1e-6), h
 
 
+def _compiled(backend):
+    return torch.compile(lambda x, r, w: block(x, r, w), backend=backend)
+
+
 def _variants(two_shot: bool) -> dict:
-    v = {"unfused": torch.compile(block, backend="inductor"),
-         "fused": torch.compile(lambda x, r, w: block(x, r, w),
-                                backend=commfold.backend(passes=("fuse_allreduce_rmsnorm",)))}
+    """unfused, fused, and "control": the unfused program compiled a second time, an
+    A/A pair whose ratio shows how far this machine's noise alone moves a median."""
+    v = {"unfused": _compiled("inductor"),
+         "fused": _compiled(commfold.backend(passes=("fuse_allreduce_rmsnorm",))),
+         "control": _compiled("inductor")}
     if two_shot:
-        v["two-shot"] = torch.compile(
-            lambda x, r, w: block(x, r, w),
-            backend=commfold.backend(passes=("fuse_allreduce_rmsnorm",),
-                                     extra=(("allreduce_rmsnorm_two_shot_min_bytes", "0"),)))
+        v["two-shot"] = _compiled(commfold.backend(
+            passes=("fuse_allreduce_rmsnorm",),
+            extra=(("allreduce_rmsnorm_two_shot_min_bytes", "0"),)))
     return v
 
 
@@ -90,7 +96,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     rows = run_on_ranks(measure, a.world, a.dtypes, a.hidden, a.tokens, a.rounds,
                         a.two_shot, timeout=3600)[0]
-    names = ["unfused", "fused"] + (["two-shot"] if a.two_shot else [])
+    names = ["unfused", "fused", "control"] + (["two-shot"] if a.two_shot else [])
     print(f"TP={a.world}, gloo, {a.rounds} rounds (rank 0); x: median over rounds of "
           f"unfused/variant [quartiles]")
     print(f"{'dtype':9} {'T':>5} {'H':>5} " + " ".join(f"{n + ' ms':>12}" for n in names)

@@ -66,11 +66,16 @@ def _sampling(ax, rows):
 
 def _allreduce_rmsnorm(ax, rows):
     labels = [f"TP={r['world']} T={r['T']}\nH={r['H']}" for r in rows]
-    ratios = [r["ratio"]["fused"] for r in rows]
-    _bars(ax, labels, {"unfused / fused": [q["median"] for q in ratios]},
-          "speed-up, median of paired rounds (>1: fused faster)")
-    ax.errorbar(range(len(rows)), [q["median"] for q in ratios], fmt="none", ecolor="k",
-                yerr=[[q["median"] - q["q1"] for q in ratios], [q["q3"] - q["median"] for q in ratios]])
+    series = {"unfused / fused": "fused", "A/A control: unfused / unfused": "control"}
+    series = {k: v for k, v in series.items() if all(v in r["ratio"] for r in rows)}
+    _bars(ax, labels, {k: [r["ratio"][v]["median"] for r in rows] for k, v in series.items()},
+          "median of paired rounds (>1: faster than unfused)")
+    width = 0.8 / len(series)
+    for i, v in enumerate(series.values()):
+        q = [r["ratio"][v] for r in rows]
+        ax.errorbar([x + i * width for x in range(len(rows))], [e["median"] for e in q],
+                    yerr=[[e["median"] - e["q1"] for e in q], [e["q3"] - e["median"] for e in q]],
+                    fmt="none", ecolor="k", lw=0.6)
     ax.axhline(1.0, color="k", lw=0.8)
 
 

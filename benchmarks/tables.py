@@ -47,13 +47,14 @@ def _sampling(rows):
 
 def _allreduce_rmsnorm(rows):
     yield ("| TP | dtype | T | H | unfused (ms) | fused (ms) | unfused / fused "
-           "(median of rounds) | quartiles | max abs diff |")
-    yield "|---|---|---|---|---|---|---|---|---|"
+           "(median of rounds) | quartiles | A/A control: unfused / unfused | max abs diff |")
+    yield "|---|---|---|---|---|---|---|---|---|---|"
     for r in rows:
-        q = r["ratio"]["fused"]
+        q, c = r["ratio"]["fused"], r["ratio"].get("control")
+        aa = f"{c['median']:.2f}x ({c['q1']:.2f}-{c['q3']:.2f})" if c else "-"
         yield (f"| {r['world']} | {r['dtype']} | {r['T']} | {r['H']} | {_ms(r['unfused_s'])} | "
                f"{_ms(r['fused_s'])} | {q['median']:.2f}x | {q['q1']:.2f}-{q['q3']:.2f} | "
-               f"{r['max_abs_diff']:.2g} |")
+               f"{aa} | {r['max_abs_diff']:.2g} |")
 
 
 def _replicate(rows):
