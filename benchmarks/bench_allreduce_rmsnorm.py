@@ -2,7 +2,8 @@
 both Inductor-compiled, on gloo ranks of this machine (default TP=2).
 
     python benchmarks/bench_allreduce_rmsnorm.py                 # full grid
-    python benchmarks/bench_allreduce_rmsnorm.py --tokens 1 16 --hidden 1024 --iters 20
+    python benchmarks/bench_allreduce_rmsnorm.py --tokens 1 16 --hidden 1024 --rounds 20
+    python benchmarks/bench_allreduce_rmsnorm.py --comm vllm-shm     # vLLM CPU's all-reduce
 
 For each (dtype, H) one compile per variant (token count dynamic), plus a control:
 the unfused program compiled again (A/A; its ratio is the noise floor). A single call at
@@ -37,8 +38,24 @@ def block(x, r, w):
     return F.rms_norm(h, (h.shape[-1],), w, 1e-6), h
 
 
+_SHM = {}  # {"handle": int} once vLLM's TP group is up (--comm vllm-shm)
+
+
+def block_vllm_shm(x, r, w):
+    """As vLLM CPU's graphs: the shared-memory all-reduce in place on an intermediate
+    (a projection's output there; x * 2 here), then the add and the norm."""
+    y = x * 2
+    torch.ops._C.shm_allreduce(_SHM["handle"], y)
+    h = y + r
+    return F.rms_norm(h, (h.shape[-1],), w, 1e-6), h
+
+
+_BLOCKS = {"gloo": block, "vllm-shm": block_vllm_shm}
+_block = block
+
+
 def _compiled(backend):
-    return torch.compile(lambda x, r, w: block(x, r, w), backend=backend)
+    return torch.compile(lambda x, r, w: _block(x, r, w), backend=backend)
 
 
 def _variants(two_shot: bool) -> dict:
@@ -54,11 +71,19 @@ def _variants(two_shot: bool) -> dict:
     return v
 
 
-def measure(dtypes, hiddens, tokens, rounds, two_shot=False) -> list[dict]:
+def measure(dtypes, hiddens, tokens, rounds, two_shot=False, comm="gloo") -> list[dict]:
     """On every rank: one row per (dtype, T, H): median seconds per call of each
     variant, the paired ratio unfused/fused (median, quartiles over `rounds` rounds),
-    max |fused - unfused| of the normed output, communication per call."""
+    max |fused - unfused| of the normed output, communication per call.
+    comm="vllm-shm": vLLM's TP group and its shared-memory all-reduce instead."""
+    global _block
     rank, world = dist.get_rank(), dist.get_world_size()
+    _block = _BLOCKS[comm]
+    if comm == "vllm-shm":
+        from commfold.testing.vllm_tp import init_vllm_tp, shm_handle
+
+        _SHM["handle"] = shm_handle(init_vllm_tp(world, shm=True))
+        torch._inductor.config.enable_auto_functionalized_v2 = False  # as vLLM sets it
     rows = []
     for dname in dtypes:
         dtype = getattr(torch, dname)
@@ -93,11 +118,13 @@ def main(argv=None):
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--rounds", type=int, default=60)
     p.add_argument("--two-shot", action="store_true")
+    p.add_argument("--comm", choices=sorted(_BLOCKS), default="gloo",
+                   help="vllm-shm: vLLM CPU's shared-memory all-reduce (needs vLLM)")
     a = p.parse_args(argv)
     rows = run_on_ranks(measure, a.world, a.dtypes, a.hidden, a.tokens, a.rounds,
-                        a.two_shot, timeout=3600)[0]
+                        a.two_shot, a.comm, timeout=3600)[0]
     names = ["unfused", "fused", "control"] + (["two-shot"] if a.two_shot else [])
-    print(f"TP={a.world}, gloo, {a.rounds} rounds (rank 0); x: median over rounds of "
+    print(f"TP={a.world}, {a.comm}, {a.rounds} rounds (rank 0); x: median over rounds of "
           f"unfused/variant [quartiles]")
     print(f"{'dtype':9} {'T':>5} {'H':>5} " + " ".join(f"{n + ' ms':>12}" for n in names)
           + "".join(f" {'unfused/' + n:>26}" for n in names[1:]))

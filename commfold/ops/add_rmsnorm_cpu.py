@@ -147,9 +147,10 @@ void add_rmsnorm(at::Tensor x, c10::optional<at::Tensor> res, at::Tensor h, at::
   }
 }
 
-// commfold::allreduce_rmsnorm on CPU for c10d groups, one-shot: the whole op in C++
+// commfold::allreduce_rmsnorm on CPU for c10d groups and vLLM CPU's shared-memory
+// communicator, one-shot: the whole op in C++
 // (the functional all_reduce_ on a private copy, then the kernel above), so a call costs
-// no more Python than the unfused program's. Anything else (vLLM communicators, the
+// no more Python than the unfused program's. Anything else (vLLM's custom-op communicators, the
 // two-shot variant) goes to the Python implementation, allreduce_rmsnorm_eager.
 using ArgsT = std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
@@ -160,9 +161,14 @@ static std::tuple<at::Tensor, at::Tensor> allreduce_rmsnorm_cpu(
     const std::optional<at::Tensor>& weight, double eps, double offset, bool off_in_w,
     bool round_before_weight, bool round_sum, at::ScalarType out_dtype,
     c10::string_view comm, int64_t two_shot_min_bytes) {
-  const bool fast = comm.substr(0, 5) == "c10d:" && two_shot_min_bytes < 0 && x.numel() > 0 &&
-      (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
-       x.scalar_type() == at::kHalf);
+  // vLLM CPU's shared-memory all-reduce (in place, synchronous), when vLLM's _C is loaded
+  static std::optional<c10::OperatorHandle> shm_op;
+  const bool is_shm = comm.substr(0, 9) == "vllm_shm:";
+  if (is_shm && !shm_op) shm_op = c10::Dispatcher::singleton().findSchema({"_C::shm_allreduce", ""});
+  const bool shm = is_shm && shm_op.has_value();
+  const bool fast = (comm.substr(0, 5) == "c10d:" || shm) && two_shot_min_bytes < 0 &&
+      x.numel() > 0 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
+                        x.scalar_type() == at::kHalf);
   if (!fast) {
     static auto eager = c10::Dispatcher::singleton()
         .findSchemaOrThrow("commfold::allreduce_rmsnorm_eager", "").typed<ArgsT>();
@@ -194,7 +200,12 @@ static std::tuple<at::Tensor, at::Tensor> allreduce_rmsnorm_cpu(
   // collective calls release it (torch's Python bindings do), so do the same here.
   std::optional<pybind11::gil_scoped_release> no_gil;
   if (PyGILState_Check()) no_gil.emplace();
-  all_reduce_.call(h, "sum", c10::IValue(std::string(comm.substr(5))));
+  if (shm) {
+    static auto shm_allreduce = shm_op->typed<void(int64_t, at::Tensor&)>();
+    shm_allreduce.call(std::stoll(std::string(comm.substr(9))), h);
+  } else {
+    all_reduce_.call(h, "sum", c10::IValue(std::string(comm.substr(5))));
+  }
   // The rest of the set-up runs while gloo reduces (waiting at once measured ~10 us
   // slower per call than the unfused program, which waits after its Python wrapper).
   std::optional<at::Tensor> res;
@@ -213,7 +224,7 @@ static std::tuple<at::Tensor, at::Tensor> allreduce_rmsnorm_cpu(
     }
   }
   at::Tensor out = at::detail::empty_cpu({N, H}, out_dtype, false, std::nullopt);
-  wait_tensor.call(h);
+  if (!shm) wait_tensor.call(h);
   no_gil.reset();
   add_rmsnorm(h, res, h, out, wf, eps, round_before_weight, round_sum);
   if (rows2d) return {out, h};
@@ -228,7 +239,7 @@ TORCH_LIBRARY_IMPL(commfold, CPU, m) {
 _lock = threading.Lock()
 _module = None
 _failed = False
-NAME = "commfold_add_rmsnorm_v9"
+NAME = "commfold_add_rmsnorm_v11"
 
 
 def module():

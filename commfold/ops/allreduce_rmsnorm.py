@@ -14,7 +14,8 @@ weight's dtype when the graph adds it there. O is the output dtype.
 
 Paths, chosen per call from shapes and arguments only (same on every rank):
 - one-shot: all_reduce, then ONE pass over the rows (add + norm, C++ kernel); for
-  c10d groups on CPU the whole op runs in C++ (no Python per call);
+  c10d groups and vLLM CPU's shared-memory communicator on CPU the whole op runs in
+  C++ (no Python per call);
 - two-shot: reduce_scatter rows, add + norm on the local rows, all_gather the normed
   output and the residual. Used when rows % world == 0 and the tensor has at least
   ``two_shot_min_bytes`` bytes (< 0: never). The default comes from measurements
