@@ -7,7 +7,9 @@
    the reduced value here.
 2. vLLM custom-op collectives: ``torch.ops.vllm.all_reduce(x, group)``.
 3. vLLM CPU shared memory: ``auto_functionalized(_C.shm_allreduce, handle=h,
-   data=x)`` -> ``getitem(., 1)``.
+   data=x)`` -> ``getitem(., 1)`` (vLLM's graphs), or torch's default
+   ``auto_functionalized_v2(..., _data_base_index=0, _all_bases=[x])`` ->
+   ``getitem(., 1)`` when x is a whole tensor (not a view of one).
 vLLM's ops are looked up by name and only when registered (commfold never imports
 vLLM).
 """
@@ -41,9 +43,10 @@ def _op(namespace: str, name: str):
 
 
 def _auto_functionalized():
-    from torch._higher_order_ops.auto_functionalize import auto_functionalized
+    from torch._higher_order_ops.auto_functionalize import (auto_functionalized,
+                                                            auto_functionalized_v2)
 
-    return auto_functionalized
+    return auto_functionalized, auto_functionalized_v2
 
 
 def allreduce_candidates(graph: fx.Graph) -> list[fx.Node]:
@@ -53,7 +56,7 @@ def allreduce_candidates(graph: fx.Graph) -> list[fx.Node]:
     af = _auto_functionalized()
     return [n for n in graph.nodes if n.op == "call_function" and (
         n.target in targets
-        or (shm_ar is not None and n.target is af and n.args and n.args[0] is shm_ar))]
+        or (shm_ar is not None and n.target in af and n.args and n.args[0] is shm_ar))]
 
 
 def match_allreduce(coll: fx.Node) -> AllReduce | Miss:
@@ -68,13 +71,28 @@ def match_allreduce(coll: fx.Node) -> AllReduce | Miss:
         x, group = coll.args[:2]
         return AllReduce(x, coll, "sum", f"vllm:{group}", coll, (coll,))
     shm_ar = _op("_C", "shm_allreduce")
-    if shm_ar is not None and coll.target is _auto_functionalized():
+    if shm_ar is not None and coll.target in _auto_functionalized():
         outs = [u for u in coll.users if is_getitem(u, 1)]
         if len(outs) != 1 or len(coll.users) != 1:
             return Miss("shm all-reduce result read other than through one getitem", coll)
         handle = coll.kwargs.get("handle")
         if not isinstance(handle, int):
             return Miss("shm all-reduce handle is not a constant", coll)
-        return AllReduce(coll.kwargs["data"], outs[0], "sum", f"vllm_shm:{handle}",
-                         coll, (coll, outs[0]))
+        data = _shm_data(coll)
+        if data is None:
+            return Miss("shm all-reduce on a view of a larger tensor (auto_functionalized_v2)",
+                        coll)
+        return AllReduce(data, outs[0], "sum", f"vllm_shm:{handle}", coll, (coll, outs[0]))
     return Miss("not an all-reduce", coll)
+
+
+def _shm_data(coll: fx.Node) -> fx.Node | None:
+    """The tensor the shm all-reduce reduces in place: v1's ``data``; v2's only base
+    when ``data`` is that base itself (no view arguments), else None."""
+    if "data" in coll.kwargs:
+        return coll.kwargs["data"]
+    bases = coll.kwargs.get("_all_bases")
+    views = [k for k in coll.kwargs if k.startswith("_data_") and k != "_data_base_index"]
+    if coll.kwargs.get("_data_base_index") == 0 and bases and len(bases) == 1 and not views:
+        return bases[0]
+    return None

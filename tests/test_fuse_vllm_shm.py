@@ -1,0 +1,73 @@
+"""fuse_allreduce_rmsnorm on vLLM CPU's shared-memory all-reduce, on vLLM's own TP
+group in rank processes (no engine): the in-place ``_C.shm_allreduce`` on an
+intermediate, in both functionalized spellings (vLLM's ``auto_functionalized``,
+torch's default ``auto_functionalized_v2``), then the residual add and the norm.
+Every compiled graph fuses once; the new residual is bit-equal to the unfused
+compiled program's and the output within f32 / bf16 rounding of it."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from commfold.testing import RankPool
+
+from vllm_models import require_vllm
+
+require_vllm()
+
+
+@pytest.fixture(scope="module")
+def shm_ranks():
+    pool = RankPool(2, timeout=300, threads=1)
+    yield pool
+    pool.close()
+
+
+def shm_fusion_on_rank(v2: bool):
+    import commfold
+    from commfold.testing.vllm_tp import init_vllm_tp, shm_handle
+
+    torch._dynamo.reset()
+    tp = init_vllm_tp(2, shm=True)
+    handle, rank = shm_handle(tp), tp.rank_in_group
+
+    def block(x, r, w):
+        y = x * 2  # an intermediate, as a projection's output is
+        torch.ops._C.shm_allreduce(handle, y)
+        h = y + r
+        return F.rms_norm(h, (h.shape[-1],), w, 1e-6), h
+
+    out = []
+    with torch._inductor.config.patch(enable_auto_functionalized_v2=v2, fx_graph_cache=False):
+        for dtype in (torch.float32, torch.bfloat16):
+            torch._dynamo.reset()
+            commfold.clear_reports()
+            unfused = torch.compile(block, backend="inductor")
+            fused = torch.compile(lambda x, r, w: block(x, r, w), backend=commfold.backend(
+                passes=("fuse_allreduce_rmsnorm",), strict=True))
+            for tokens in (1, 5, 33):
+                g = torch.Generator().manual_seed(tokens * 10 + rank)
+                x = torch.randn(tokens, 96, generator=g).to(dtype)
+                r = torch.randn(tokens, 96, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+                w = (torch.rand(96, generator=torch.Generator().manual_seed(7)) + 0.5).to(dtype)
+                (n0, h0), (n1, h1) = unfused(x, r, w), fused(x, r, w)
+                out.append(dict(dtype=str(dtype), tokens=tokens, h_equal=torch.equal(h0, h1),
+                                out_diff=float((n0.double() - n1.double()).abs().max()),
+                                scale=float(n0.double().abs().max())))
+            out.append(dict(dtype=str(dtype), rewrites=[rep.count("fuse_allreduce_rmsnorm")
+                                                        for rep in commfold.reports()],
+                            summary=[rep.summary() for rep in commfold.reports()]))
+    return out
+
+
+@pytest.mark.parametrize("v2", [False, True], ids=["auto_functionalized", "v2"])
+def test_shm_allreduce_norm_fuses_and_matches(shm_ranks, v2):
+    for rows in shm_ranks.run(shm_fusion_on_rank, v2):
+        for row in rows:
+            if "rewrites" in row:
+                assert row["rewrites"] and set(row["rewrites"]) == {1}, row["summary"]
+                continue
+            assert row["h_equal"], row
+            tol = 1e-5 if row["dtype"] == "torch.float32" else 1.6e-2
+            assert row["out_diff"] <= tol * max(1.0, row["scale"]), row
