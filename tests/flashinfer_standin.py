@@ -71,5 +71,8 @@ def install(fail_workspace: bool = False) -> types.SimpleNamespace:
 
 
 def uninstall() -> None:
+    from commfold.ops import flashinfer_norm
+
     sys.modules.pop("flashinfer", None)
     sys.modules.pop("flashinfer.comm", None)
+    flashinfer_norm.flashinfer_comm.cache_clear()

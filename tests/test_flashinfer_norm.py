@@ -63,6 +63,7 @@ def delegation_on_rank():
 
     fn._workspaces.clear(), fn._failed.clear()
     rec = flashinfer_standin.install()
+    fn.flashinfer_comm.cache_clear()
     try:
         rows = []
         for i, (dtype, shape, res, weight, offset) in enumerate(DELEGATED):
@@ -87,6 +88,7 @@ def fallbacks_on_rank():
 
     fn._workspaces.clear(), fn._failed.clear()
     rec = flashinfer_standin.install()
+    fn.flashinfer_comm.cache_clear()
     out = []
     try:
         for i, (why, dtype, shape, wdtype, off_in_w, round_bw, odt, env) in enumerate(NOT_DELEGATED):
@@ -118,6 +120,7 @@ def failed_workspace_on_rank():
 
     fn._workspaces.clear(), fn._failed.clear()
     rec = flashinfer_standin.install(fail_workspace=True)
+    fn.flashinfer_comm.cache_clear()
     try:
         equal = []
         for i in range(2):
@@ -136,6 +139,7 @@ def not_installed_on_rank():
     from commfold.ops import flashinfer_norm as fn
 
     sys.modules["flashinfer"] = None  # import fails, as without the package
+    fn.flashinfer_comm.cache_clear()
     try:
         fn.DEVICE_TYPES = ("cuda", "cpu")
         x = torch.randn(3, 64)
@@ -143,6 +147,7 @@ def not_installed_on_rank():
     finally:
         fn.DEVICE_TYPES = ("cuda",)
         sys.modules.pop("flashinfer", None)
+        fn.flashinfer_comm.cache_clear()
 
 
 def _comm():

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 from contextlib import nullcontext
+from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -43,8 +44,10 @@ _failed: set = set()
 _warned: set = set()
 
 
+@lru_cache(maxsize=None)
 def flashinfer_comm():
-    """flashinfer.comm when it has the unified fusion API, else None."""
+    """flashinfer.comm when it has the unified fusion API, else None (looked up once:
+    a failing import on every call would cost more than the call)."""
     try:
         import flashinfer.comm as fi
     except Exception:
