@@ -51,23 +51,22 @@ def block_vllm_shm(x, r, w):
 
 
 _BLOCKS = {"gloo": block, "vllm-shm": block_vllm_shm}
-_block = block
 
 
-def _compiled(backend):
-    return torch.compile(lambda x, r, w: _block(x, r, w), backend=backend)
+def _compiled(backend, fn=block):
+    return torch.compile(lambda x, r, w: fn(x, r, w), backend=backend)
 
 
-def _variants(two_shot: bool) -> dict:
+def _variants(two_shot: bool, fn=block) -> dict:
     """unfused, fused, and "control": the unfused program compiled a second time, an
     A/A pair whose ratio shows how far this machine's noise alone moves a median."""
-    v = {"unfused": _compiled("inductor"),
-         "fused": _compiled(commfold.backend(passes=("fuse_allreduce_rmsnorm",))),
-         "control": _compiled("inductor")}
+    v = {"unfused": _compiled("inductor", fn),
+         "fused": _compiled(commfold.backend(passes=("fuse_allreduce_rmsnorm",)), fn),
+         "control": _compiled("inductor", fn)}
     if two_shot:
         v["two-shot"] = _compiled(commfold.backend(
             passes=("fuse_allreduce_rmsnorm",),
-            extra=(("allreduce_rmsnorm_two_shot_min_bytes", "0"),)))
+            extra=(("allreduce_rmsnorm_two_shot_min_bytes", "0"),)), fn)
     return v
 
 
@@ -76,9 +75,8 @@ def measure(dtypes, hiddens, tokens, rounds, two_shot=False, comm="gloo") -> lis
     variant, the paired ratio unfused/fused (median, quartiles over `rounds` rounds),
     max |fused - unfused| of the normed output, communication per call.
     comm="vllm-shm": vLLM's TP group and its shared-memory all-reduce instead."""
-    global _block
     rank, world = dist.get_rank(), dist.get_world_size()
-    _block = _BLOCKS[comm]
+    fn = _BLOCKS[comm]
     if comm == "vllm-shm":
         from commfold.testing.vllm_tp import init_vllm_tp, shm_handle
 
@@ -89,7 +87,7 @@ def measure(dtypes, hiddens, tokens, rounds, two_shot=False, comm="gloo") -> lis
         dtype = getattr(torch, dname)
         for hidden in hiddens:
             torch._dynamo.reset()
-            variants = _variants(two_shot)
+            variants = _variants(two_shot, fn)
             w = torch.ones(hidden, dtype=dtype)
             for t in tokens:
                 x = torch.randn(t, hidden, dtype=dtype) + rank
@@ -99,14 +97,14 @@ def measure(dtypes, hiddens, tokens, rounds, two_shot=False, comm="gloo") -> lis
                 out = {k: f(x, r, w)[0] for k, f in variants.items()}
                 diff = float((out["fused"].float() - out["unfused"].float()).abs().max()) if t else 0.0
                 times = paired_rounds(variants, (x, r, w), rounds, warmup=2)
-                comm = comm_of_variants(variants, (x, r, w))
-                comm["bound"] = {"bytes": t * hidden * x.element_size(), "calls": 1}
+                sent = comm_of_variants(variants, (x, r, w))
+                sent["bound"] = {"bytes": t * hidden * x.element_size(), "calls": 1}
                 rows.append({"baseline": "unfused", "rewritten": "fused",
                              "world": world, "dtype": dname, "T": t, "H": hidden,
                              **{f"{k}_s": statistics.median(v) for k, v in times.items()},
                              "ratio": {k: paired_ratio(times, "unfused", k)
                                        for k in times if k != "unfused"},
-                             "max_abs_diff": diff, "comm": comm})
+                             "max_abs_diff": diff, "comm": sent})
     return rows
 
 

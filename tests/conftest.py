@@ -41,6 +41,14 @@ def ranks(request) -> Ranks:
     return Ranks(request.param)
 
 
+@pytest.fixture(scope="module")
+def vllm_ranks():
+    """2 ranks of a module's own for vLLM's groups (vLLM's state stays in them)."""
+    pool = RankPool(2, timeout=300, threads=1)
+    yield pool
+    pool.close()
+
+
 def pytest_sessionfinish(session, exitstatus):
     for pool in _pools.values():
         pool.close()

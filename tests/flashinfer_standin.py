@@ -23,7 +23,9 @@ class Workspace:
 
 
 def install(fail_workspace: bool = False) -> types.SimpleNamespace:
-    """Put ``flashinfer`` / ``flashinfer.comm`` into sys.modules; returns the record."""
+    """Put ``flashinfer`` / ``flashinfer.comm`` into sys.modules (commfold's FlashInfer
+    state starts empty); returns the record."""
+    _reset_commfold()
     rec = types.SimpleNamespace(workspaces=[], calls=[], attempts=0)
 
     def create_allreduce_fusion_workspace(*, backend, world_size, rank, max_token_num,
@@ -70,9 +72,15 @@ def install(fail_workspace: bool = False) -> types.SimpleNamespace:
     return rec
 
 
-def uninstall() -> None:
+def _reset_commfold() -> None:
     from commfold.ops import flashinfer_norm
 
+    flashinfer_norm._workspaces.clear()
+    flashinfer_norm._failed.clear()
+    flashinfer_norm.flashinfer_comm.cache_clear()
+
+
+def uninstall() -> None:
     sys.modules.pop("flashinfer", None)
     sys.modules.pop("flashinfer.comm", None)
-    flashinfer_norm.flashinfer_comm.cache_clear()
+    _reset_commfold()

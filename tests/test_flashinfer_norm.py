@@ -61,9 +61,7 @@ def _diff(a, b) -> float:
 def delegation_on_rank():
     from commfold.ops import flashinfer_norm as fn
 
-    fn._workspaces.clear(), fn._failed.clear()
     rec = flashinfer_standin.install()
-    fn.flashinfer_comm.cache_clear()
     try:
         rows = []
         for i, (dtype, shape, res, weight, offset) in enumerate(DELEGATED):
@@ -86,9 +84,7 @@ def delegation_on_rank():
 def fallbacks_on_rank():
     from commfold.ops import flashinfer_norm as fn
 
-    fn._workspaces.clear(), fn._failed.clear()
     rec = flashinfer_standin.install()
-    fn.flashinfer_comm.cache_clear()
     out = []
     try:
         for i, (why, dtype, shape, wdtype, off_in_w, round_bw, odt, env) in enumerate(NOT_DELEGATED):
@@ -118,9 +114,7 @@ def fallbacks_on_rank():
 def failed_workspace_on_rank():
     from commfold.ops import flashinfer_norm as fn
 
-    fn._workspaces.clear(), fn._failed.clear()
     rec = flashinfer_standin.install(fail_workspace=True)
-    fn.flashinfer_comm.cache_clear()
     try:
         equal = []
         for i in range(2):
@@ -130,7 +124,6 @@ def failed_workspace_on_rank():
         return equal, rec.attempts, len(rec.calls)
     finally:
         flashinfer_standin.uninstall()
-        fn._failed.clear()
 
 
 def not_installed_on_rank():
@@ -138,16 +131,15 @@ def not_installed_on_rank():
 
     from commfold.ops import flashinfer_norm as fn
 
+    flashinfer_standin.uninstall()
     sys.modules["flashinfer"] = None  # import fails, as without the package
-    fn.flashinfer_comm.cache_clear()
     try:
         fn.DEVICE_TYPES = ("cuda", "cpu")
         x = torch.randn(3, 64)
         return fn.why_not(x, None, 0.0, False, False, x.dtype, _comm())
     finally:
         fn.DEVICE_TYPES = ("cuda",)
-        sys.modules.pop("flashinfer", None)
-        fn.flashinfer_comm.cache_clear()
+        flashinfer_standin.uninstall()
 
 
 def _comm():

@@ -10,18 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from commfold.testing import RankPool
-
 from vllm_models import require_vllm
 
 require_vllm()
-
-
-@pytest.fixture(scope="module")
-def shm_ranks():
-    pool = RankPool(2, timeout=300, threads=1)
-    yield pool
-    pool.close()
 
 
 def shm_fusion_on_rank(v2: bool):
@@ -62,8 +53,8 @@ def shm_fusion_on_rank(v2: bool):
 
 
 @pytest.mark.parametrize("v2", [False, True], ids=["auto_functionalized", "v2"])
-def test_shm_allreduce_norm_fuses_and_matches(shm_ranks, v2):
-    for rows in shm_ranks.run(shm_fusion_on_rank, v2):
+def test_shm_allreduce_norm_fuses_and_matches(vllm_ranks, v2):
+    for rows in vllm_ranks.run(shm_fusion_on_rank, v2):
         for row in rows:
             if "rewrites" in row:
                 assert row["rewrites"] and set(row["rewrites"]) == {1}, row["summary"]

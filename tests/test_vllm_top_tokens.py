@@ -16,17 +16,8 @@ from vllm_models import init_vllm_tp, require_vllm
 
 require_vllm()
 
-from commfold.testing import RankPool  # noqa: E402
-
 H = 64
 PAD_VALUE = 3.0  # padding rows: larger logits than any real row for an all-ones hidden
-
-
-@pytest.fixture(scope="module")
-def vllm_ranks():
-    pool = RankPool(2, timeout=300, threads=1)
-    yield pool
-    pool.close()
 
 
 def _build(vocab, dtype, scale=1.0, soft_cap=None, seed=0):

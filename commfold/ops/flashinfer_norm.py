@@ -93,8 +93,10 @@ def max_bytes(world: int) -> int:
     return _vllm_table(world) or DEFAULT_MAX_BYTES
 
 
+@lru_cache(maxsize=None)
 def _vllm_table(world: int) -> Optional[int]:
-    """vLLM's measured size limit (MB) for its FlashInfer fusion on this GPU."""
+    """vLLM's measured size limit (MB) for its FlashInfer fusion on this GPU (looked
+    up once per world size: it is on every CUDA call's path)."""
     try:
         major, minor = torch.cuda.get_device_capability()  # no GPU: raises, no vLLM import
         from vllm.compilation.passes.fusion.allreduce_rms_fusion import (
