@@ -1,0 +1,35 @@
+"""The built wheel holds every module of the source tree: the tests run on an editable
+install, which imports from the tree and would not notice a package left out of
+pyproject's list (a plain `pip install .` would then fail at import)."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# source folder -> its package name in the wheel (pyproject's package-dir)
+SOURCE_DIRS = {"commfold": "commfold", "passes": "commfold/passes",
+               "patterns": "commfold/patterns"}
+
+
+def test_wheel_holds_every_module(tmp_path):
+    tree = tmp_path / "src"  # a copy: setuptools writes build/ into the tree it builds
+    tree.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, tree / name)
+    for src in SOURCE_DIRS:
+        shutil.copytree(ROOT / src, tree / src, ignore=shutil.ignore_patterns("__pycache__"))
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path / "dist"), str(tree)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    wheel, = (tmp_path / "dist").glob("commfold-*.whl")
+    shipped = set(zipfile.ZipFile(wheel).namelist())
+    expected = {f"{pkg}/{p.relative_to(ROOT / src).as_posix()}"
+                for src, pkg in SOURCE_DIRS.items()
+                for p in (ROOT / src).rglob("*.py") if "__pycache__" not in p.parts}
+    assert expected - shipped == set(), "add these packages to pyproject's list"
