@@ -295,9 +295,10 @@ def test_special_forms_and_skips(ranks2):
 @given(rows=st.integers(1, 40), hidden=st.integers(1, 300),
        dtype=st.sampled_from(sorted(DTYPES)), residual=st.booleans(), weight=st.booleans(),
        round_before=st.booleans(), round_sum=st.booleans(), f32_out=st.booleans(),
-       eps=st.sampled_from([1e-6, 0.5]))
+       eps=st.sampled_from([1e-6, 0.5]), in_place=st.booleans())
 def test_cpu_kernel_matches_composite(rows, hidden, dtype, residual, weight, round_before,
-                                      round_sum, f32_out, eps):
+                                      round_sum, f32_out, eps, in_place):
+    """Both kernel instantiations: h written over x (as the op runs it) and h apart."""
     assert add_rmsnorm_cpu.module() is not None, "the C++ kernel did not build"
     dt = DTYPES[dtype]
     g = torch.Generator().manual_seed(rows * 1000 + hidden)
@@ -307,7 +308,8 @@ def test_cpu_kernel_matches_composite(rows, hidden, dtype, residual, weight, rou
     out_dt = torch.float32 if f32_out else dt
     round_before = round_before and weight
     h1, o1 = x.clone(), torch.empty(rows, hidden, dtype=out_dt)
-    assert add_rmsnorm_cpu.add_rmsnorm(h1, res, h1, o1, wf, eps, round_before, round_sum)
+    src = h1 if in_place else x.clone()
+    assert add_rmsnorm_cpu.add_rmsnorm(src, res, h1, o1, wf, eps, round_before, round_sum)
     h2 = x.clone()
     o2 = composite_add_norm(h2, res, wf, eps, round_before, round_sum, out_dt)
     assert torch.equal(h1, h2)  # the residual add rounds exactly like torch
