@@ -7,6 +7,7 @@ from contextlib import nullcontext
 
 import torch
 import torch.fx as fx
+from torch._higher_order_ops.auto_functionalize import auto_functionalized
 
 
 def val(node) -> object:
@@ -107,7 +108,7 @@ def insert_call(graph: fx.Graph, target, args=(), kwargs=None, like: fx.Node | N
     fake_args = fx.node.map_arg(args, lambda n: n.meta.get("val"))
     fake_kwargs = fx.node.map_arg(kwargs, lambda n: n.meta.get("val"))
     mode = fake_mode_of(graph)
-    kernel = _fake_kernel(target) if mode is not None else None
+    kernel = _fake_kernel(target, args) if mode is not None else None
     value = _fake_via_meta(mode, target, kernel, fake_args, fake_kwargs) if kernel is not None else None
     if value is not None:
         node.meta["val"] = value
@@ -130,9 +131,17 @@ def insert_call(graph: fx.Graph, target, args=(), kwargs=None, like: fx.Node | N
 _FAKE_KERNELS: dict = {}
 
 
-def _fake_kernel(target):
+def _fake_kernel(target, args=()):
     """The Python fake kernel of one of commfold's own ops (torch.library
-    register_fake), or None (aten ops, Python callables, other libraries' ops)."""
+    register_fake), or of auto_functionalized(commfold op) built from it (fake
+    dispatch through the higher-order op costs ~1 ms); None otherwise (aten ops,
+    Python callables, other libraries' ops)."""
+    if target is auto_functionalized and args:
+        key = (target, args[0])
+        if key not in _FAKE_KERNELS:
+            kernel = _fake_kernel(args[0])
+            _FAKE_KERNELS[key] = kernel and _functionalized_kernel(args[0], kernel)
+        return _FAKE_KERNELS[key]
     if not isinstance(target, torch._ops.OpOverload) or target.namespace != "commfold":
         return None
     if target not in _FAKE_KERNELS:
@@ -143,6 +152,21 @@ def _fake_kernel(target):
         except Exception:
             _FAKE_KERNELS[target] = None
     return _FAKE_KERNELS[target]
+
+
+def _functionalized_kernel(op, kernel):
+    """auto_functionalized(op, **kwargs)'s value: op's outputs, then a fresh tensor like
+    each argument op writes (as the higher-order op clones them, strides kept)."""
+    written = [a.name for a in op._schema.arguments
+               if a.alias_info is not None and a.alias_info.is_write]
+
+    def run(_op, **kwargs):
+        out = kernel(**kwargs)
+        return (*(out if isinstance(out, tuple) else (out,)),
+                *(torch.empty_strided(kwargs[n].shape, kwargs[n].stride(),
+                                      dtype=kwargs[n].dtype, device=kwargs[n].device)
+                  for n in written))
+    return run
 
 
 def _static(t: torch.Tensor) -> bool:

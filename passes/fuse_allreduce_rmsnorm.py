@@ -19,19 +19,22 @@ Why it is safe:
 - the kernel rounds where the compiled graph would (see commfold.ops.allreduce_rmsnorm).
 The decision depends on the graph and the config only: rank-consistent.
 
-Writes: commfold::allreduce_rmsnorm(x, residual, weight, eps, offset, ..., comm,
-two_shot_min_bytes) -> getitem 0 (normed), getitem 1 (new residual).
+Writes: auto_functionalized(commfold::allreduce_rmsnorm, x, residual, weight, eps,
+offset, flags, comm) -> getitem 0 (normed), getitem 1 (new residual: the op writes it
+over x, in place when Inductor's reinplacing finds x dead, into a copy otherwise).
 """
 from __future__ import annotations
 
 import operator
 
 import torch
+from torch._higher_order_ops.auto_functionalize import auto_functionalized
 from torch._inductor import config as inductor_config
 
 from commfold.context import PassContext
 from commfold.graph import erase_if_dead, insert_call, nbytes, tensor_val
-from commfold.ops.allreduce_rmsnorm import SUPPORTED_DTYPES, TWO_SHOT_DEFAULT_MIN_BYTES
+from commfold.ops.allreduce_rmsnorm import (SUPPORTED_DTYPES, TWO_SHOT_DEFAULT_MIN_BYTES,
+                                           pack_flags)
 from commfold.patterns.allreduce import AllReduce, allreduce_candidates, match_allreduce
 from commfold.patterns.rmsnorm import RMSNorm, match_rmsnorm
 from commfold.report import Comm
@@ -84,14 +87,19 @@ def _rewrite(ctx: PassContext, ar: AllReduce, norm: RMSNorm, two_shot: int) -> N
     # op to round where the unfused program would.
     emulate = bool(inductor_config.emulate_precision_casts) or norm.eager
     anchor = max(n for n in (ar.collective, norm.residual, norm.weight) if n is not None)
+    flags = pack_flags(
+        offset_in_weight_dtype=norm.offset_in_weight_dtype and emulate,
+        round_before_weight=norm.round_before_weight and emulate,
+        round_sum=(norm.residual is not None and norm.dtype != torch.float32
+                   and not norm.sum_in_f32 and (emulate or _stored(norm))),
+        out_f32=norm.out_dtype == torch.float32, two_shot_min_bytes=two_shot)
+    # functional in the graph: auto_functionalized returns (normed, new residual), and
+    # Inductor's reinplacing decides whether the op may write over x (x dead here)
     with graph.inserting_after(anchor):
         fused = insert_call(
-            graph, torch.ops.commfold.allreduce_rmsnorm.default,
-            (ar.input, norm.residual, norm.weight, norm.eps, norm.offset,
-             norm.offset_in_weight_dtype and emulate, norm.round_before_weight and emulate,
-             norm.residual is not None and norm.dtype != torch.float32
-             and not norm.sum_in_f32 and (emulate or _stored(norm)),
-             norm.out_dtype, ar.comm, two_shot), like=norm.output)
+            graph, auto_functionalized, (torch.ops.commfold.allreduce_rmsnorm.default,),
+            dict(x=ar.input, residual=norm.residual, weight=norm.weight, eps=norm.eps,
+                 weight_offset=norm.offset, flags=flags, comm=ar.comm), like=norm.output)
     with graph.inserting_after(fused):
         new_residual = insert_call(graph, operator.getitem, (fused, 1), like=norm.output)
     with graph.inserting_after(fused):

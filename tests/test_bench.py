@@ -172,10 +172,12 @@ def test_insert_call_fake_values_equal_fake_dispatch(monkeypatch):
     them per input metadata): the same shapes, strides, dtypes, devices and fake mode
     as FakeTensorMode's dispatch, for every op, transposed inputs and repeat calls."""
     import torch.fx as fx
+    from torch._higher_order_ops.auto_functionalize import auto_functionalized
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import commfold.graph as cg
     importlib.import_module("commfold.ops")  # registers the ops
+    from commfold.ops.allreduce_rmsnorm import pack_flags
 
     mode = FakeTensorMode()
     ops = torch.ops.commfold
@@ -195,22 +197,28 @@ def test_insert_call_fake_values_equal_fake_dispatch(monkeypatch):
         x, r, w = ph((5, 8), bf), ph((5, 8), bf), ph((8,), bf)
         s, st = ph((3, 7)), ph((7, 3), transpose=True)
         ids, shard, h = ph((4,), torch.int64), ph((6, 8)), ph((2, 8))
-        calls = [(ops.allreduce_rmsnorm.default,
-                  (x, r, w, 1e-6, 0.0, False, False, True, torch.float32, "c10d:0", -1)),
-                 (ops.allreduce_rmsnorm.default,
-                  (x, None, None, 1e-6, 1.0, False, False, False, bf, "c10d:0", -1)),
+        flags = pack_flags(round_sum=True, out_f32=True)
+        calls = [(ops.allreduce_rmsnorm.default, (x, r, w, 1e-6, 0.0, flags, "c10d:0")),
+                 (ops.allreduce_rmsnorm.default, (x, None, None, 1e-6, 1.0, 0, "c10d:0")),
                  (ops.local_argmax.default, (s, 10, "c10d:0", True)),
                  (ops.local_argmax.default, (st, None, "c10d:0")),
                  (ops.replicated_embedding.default, (ids, shard, [0, 6, 0], 2, "c10d:0")),
-                 (ops.replicated_lm_head.default, (h, shard, 11, 2, "c10d:0"))]
+                 (ops.replicated_lm_head.default, (h, shard, 11, 2, "c10d:0")),
+                 (auto_functionalized, (ops.allreduce_rmsnorm.default,),
+                  dict(x=st, residual=None, weight=None, eps=1e-6, weight_offset=0.0,
+                       flags=0, comm="c10d:0"))]
         out = []
-        for target, args in calls * 2:  # the second round hits the remembered metadata
-            v = cg.insert_call(g, target, args).meta["val"]
+        for target, args, *kwargs in calls * 2:  # the second round hits the remembered metadata
+            v = cg.insert_call(g, target, args, *kwargs).meta["val"]
             out.append([(type(t).__name__, tuple(t.shape), t.stride(), t.dtype, t.device,
                          t.fake_mode is mode) for t in (v if isinstance(v, tuple) else (v,))])
         return out
 
     fast = values()
-    monkeypatch.setattr(cg, "_fake_kernel", lambda target: None)  # plain fake dispatch
+    monkeypatch.setattr(cg, "_fake_kernel", lambda target, args=(): None)  # plain fake dispatch
     assert fast == values()
-    assert fast[0][1][3] == torch.bfloat16 and fast[2][0][1] == (3, 1)
+    assert fast[0][0][3] == torch.float32 and fast[1][0][3] == torch.bfloat16  # the flags
+    assert fast[2][0][1] == (3, 1)
+    cpu = torch.device("cpu")  # auto_functionalized: (normed, the written x with its strides)
+    assert fast[6] == [("FakeTensor", (3, 7), (7, 1), torch.float32, cpu, True),
+                       ("FakeTensor", (3, 7), (1, 3), torch.float32, cpu, True)]

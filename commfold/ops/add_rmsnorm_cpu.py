@@ -152,46 +152,43 @@ void add_rmsnorm(at::Tensor x, c10::optional<at::Tensor> res, at::Tensor h, at::
 }
 
 // commfold::allreduce_rmsnorm on CPU for c10d groups and vLLM CPU's shared-memory
-// communicator, one-shot: the whole op in C++
-// (the functional all_reduce_ on a private copy, then the kernel above), so a call costs
-// no more Python than the unfused program's. Anything else (vLLM's custom-op communicators, the
-// two-shot variant) goes to the Python implementation, allreduce_rmsnorm_eager.
-using ArgsT = std::tuple<at::Tensor, at::Tensor>(
-    const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-    double, double, bool, bool, bool, at::ScalarType, c10::string_view, int64_t);
+// communicator, one-shot: the whole op in C++ (the all-reduce in place on x, then the
+// kernel above, h written over x), so a call costs no more Python than the unfused
+// program's. Anything else (vLLM's custom-op communicators, the two-shot variant) goes
+// to the Python implementation, allreduce_rmsnorm_eager.
+// The flags are commfold.ops.allreduce_rmsnorm's (pack_flags).
+constexpr int64_t kOffsetInWeightDtype = 1, kRoundBeforeWeight = 2, kRoundSum = 4,
+                  kOutF32 = 8, kTwoShotShift = 8;
+using ArgsT = at::Tensor(at::Tensor&, const std::optional<at::Tensor>&,
+                         const std::optional<at::Tensor>&, double, double, int64_t,
+                         c10::string_view);
 
-static std::tuple<at::Tensor, at::Tensor> allreduce_rmsnorm_cpu(
-    const at::Tensor& x, const std::optional<at::Tensor>& residual,
-    const std::optional<at::Tensor>& weight, double eps, double offset, bool off_in_w,
-    bool round_before_weight, bool round_sum, at::ScalarType out_dtype,
-    c10::string_view comm, int64_t two_shot_min_bytes) {
+static at::Tensor allreduce_rmsnorm_cpu(
+    at::Tensor& x, const std::optional<at::Tensor>& residual,
+    const std::optional<at::Tensor>& weight, double eps, double offset, int64_t flags,
+    c10::string_view comm) {
   // vLLM CPU's shared-memory all-reduce (in place, synchronous), when vLLM's _C is loaded
   static std::optional<c10::OperatorHandle> shm_op;
   const bool is_shm = comm.substr(0, 9) == "vllm_shm:";
   if (is_shm && !shm_op) shm_op = c10::Dispatcher::singleton().findSchema({"_C::shm_allreduce", ""});
   const bool shm = is_shm && shm_op.has_value();
-  const bool fast = (comm.substr(0, 5) == "c10d:" || shm) && two_shot_min_bytes < 0 &&
+  const bool fast = (comm.substr(0, 5) == "c10d:" || shm) && (flags >> kTwoShotShift) == 0 &&
       x.numel() > 0 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
                         x.scalar_type() == at::kHalf);
   if (!fast) {
     static auto eager = c10::Dispatcher::singleton()
         .findSchemaOrThrow("commfold::allreduce_rmsnorm_eager", "").typed<ArgsT>();
-    return eager.call(x, residual, weight, eps, offset, off_in_w, round_before_weight,
-                      round_sum, out_dtype, comm, two_shot_min_bytes);
+    return eager.call(x, residual, weight, eps, offset, flags, comm);
   }
-  // Per-call cost matters here (a small all-reduce is ~0.5 ms on gloo and the
-  // fusion must not lose to the unfused program): no ATen op that is not needed
-  // for the common case (2-D rows, f32 weight without offset, same dtype out).
+  // Per-call cost matters here (a small all-reduce is ~6 us on vLLM's shared memory
+  // and the fusion must not lose to the unfused program): no ATen op that is not
+  // needed for the common case (contiguous x, f32 weight without offset).
   const int64_t H = x.size(-1);
-  const bool rows2d = x.dim() == 2;
-  // Buffers straight from the CPU allocator (no dispatcher round trip per tensor).
   const int64_t N = x.numel() / H;
-  at::Tensor h = at::detail::empty_cpu({N, H}, x.scalar_type(), false, std::nullopt);
-  if (x.is_contiguous()) {
-    std::memcpy(h.data_ptr(), x.data_ptr(), x.numel() * x.element_size());
-  } else {
-    h.copy_(x.reshape({N, H}));
-  }
+  // h: x's own rows (Inductor hands a dead input over, or a copy of a live one); a
+  // strided x is reduced in a contiguous copy and written back at the end.
+  const bool contiguous = x.is_contiguous();
+  at::Tensor h = contiguous ? x.view({N, H}) : x.reshape({N, H}).contiguous();
   // Through the functional collectives (what Inductor's unfused program calls), not
   // ProcessGroup::allreduce: measured 5-10% faster per call at small sizes on gloo.
   static auto all_reduce_ = c10::Dispatcher::singleton()
@@ -223,16 +220,18 @@ static std::tuple<at::Tensor, at::Tensor> allreduce_rmsnorm_cpu(
     if (offset == 0.0 && w.scalar_type() == at::kFloat && w.dim() == 1 && w.is_contiguous()) {
       wf = w;
     } else {
-      at::Tensor v = offset == 0.0 ? w : off_in_w ? (w + offset) : (w.to(at::kFloat) + offset);
+      at::Tensor v = offset == 0.0 ? w
+          : (flags & kOffsetInWeightDtype) ? (w + offset) : (w.to(at::kFloat) + offset);
       wf = v.to(at::kFloat).reshape({-1}).contiguous();
     }
   }
+  const auto out_dtype = (flags & kOutF32) ? at::kFloat : x.scalar_type();
   at::Tensor out = at::detail::empty_cpu({N, H}, out_dtype, false, std::nullopt);
   if (!shm) wait_tensor.call(h);
   no_gil.reset();
-  add_rmsnorm(h, res, h, out, wf, eps, round_before_weight, round_sum);
-  if (rows2d) return {out, h};
-  return {out.view(x.sizes()), h.view(x.sizes())};
+  add_rmsnorm(h, res, h, out, wf, eps, flags & kRoundBeforeWeight, flags & kRoundSum);
+  if (!contiguous) x.copy_(h.view(x.sizes()));
+  return x.dim() == 2 ? out : out.view(x.sizes());
 }
 
 TORCH_LIBRARY_IMPL(commfold, CPU, m) {
@@ -243,7 +242,7 @@ TORCH_LIBRARY_IMPL(commfold, CPU, m) {
 _lock = threading.Lock()
 _module = None
 _failed = False
-NAME = "commfold_add_rmsnorm_v12"
+NAME = "commfold_add_rmsnorm_v13"
 
 
 def module():

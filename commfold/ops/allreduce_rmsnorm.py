@@ -1,6 +1,6 @@
 """commfold::allreduce_rmsnorm - sum all-reduce, optional residual add, RMSNorm: one op.
 
-    s   = all_reduce(x) (+ residual)  in f32;  h = round_D(s) is returned
+    s   = all_reduce(x) (+ residual)  in f32;  h = round_D(s) is written into x
     out = round_O(round_R(s * rsqrt(mean(s^2, -1) + eps)) * (w + offset))
 
 computed in f32, rounding only where asked: Inductor's CPU code keeps low-precision
@@ -13,13 +13,13 @@ multiply (hand-written bf16/fp16 norms), and Gemma's 1 + w is rounded to the
 weight's dtype when the graph adds it there. O is the output dtype.
 
 Paths, chosen per call from shapes and arguments only (same on every rank):
-- one-shot: all_reduce, then ONE pass over the rows (add + norm, C++ kernel); for
-  c10d groups and vLLM CPU's shared-memory communicator on CPU the whole op runs in
-  C++ (no Python per call);
+- one-shot: all_reduce in place on x, then ONE pass over the rows (add + norm, C++
+  kernel); for c10d groups and vLLM CPU's shared-memory communicator on CPU the whole
+  op runs in C++ (no Python per call);
 - two-shot: reduce_scatter rows, add + norm on the local rows, all_gather the normed
   output and the residual. Used when rows % world == 0 and the tensor has at least
-  ``two_shot_min_bytes`` bytes (< 0: never). The default comes from measurements
-  (TWO_SHOT_DEFAULT_MIN_BYTES);
+  the threshold packed in ``flags`` (pack_flags' two_shot_min_bytes; < 0: never). The
+  default comes from measurements (TWO_SHOT_DEFAULT_MIN_BYTES);
 - CUDA: FlashInfer's fused all-reduce + add + norm when installed and the call fits
   it (commfold.ops.flashinfer_norm; not run on a GPU here), else composite;
 - composite: eager torch ops, for non-CPU tensors or when no C++ toolchain exists.
@@ -42,14 +42,40 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TWO_SHOT_DEFAULT_MIN_BYTES = -1
 
 
+# The op's options travel packed in one int: a custom op call from Inductor's Python
+# wrapper costs about 0.45 us per argument (11 arguments measured 5.8 us, 7 about 3.9),
+# against a ~6 us shared-memory all-reduce at decode sizes.
+OFFSET_IN_WEIGHT_DTYPE = 1  # Gemma's 1 + w is computed (rounded) in the weight's dtype
+ROUND_BEFORE_WEIGHT = 2     # the normalized value is rounded to x's dtype before * w
+ROUND_SUM = 4               # normalize the stored (rounded) new residual, not the f32 sum
+OUT_F32 = 8                 # the normed output is f32 (else x's dtype)
+TWO_SHOT_SHIFT = 8          # flags >> 8: two-shot from this many bytes + 1 (0: never)
+
+
+def pack_flags(offset_in_weight_dtype: bool = False, round_before_weight: bool = False,
+               round_sum: bool = False, out_f32: bool = False,
+               two_shot_min_bytes: int = -1) -> int:
+    """The op's `flags` argument (two_shot_min_bytes < 0: one-shot only)."""
+    return (OFFSET_IN_WEIGHT_DTYPE * bool(offset_in_weight_dtype)
+            | ROUND_BEFORE_WEIGHT * bool(round_before_weight) | ROUND_SUM * bool(round_sum)
+            | OUT_F32 * bool(out_f32) | (max(two_shot_min_bytes, -1) + 1) << TWO_SHOT_SHIFT)
+
+
+def out_dtype_of(x: torch.Tensor, flags: int) -> torch.dtype:
+    return torch.float32 if flags & OUT_F32 else x.dtype
+
+
+# Mutates x: the new residual (the sum, plus the residual) is written over the input
+# and the normed output returned. Graphs call it under auto_functionalized, which
+# returns (normed, new residual); Inductor's reinplacing then lets it reuse a dead
+# input's buffer and copies a live one (a graph input, say): no private copy when the
+# input dies here, which it does in a TP layer (the row-parallel matmul's output).
 # Two ops, one schema: allreduce_rmsnorm is what graphs call; on CPU its kernel is
 # C++ (registered when commfold.ops.add_rmsnorm_cpu builds, on first use) and hands
 # what it does not do in C++ to allreduce_rmsnorm_eager, the Python implementation.
 # torch.library.Library, not custom_op: the per-call overhead is ~3 us, not ~11 us.
-_SCHEMA = ("(Tensor x, Tensor? residual, Tensor? weight, float eps, "
-           "float weight_offset, bool offset_in_weight_dtype, bool round_before_weight, "
-           "bool round_sum, ScalarType out_dtype, str comm, int two_shot_min_bytes) "
-           "-> (Tensor, Tensor)")
+_SCHEMA = ("(Tensor(a!) x, Tensor? residual, Tensor? weight, float eps, "
+           "float weight_offset, int flags, str comm) -> Tensor")
 _lib = torch.library.Library("commfold", "FRAGMENT")
 _lib.define("allreduce_rmsnorm" + _SCHEMA)
 _lib.define("allreduce_rmsnorm_eager" + _SCHEMA)
@@ -57,38 +83,38 @@ _lib.define("allreduce_rmsnorm_eager" + _SCHEMA)
 
 def allreduce_rmsnorm(x: torch.Tensor, residual: Optional[torch.Tensor],
                       weight: Optional[torch.Tensor], eps: float, weight_offset: float,
-                      offset_in_weight_dtype: bool, round_before_weight: bool,
-                      round_sum: bool, out_dtype: torch.dtype, comm: str,
-                      two_shot_min_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(normed output, new residual) of RMSNorm(all_reduce_sum(x) [+ residual])."""
+                      flags: int, comm: str) -> torch.Tensor:
+    """RMSNorm(all_reduce_sum(x) [+ residual]), normed output returned; the new
+    residual all_reduce_sum(x) [+ residual] written into x."""
     c = communicator(comm)
+    off_in_w, round_bw = bool(flags & OFFSET_IN_WEIGHT_DTYPE), bool(flags & ROUND_BEFORE_WEIGHT)
+    round_sum, out_dtype = bool(flags & ROUND_SUM), out_dtype_of(x, flags)
     if x.device.type in flashinfer_norm.DEVICE_TYPES:
-        done = flashinfer_norm.try_run(x, residual, weight, eps, weight_offset,
-                                       offset_in_weight_dtype, round_before_weight,
-                                       out_dtype, c)
+        done = flashinfer_norm.try_run(x, residual, weight, eps, weight_offset, off_in_w,
+                                       round_bw, out_dtype, c)
         if done is not None:
-            return done
+            x.copy_(done[1])
+            return done[0]
     shape, hidden = x.shape, x.shape[-1]
     rows = x if x.dim() == 2 else x.reshape(-1, hidden)
     res = None
     if residual is not None:
         res = residual if residual.dim() == 2 else residual.reshape(-1, hidden)
         res = res if res.stride(-1) == 1 else res.contiguous()
-    wf = _weight_f32(weight, weight_offset, offset_in_weight_dtype)
-    if _use_two_shot(c, rows, two_shot_min_bytes):
+    wf = _weight_f32(weight, weight_offset, off_in_w)
+    two_shot = (flags >> TWO_SHOT_SHIFT) - 1
+    if _use_two_shot(c, rows, two_shot):
         world, rank = c.world_size(), c.rank()
         local = c.reduce_scatter(rows)
         part = rows.shape[0] // world
         res_local = res[rank * part:(rank + 1) * part] if res is not None else None
-        out_local = _add_norm(local, res_local, wf, eps, round_before_weight, round_sum,
-                              out_dtype)
+        out_local = _add_norm(local, res_local, wf, eps, round_bw, round_sum, out_dtype)
         out, h = c.all_gather(out_local), c.all_gather(local)
     else:
         h = c.all_reduce(rows)
-        out = _add_norm(h, res, wf, eps, round_before_weight, round_sum, out_dtype)
-    if x.dim() == 2:
-        return out, h
-    return out.view(shape), h.view(shape)
+        out = _add_norm(h, res, wf, eps, round_bw, round_sum, out_dtype)
+    x.copy_(h.view(shape))
+    return out.view(shape)
 
 
 def _first_call(x, *args):
@@ -102,9 +128,8 @@ _lib.impl("allreduce_rmsnorm_eager", allreduce_rmsnorm, "CompositeExplicitAutogr
 _lib.impl("allreduce_rmsnorm", _first_call, "CompositeExplicitAutograd")
 
 
-def _fake(x, residual, weight, eps, weight_offset, offset_in_weight_dtype,
-          round_before_weight, round_sum, out_dtype, comm, two_shot_min_bytes):
-    return x.new_empty(x.shape, dtype=out_dtype), torch.empty_like(x)
+def _fake(x, residual, weight, eps, weight_offset, flags, comm):
+    return x.new_empty(x.shape, dtype=out_dtype_of(x, flags))
 
 
 torch.library.register_fake("commfold::allreduce_rmsnorm", _fake)
