@@ -8,6 +8,8 @@ Inductor side by side, written as results.json, results.md and PNG plots.
 Figures run on gloo ranks of this machine (a RankPool per world size); each figure's
 rank-side ``measure`` lives in its bench_*.py script (also runnable alone). Rank 0's
 rows are reported. A figure that fails is recorded (error text) and the others run.
+``--only`` keeps the other figures already in the output directory (each table says
+when it ran).
 """
 from __future__ import annotations
 
@@ -107,7 +109,7 @@ def run_suite(names, quick: bool, timeout: float, log=print) -> dict:
             args = fig.quick if quick else fig.extra.get(world, fig.full)
             entry = results["figures"].setdefault(
                 name, {"title": fig.title, "world_sizes": [], "rows": [], "errors": [],
-                       "seconds": 0.0})
+                       "seconds": 0.0, "date": results["meta"]["date"]})
             entry["world_sizes"].append(world)
             log(f"[bench] {name} TP={world} ...", flush=True)
             t0 = time.perf_counter()
@@ -130,6 +132,25 @@ def run_suite(names, quick: bool, timeout: float, log=print) -> dict:
     return results
 
 
+def keep_previous(results: dict, out: Path) -> dict:
+    """results plus the figures of the run already in out (same --quick) that this run
+    did not redo, each with its own date: `--only` reruns a figure without dropping
+    the others."""
+    try:
+        old = json.loads((out / "results.json").read_text())
+    except (OSError, ValueError):
+        return results
+    if old.get("meta", {}).get("quick") != results["meta"]["quick"]:
+        return results
+    figures = {}
+    for name in FIGURES:
+        if name in results["figures"]:
+            figures[name] = results["figures"][name]
+        elif name in old.get("figures", {}):
+            figures[name] = {"date": old["meta"].get("date"), **old["figures"][name]}
+    return {**results, "figures": figures}
+
+
 def write_results(results: dict, out: Path, log=print) -> dict:
     """results.json, results.md and (matplotlib permitting) PNG plots in out;
     {"json": path, "markdown": path, "plots": [paths], "plots_skipped": reason or None}."""
@@ -150,10 +171,12 @@ def main(argv=None, prog: str = "python -m benchmarks") -> int:
     a = _parser(prog).parse_args(argv)
     names = list(a.only or FIGURES)
     results = run_suite(names, a.quick, a.timeout)
+    failed = [n for n, f in results["figures"].items() if f["errors"]]
+    if a.only:
+        results = keep_previous(results, a.out)
     written = write_results(results, a.out)
     print(f"[bench] {results['meta']['seconds']:.0f} s; wrote {written['json']}, "
           f"{written['markdown']}" + "".join(f", {p}" for p in written["plots"]))
-    failed = [n for n, f in results["figures"].items() if f["errors"]]
     if failed:
         print(f"[bench] failed: {', '.join(failed)} (errors in results.json)", file=sys.stderr)
         return 1

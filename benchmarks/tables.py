@@ -122,7 +122,9 @@ def markdown(results: dict, plots: list[str], plots_skipped: str | None = None) 
     if plots_skipped:
         lines += [f"Plots skipped: {plots_skipped}.", ""]
     for name, fig in results["figures"].items():
-        lines += [f"## {fig['title']}", "", f"`{name}`, TP={fig['world_sizes']}, {fig['seconds']:.0f} s", ""]
+        ran = f", run {fig['date']}" if fig.get("date") not in (None, m["date"]) else ""
+        lines += [f"## {fig['title']}", "",
+                  f"`{name}`, TP={fig['world_sizes']}, {fig['seconds']:.0f} s{ran}", ""]
         if fig["rows"]:
             lines += list(TABLES[name](fig["rows"])) + [""]
         if name == "compile_cost" and fig["rows"]:

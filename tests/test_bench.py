@@ -222,3 +222,24 @@ def test_insert_call_fake_values_equal_fake_dispatch(monkeypatch):
     cpu = torch.device("cpu")  # auto_functionalized: (normed, the written x with its strides)
     assert fast[6] == [("FakeTensor", (3, 7), (7, 1), torch.float32, cpu, True),
                        ("FakeTensor", (3, 7), (1, 3), torch.float32, cpu, True)]
+
+
+def test_only_keeps_the_other_figures(tmp_path):
+    """`--only` reruns some figures: the others of the run already in the output
+    directory stay (with their own date), in the suite's order; a --quick run never
+    mixes with a full one."""
+    from benchmarks.suite import FIGURES, keep_previous
+
+    def run(date, quick, names):
+        return {"meta": {"date": date, "quick": quick},
+                "figures": {n: {"title": n, "rows": [date]} for n in names}}
+
+    (tmp_path / "results.json").write_text(json.dumps(run("old", False, list(FIGURES))))
+    new = keep_previous(run("new", False, ["decode"]), tmp_path)
+    assert list(new["figures"]) == list(FIGURES)
+    assert new["figures"]["decode"]["rows"] == ["new"] and "date" not in new["figures"]["decode"]
+    assert all(f["rows"] == ["old"] and f["date"] == "old"
+               for n, f in new["figures"].items() if n != "decode")
+    quick = keep_previous(run("new", True, ["decode"]), tmp_path)
+    assert list(quick["figures"]) == ["decode"]
+    assert keep_previous(run("new", False, ["decode"]), tmp_path / "none")["figures"].keys() == {"decode"}
