@@ -16,7 +16,10 @@ Why it is safe:
   norm, just leaves it unread). A reader of the reduced value before the add would need a value
   the op does not return: skipped;
 - the norm's intermediates have no readers outside the norm (the recognizer checks);
-- the kernel rounds where the compiled graph would (see commfold.ops.allreduce_rmsnorm).
+- the kernel rounds where the compiled graph would (see commfold.ops.allreduce_rmsnorm);
+- the op writes the new residual over its input, but the graph holds it under
+  auto_functionalized (functional): Inductor's reinplacing, not this pass, decides
+  whether the input's buffer may be reused (it must be dead) or is copied first.
 The decision depends on the graph and the config only: rank-consistent.
 
 Writes: auto_functionalized(commfold::allreduce_rmsnorm, x, residual, weight, eps,
