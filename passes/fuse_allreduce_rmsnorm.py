@@ -33,6 +33,7 @@ import operator
 import torch
 from torch._higher_order_ops.auto_functionalize import auto_functionalized
 from torch._inductor import config as inductor_config
+from torch._inductor.fx_utils import get_node_storage
 
 from commfold.context import PassContext
 from commfold.graph import erase_if_dead, insert_call, nbytes, tensor_val
@@ -97,11 +98,17 @@ def _rewrite(ctx: PassContext, ar: AllReduce, norm: RMSNorm, two_shot: int) -> N
                    and not norm.sum_in_f32 and (emulate or _stored(norm))),
         out_f32=norm.out_dtype == torch.float32, two_shot_min_bytes=two_shot)
     # functional in the graph: auto_functionalized returns (normed, new residual), and
-    # Inductor's reinplacing decides whether the op may write over x (x dead here)
+    # Inductor's reinplacing decides whether the op may write over x (x dead here).
+    # It does not see that the op also reads x as its residual or weight (x + x, a
+    # view of x): then the op gets a copy of x to write over.
+    x = ar.input
+    if _aliases(x, norm.residual, norm.weight):
+        with graph.inserting_after(anchor):
+            x = anchor = insert_call(graph, torch.ops.aten.clone.default, (x,), like=norm.output)
     with graph.inserting_after(anchor):
         fused = insert_call(
             graph, auto_functionalized, (torch.ops.commfold.allreduce_rmsnorm.default,),
-            dict(x=ar.input, residual=norm.residual, weight=norm.weight, eps=norm.eps,
+            dict(x=x, residual=norm.residual, weight=norm.weight, eps=norm.eps,
                  weight_offset=norm.offset, flags=flags, comm=ar.comm), like=norm.output)
     with graph.inserting_after(fused):
         new_residual = insert_call(graph, operator.getitem, (fused, 1), like=norm.output)
@@ -125,6 +132,13 @@ def _rewrite(ctx: PassContext, ar: AllReduce, norm: RMSNorm, two_shot: int) -> N
     x = tensor_val(ar.input)
     size = nbytes(x)
     ctx.rewrote(PATTERN, norm.output, Comm(size, 1), Comm(size, 1), detail=_detail(x, norm))
+
+
+def _aliases(x: torch.fx.Node, *others) -> bool:
+    """Whether another operand shares x's storage (the node itself or a view of it)."""
+    mine = get_node_storage(x)
+    return any(o is x or (mine is not None and get_node_storage(o) == mine)
+               for o in others if o is not None)
 
 
 def _stored(norm: RMSNorm) -> bool:

@@ -229,6 +229,22 @@ def _inplace_input_residual(x, r, w):
     return torch.nn.functional.rms_norm(x + r, (x.shape[-1],), w, 1e-5)
 
 
+def _residual_is_input(x, w):
+    y = x * 2  # dead after the norm: the op may write over it, but it is also the residual
+    h = funcol.all_reduce(y, "sum", dist.group.WORLD) + y
+    return torch.nn.functional.rms_norm(h, (h.shape[-1],), w, 1e-5), h
+
+
+def _residual_views_input(x, w):
+    y = x * 2
+    h = funcol.all_reduce(y, "sum", dist.group.WORLD) + y.view(-1).view(y.shape)
+    return torch.nn.functional.rms_norm(h, (h.shape[-1],), w, 1e-5), h
+
+
+# fused, and right although the op writes its new residual over its input
+FUSED_FORMS = ("_inplace_input_no_residual", "_residual_is_input", "_residual_views_input")
+
+
 def _avg(x, r, w):
     y = funcol.all_reduce(x, "avg", dist.group.WORLD) + r
     return torch.nn.functional.rms_norm(y, (y.shape[-1],), w, 1e-5)
@@ -260,16 +276,17 @@ def forms_on_rank():
     rank = dist.get_rank()
     out = {}
     r, w = torch.randn(4, 32), torch.randn(32)
-    for name in ["_inplace_input_no_residual", *SKIPS]:
+    for name in [*FUSED_FORMS, *SKIPS]:
         torch._dynamo.reset()
         commfold.clear_reports()
         fn = globals()[name]
         x = torch.randn(4, 32, generator=torch.Generator().manual_seed(rank))
-        args = (x, w) if name == "_inplace_input_no_residual" else (x, r, w)
+        args = (x, w) if name in FUSED_FORMS else (x, r, w)
         xa, xb = x.clone(), x.clone()
         want = torch.compile(fn, backend="inductor")(xa, *args[1:])
         torch._dynamo.reset()
-        got = torch.compile(fn, backend=_config())(xb, *args[1:])
+        with torch._inductor.config.patch(fx_graph_cache=False):  # the pass itself runs
+            got = torch.compile(fn, backend=_config())(xb, *args[1:])
         want, got = (want,) if torch.is_tensor(want) else want, (got,) if torch.is_tensor(got) else got
         rep = commfold.last_report()
         out[name] = dict(count=rep.count("fuse_allreduce_rmsnorm"),
@@ -281,8 +298,9 @@ def forms_on_rank():
 
 def test_special_forms_and_skips(ranks2):
     for out in ranks2.run(forms_on_rank):
-        wb = out["_inplace_input_no_residual"]
-        assert wb["count"] == 1 and wb["close"] and wb["input_written"], wb
+        for name in FUSED_FORMS:
+            row = out[name]
+            assert row["count"] == 1 and row["close"] and row["input_written"], (name, row)
         for name, reason in SKIPS.items():
             row = out[name]
             assert row["count"] == 0 and row["close"] and row["input_written"], (name, row)
