@@ -101,14 +101,15 @@ def _rewrite(ctx: PassContext, ar: AllReduce, norm: RMSNorm, two_shot: int) -> N
     # Inductor's reinplacing decides whether the op may write over x (x dead here).
     # It does not see that the op also reads x as its residual or weight (x + x, a
     # view of x): then the op gets a copy of x to write over.
-    x = ar.input
-    if _aliases(x, norm.residual, norm.weight):
+    written = ar.input
+    if _aliases(written, norm.residual, norm.weight):
         with graph.inserting_after(anchor):
-            x = anchor = insert_call(graph, torch.ops.aten.clone.default, (x,), like=norm.output)
+            written = anchor = insert_call(graph, torch.ops.aten.clone.default, (written,),
+                                           like=norm.output)
     with graph.inserting_after(anchor):
         fused = insert_call(
             graph, auto_functionalized, (torch.ops.commfold.allreduce_rmsnorm.default,),
-            dict(x=x, residual=norm.residual, weight=norm.weight, eps=norm.eps,
+            dict(x=written, residual=norm.residual, weight=norm.weight, eps=norm.eps,
                  weight_offset=norm.offset, flags=flags, comm=ar.comm), like=norm.output)
     with graph.inserting_after(fused):
         new_residual = insert_call(graph, operator.getitem, (fused, 1), like=norm.output)

@@ -36,6 +36,7 @@ _SOURCE = r"""
 #include <ATen/core/dispatch/Dispatcher.h>
 
 template <typename T> static inline float f32(T v) { return static_cast<float>(v); }
+// @FLAG_CONSTANTS@
 
 // kInPlace: h is x (same rows). Spelled as one pointer so the compiler sees a read and
 // a write of the same element and vectorizes; as two equal pointers its run-time alias
@@ -151,12 +152,6 @@ void add_rmsnorm(at::Tensor x, c10::optional<at::Tensor> res, at::Tensor h, at::
   }
 }
 
-// commfold::allreduce_rmsnorm on CPU for c10d groups and vLLM CPU's shared-memory
-// communicator, one-shot: the whole op in C++ (the all-reduce in place on x, then the
-// kernel above, h written over x), so a call costs no more Python than the unfused
-// program's. Anything else (vLLM's custom-op communicators, the two-shot variant) goes
-// to the Python implementation, allreduce_rmsnorm_eager.
-// The flags are commfold.ops.allreduce_rmsnorm's (pack_flags).
 // The weight as the graph multiplies it, in f32: w + offset, rounded to w's dtype when
 // the graph adds the offset there (Gemma's 1 + w in bf16), as torch computes it.
 template <typename W>
@@ -168,8 +163,13 @@ static void weight_f32(const W* w, float* dst, int64_t H, double offset, bool in
   }
 }
 
-constexpr int64_t kOffsetInWeightDtype = 1, kRoundBeforeWeight = 2, kRoundSum = 4,
-                  kOutF32 = 8, kTwoShotShift = 8;
+// commfold::allreduce_rmsnorm on CPU for c10d groups and vLLM CPU's shared-memory
+// communicator, one-shot: the whole op in C++ (the all-reduce in place on x, then the
+// kernel above, h written over x), so a call costs no more Python than the unfused
+// program's. Anything else (vLLM's custom-op communicators, the two-shot variant) goes
+// to the Python implementation, allreduce_rmsnorm_eager.
+// The flags are commfold.ops.allreduce_rmsnorm's (pack_flags): module() defines
+// kOffsetInWeightDtype, kRoundBeforeWeight, kRoundSum, kOutF32, kTwoShotShift from them.
 using ArgsT = at::Tensor(at::Tensor&, const std::optional<at::Tensor>&,
                          const std::optional<at::Tensor>&, double, double, int64_t,
                          c10::string_view);
@@ -265,7 +265,7 @@ TORCH_LIBRARY_IMPL(commfold, CPU, m) {
 _lock = threading.Lock()
 _module = None
 _failed = False
-NAME = "commfold_add_rmsnorm_v14"
+NAME = "commfold_add_rmsnorm_v15"
 
 
 def module():
@@ -278,8 +278,9 @@ def module():
             try:
                 from torch.utils.cpp_extension import load_inline
 
+                source = _SOURCE.replace("// @FLAG_CONSTANTS@", _flag_constants())
                 _module = load_inline(
-                    NAME, cpp_sources=[_SOURCE], functions=["add_rmsnorm"],
+                    NAME, cpp_sources=[source], functions=["add_rmsnorm"],
                     extra_cflags=["-O3", "-fopenmp"] + _arch_flags(),
                     extra_ldflags=["-fopenmp"], verbose=False)
             except Exception as e:  # no compiler: the composite path still works
@@ -287,6 +288,16 @@ def module():
                 log.warning("commfold: CPU add+RMSNorm kernel unavailable (%s); "
                             "using the composite path", e)
     return _module
+
+
+def _flag_constants() -> str:
+    """The op's flag bits as C++ constants, from their one definition in Python."""
+    from . import allreduce_rmsnorm as op
+
+    names = {"kOffsetInWeightDtype": op.OFFSET_IN_WEIGHT_DTYPE,
+             "kRoundBeforeWeight": op.ROUND_BEFORE_WEIGHT, "kRoundSum": op.ROUND_SUM,
+             "kOutF32": op.OUT_F32, "kTwoShotShift": op.TWO_SHOT_SHIFT}
+    return "".join(f"constexpr int64_t {k} = {v};\n" for k, v in names.items())
 
 
 def _arch_flags() -> list[str]:
