@@ -313,14 +313,19 @@ def test_special_forms_and_skips(ranks2):
 @given(rows=st.integers(1, 40), hidden=st.integers(1, 300),
        dtype=st.sampled_from(sorted(DTYPES)), residual=st.booleans(), weight=st.booleans(),
        round_before=st.booleans(), round_sum=st.booleans(), f32_out=st.booleans(),
-       eps=st.sampled_from([1e-6, 0.5]), in_place=st.booleans())
+       eps=st.sampled_from([1e-6, 0.5]), in_place=st.booleans(),
+       special=st.sampled_from([None, float("nan"), float("inf"), -float("inf"), 7e4]))
 def test_cpu_kernel_matches_composite(rows, hidden, dtype, residual, weight, round_before,
-                                      round_sum, f32_out, eps, in_place):
-    """Both kernel instantiations: h written over x (as the op runs it) and h apart."""
+                                      round_sum, f32_out, eps, in_place, special):
+    """Both kernel instantiations: h written over x (as the op runs it) and h apart;
+    a NaN, an infinity or a value past fp16's range in the first row."""
     assert add_rmsnorm_cpu.module() is not None, "the C++ kernel did not build"
     dt = DTYPES[dtype]
     g = torch.Generator().manual_seed(rows * 1000 + hidden)
-    x = torch.randn(rows, hidden, generator=g).to(dt)
+    x = torch.randn(rows, hidden, generator=g)
+    if special is not None:
+        x[0, hidden // 2] = special
+    x = x.to(dt)
     res = torch.randn(rows, hidden, generator=g).to(dt) if residual else None
     wf = torch.randn(hidden, generator=g) if weight else None
     out_dt = torch.float32 if f32_out else dt
@@ -330,8 +335,10 @@ def test_cpu_kernel_matches_composite(rows, hidden, dtype, residual, weight, rou
     assert add_rmsnorm_cpu.add_rmsnorm(src, res, h1, o1, wf, eps, round_before, round_sum)
     h2 = x.clone()
     o2 = composite_add_norm(h2, res, wf, eps, round_before, round_sum, out_dt)
-    assert torch.equal(h1, h2)  # the residual add rounds exactly like torch
+    # the residual add rounds exactly like torch (NaN where torch has NaN)
+    torch.testing.assert_close(h1, h2, rtol=0, atol=0, equal_nan=True)
     # same math, f32 sums in another order: a last-bit difference may flip a rounding
     tol = {torch.float32: 2e-6, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}[out_dt]
     scale = (wf.abs().max().item() if weight else 1.0) * 4
-    assert (o1.float() - o2.float()).abs().max().item() <= tol * scale * 2
+    torch.testing.assert_close(o1.float(), o2.float(), rtol=0, atol=tol * scale * 2,
+                               equal_nan=True)

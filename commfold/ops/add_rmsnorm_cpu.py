@@ -47,74 +47,175 @@ static inline void cpu_relax() {}
 #endif
 
 template <typename T> static inline float f32(T v) { return static_cast<float>(v); }
+
+// How the kernel loads and stores a dtype, as plain bits where c10's conversions
+// branch (bf16 on NaN; fp16 by software unless the compiler has _Float16): branch-free
+// the row loops vectorize. Same values: bf16 round-to-nearest-even and quiet NaN as
+// c10; fp16 the IEEE conversion.
+template <typename T> struct Conv {
+  using S = T;
+  static float load(S v) { return static_cast<float>(v); }
+  static S store(float v) { return static_cast<S>(v); }
+};
+template <> struct Conv<c10::BFloat16> {
+  using S = uint16_t;
+  static float load(S v) {
+    const uint32_t u = static_cast<uint32_t>(v) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+  }
+  static S store(float v) {
+    uint32_t u;
+    std::memcpy(&u, &v, sizeof u);
+    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    return static_cast<S>(v != v ? 0x7FC0u : rounded);
+  }
+};
+template <> struct Conv<c10::Half> {  // c10's conversion, on the bits
+  using S = uint16_t;
+  static float load(S v) { return c10::detail::fp16_ieee_to_fp32_value(v); }
+  static S store(float v) { return c10::detail::fp16_ieee_from_fp32_value(v); }
+};
+// v rounded to R and back (R = float: v)
+template <typename R> static inline float round_to(float v) {
+  return Conv<R>::load(Conv<R>::store(v));
+}
 // @FLAG_CONSTANTS@
 
 // kInPlace: h is x (same rows). Spelled as one pointer so the compiler sees a read and
 // a write of the same element and vectorizes; as two equal pointers its run-time alias
 // check fails and the scalar loop runs (measured 2x slower at T=16, H=4096).
+#if defined(__F16C__) && defined(__AVX__)
+// fp16 rows with F16C's 8-wide conversions: c10's are scalar and GCC 12 does not
+// vectorize _Float16 ones (the generic loops ran fp16 ~3x slower than Inductor's
+// kernel). Same math and rounding as the generic loops below.
+static inline __m256 load_h8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+static inline __m128i to_h8(__m256 v) { return _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT); }
+
+template <typename O, typename R>
+static void half_row(const uint16_t* xr, const uint16_t* rr, uint16_t* hr,
+                     typename Conv<O>::S* orow, float* s32, const float* w, int64_t H,
+                     float inv_h, float eps, bool round_h) {
+  using C = Conv<c10::Half>;
+  __m256 acc = _mm256_setzero_ps();
+  float s = 0.f;
+  int64_t j = 0;
+  if (rr) {
+    for (; j + 8 <= H; j += 8) {
+      __m256 v = _mm256_add_ps(load_h8(xr + j), load_h8(rr + j));
+      const __m128i rounded = to_h8(v);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(hr + j), rounded);
+      if (round_h) v = _mm256_cvtph_ps(rounded);
+      _mm256_storeu_ps(s32 + j, v);
+      acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+    }
+    for (; j < H; ++j) {
+      float v = C::load(xr[j]) + C::load(rr[j]);
+      hr[j] = C::store(v);
+      if (round_h) v = C::load(hr[j]);
+      s32[j] = v;
+      s += v * v;
+    }
+  } else {
+    for (; j + 8 <= H; j += 8) {
+      const __m256 v = load_h8(xr + j);
+      acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+    }
+    for (; j < H; ++j) { const float v = C::load(xr[j]); s += v * v; }
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, acc);
+  for (float l : lanes) s += l;
+  const float r = 1.0f / std::sqrt(s * inv_h + eps);
+  const __m256 rv = _mm256_set1_ps(r);
+  int64_t k = 0;
+  for (; k + 8 <= H; k += 8) {
+    __m256 y = _mm256_mul_ps(rr ? _mm256_loadu_ps(s32 + k) : load_h8(xr + k), rv);
+    if (w) {
+      if constexpr (std::is_same<R, c10::Half>::value) y = _mm256_cvtph_ps(to_h8(y));
+      y = _mm256_mul_ps(y, _mm256_loadu_ps(w + k));
+    }
+    if constexpr (std::is_same<O, float>::value) _mm256_storeu_ps(orow + k, y);
+    else _mm_storeu_si128(reinterpret_cast<__m128i*>(orow + k), to_h8(y));
+  }
+  for (; k < H; ++k) {
+    const float y = (rr ? s32[k] : C::load(xr[k])) * r;
+    orow[k] = Conv<O>::store(w ? round_to<R>(y) * w[k] : y);
+  }
+}
+#endif
+
 template <typename T, typename O, typename R, bool kInPlace>
-static void add_rmsnorm_impl(const T* x, int64_t sx, const T* res, int64_t sr, T* h,
-                             int64_t sh, O* out, int64_t so, const float* w,
-                             int64_t N, int64_t H, float eps, bool round_h) {
-  constexpr int L = 16;
+static void add_rmsnorm_impl(const typename Conv<T>::S* x, int64_t sx,
+                             const typename Conv<T>::S* res, int64_t sr,
+                             typename Conv<T>::S* h, int64_t sh, typename Conv<O>::S* out,
+                             int64_t so, const float* w, int64_t N, int64_t H, float eps,
+                             bool round_h) {
+  using TS = typename Conv<T>::S;
+  using OS = typename Conv<O>::S;
   constexpr bool kF32 = std::is_same<T, float>::value;  // h is the f32 sum itself
   const float inv_h = 1.0f / static_cast<float>(H);
   at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(res && !kF32 ? H : 0);  // the unrounded f32 sum of a row
     float* s32 = scratch.data();
     for (int64_t i = begin; i < end; ++i) {
-      T* hr = h + i * sh;
-      const T* xr = kInPlace ? hr : x + i * sx;
-      const T* rr = res ? res + i * sr : nullptr;
-      O* orow = out + i * so;
-      float acc[L];
-      for (int l = 0; l < L; ++l) acc[l] = 0.f;
-      int64_t j = 0;
-      if (rr) {
-        for (; j + L <= H; j += L) {
-          for (int l = 0; l < L; ++l) {
-            float v = f32(xr[j + l]) + f32(rr[j + l]);
-            T hv = static_cast<T>(v);
-            hr[j + l] = hv;
-            if constexpr (!kF32) {
-              v = round_h ? f32(hv) : v;
-              s32[j + l] = v;
-            }
-            acc[l] += v * v;
-          }
-        }
-        for (int l = 0; j < H; ++j, ++l) {
-          float v = f32(xr[j]) + f32(rr[j]);
-          T hv = static_cast<T>(v);
-          hr[j] = hv;
-          if constexpr (!kF32) {
-            v = round_h ? f32(hv) : v;
+      TS* hr = h + i * sh;
+      const TS* xr = kInPlace ? hr : x + i * sx;
+      const TS* rr = res ? res + i * sr : nullptr;
+      OS* orow = out + i * so;
+#if defined(__F16C__) && defined(__AVX__)
+      if constexpr (std::is_same<T, c10::Half>::value) {
+        half_row<O, R>(xr, rr, hr, orow, s32, w, H, inv_h, eps, round_h);
+        continue;
+      }
+#endif
+      // Sweep 1: the sum, its rounded store and the sum of squares. An OpenMP simd
+      // reduction (vector-wide partial sums: vectorizes without -ffast-math); round_h
+      // a compile-time constant (as a run-time select it kept the loop scalar).
+      auto add_sumsq = [&](auto round) {
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t j = 0; j < H; ++j) {
+          float v = Conv<T>::load(xr[j]) + Conv<T>::load(rr[j]);
+          hr[j] = Conv<T>::store(v);  // no named temporary: omp simd would keep it in
+          if constexpr (!kF32) {      // memory per lane, and the loop scalar
+            if constexpr (decltype(round)::value) v = round_to<T>(v);
             s32[j] = v;
           }
-          acc[l] += v * v;
+          s += v * v;
         }
-      } else {
-        for (; j + L <= H; j += L)
-          for (int l = 0; l < L; ++l) { float v = f32(xr[j + l]); acc[l] += v * v; }
-        for (int l = 0; j < H; ++j, ++l) { float v = f32(xr[j]); acc[l] += v * v; }
-      }
+        return s;
+      };
       float s = 0.f;
-      for (int l = 0; l < L; ++l) s += acc[l];
+      if (rr) {
+        s = round_h ? add_sumsq(std::true_type{}) : add_sumsq(std::false_type{});
+      } else {
+#pragma omp simd reduction(+ : s)
+        for (int64_t j = 0; j < H; ++j) { const float v = Conv<T>::load(xr[j]); s += v * v; }
+      }
+      // Sweep 2: y = round_O(round_R(s * r) * w), from the f32 row (in cache).
       const float r = 1.0f / std::sqrt(s * inv_h + eps);
       if (rr && !kF32) {
         if (w) {
+#pragma omp simd
           for (int64_t k = 0; k < H; ++k)
-            orow[k] = static_cast<O>(f32(static_cast<R>(s32[k] * r)) * w[k]);
+            orow[k] = Conv<O>::store(round_to<R>(s32[k] * r) * w[k]);
         } else {
-          for (int64_t k = 0; k < H; ++k) orow[k] = static_cast<O>(s32[k] * r);
+#pragma omp simd
+          for (int64_t k = 0; k < H; ++k) orow[k] = Conv<O>::store(s32[k] * r);
         }
       } else {
-        const T* src = rr ? hr : xr;  // f32: h holds the exact sum
+        const TS* src = rr ? hr : xr;  // f32: h holds the exact sum
         if (w) {
+#pragma omp simd
           for (int64_t k = 0; k < H; ++k)
-            orow[k] = static_cast<O>(f32(static_cast<R>(f32(src[k]) * r)) * w[k]);
+            orow[k] = Conv<O>::store(round_to<R>(Conv<T>::load(src[k]) * r) * w[k]);
         } else {
-          for (int64_t k = 0; k < H; ++k) orow[k] = static_cast<O>(f32(src[k]) * r);
+#pragma omp simd
+          for (int64_t k = 0; k < H; ++k) orow[k] = Conv<O>::store(Conv<T>::load(src[k]) * r);
         }
       }
     }
@@ -126,9 +227,12 @@ static void call(const at::Tensor& x, const c10::optional<at::Tensor>& res, at::
                  at::Tensor& out, const c10::optional<at::Tensor>& w, double eps, bool round_h) {
   const bool in_place = x.data_ptr() == h.data_ptr() && x.stride(0) == h.stride(0);
   auto impl = in_place ? add_rmsnorm_impl<T, O, R, true> : add_rmsnorm_impl<T, O, R, false>;
-  impl(x.data_ptr<T>(), x.stride(0),
-       res ? res->data_ptr<T>() : nullptr, res ? res->stride(0) : 0,
-       h.data_ptr<T>(), h.stride(0), out.data_ptr<O>(), out.stride(0),
+  using TS = typename Conv<T>::S;
+  using OS = typename Conv<O>::S;
+  impl(reinterpret_cast<const TS*>(x.data_ptr<T>()), x.stride(0),
+       res ? reinterpret_cast<const TS*>(res->data_ptr<T>()) : nullptr,
+       res ? res->stride(0) : 0, reinterpret_cast<TS*>(h.data_ptr<T>()), h.stride(0),
+       reinterpret_cast<OS*>(out.data_ptr<O>()), out.stride(0),
        w ? w->data_ptr<float>() : nullptr, x.size(0), x.size(1), static_cast<float>(eps),
        round_h);
 }
@@ -170,7 +274,7 @@ static void weight_f32(const W* w, float* dst, int64_t H, double offset, bool in
   const float off = static_cast<float>(offset);
   for (int64_t k = 0; k < H; ++k) {
     const float v = f32(w[k]) + off;
-    dst[k] = in_w ? f32(static_cast<W>(v)) : v;
+    dst[k] = in_w ? round_to<W>(v) : v;
   }
 }
 
@@ -285,7 +389,7 @@ TORCH_LIBRARY_IMPL(commfold, CPU, m) {
 _lock = threading.Lock()
 _module = None
 _failed = False
-NAME = "commfold_add_rmsnorm_v16"
+NAME = "commfold_add_rmsnorm_v18"
 
 
 def module():
