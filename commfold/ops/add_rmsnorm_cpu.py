@@ -2,9 +2,10 @@
 torch.utils.cpp_extension under ~/.cache/torch_extensions, keyed by this source).
 
 Per row: s = x + residual in f32, h = round_D(s) is written out and the sum of squares
-of s (or of h, round_h) taken in the same sweep (16 f32 accumulators, vectorizable
-without -ffast-math); s stays in a row-sized f32 scratch, in cache for the second
-sweep y = round_O(round_R(s * rsqrt(mean + eps)) * w).
+of s (or of h, round_h) taken in the same sweep (an OpenMP simd reduction, so it
+vectorizes without -ffast-math; bf16 on its bits, fp16 with F16C); s stays in a
+row-sized f32 scratch, in cache for the second sweep
+y = round_O(round_R(s * rsqrt(mean + eps)) * w).
 Rounding follows the graph it replaces: R is the dtype the normalized value is cast
 to before the weight multiply (f32 when the graph multiplies in f32), O the output
 dtype. Rows run in parallel with at::parallel_for.
