@@ -49,10 +49,9 @@ static inline void cpu_relax() {}
 
 template <typename T> static inline float f32(T v) { return static_cast<float>(v); }
 
-// How the kernel loads and stores a dtype, as plain bits where c10's conversions
-// branch (bf16 on NaN; fp16 by software unless the compiler has _Float16): branch-free
-// the row loops vectorize. Same values: bf16 round-to-nearest-even and quiet NaN as
-// c10; fp16 the IEEE conversion.
+// How the kernel loads and stores a dtype. bf16 on its bits: c10's round-to-nearest-
+// even and quiet NaN, branch-free so the row loops vectorize (c10's conversion
+// branches on NaN). fp16: c10's scalar conversion, for rows without F16C (half_row).
 template <typename T> struct Conv {
   using S = T;
   static float load(S v) { return static_cast<float>(v); }
@@ -313,7 +312,8 @@ static at::Tensor allreduce_rmsnorm_cpu(
   // and the fusion must not lose to the unfused program): no ATen op that is not
   // needed for the common case (contiguous x, f32 weight without offset).
   // Inference only (no autograd formula): the ATen and collective calls below skip
-  // the autograd and view-tracking dispatch layers (~1 us per call at T=1).
+  // the autograd and view-tracking dispatch layers (with the 2-D x used as is: the
+  // op's CPU time per call at T=1 on one rank measured 53 -> 25 us).
   at::AutoDispatchBelowADInplaceOrView no_autograd;
   const int64_t H = x.size(-1);
   const int64_t N = x.numel() / H;
