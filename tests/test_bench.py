@@ -243,3 +243,21 @@ def test_only_keeps_the_other_figures(tmp_path):
     quick = keep_previous(run("new", True, ["decode"]), tmp_path)
     assert list(quick["figures"]) == ["decode"]
     assert keep_previous(run("new", False, ["decode"]), tmp_path / "none")["figures"].keys() == {"decode"}
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_paired_rounds_put_every_variant_in_every_position(n):
+    """Over 2n rounds each variant runs first, last and in between equally often."""
+    from commfold.testing.bench import paired_rounds
+
+    calls = []
+    variants = {k: (lambda k=k: calls.append(k)) for k in "abcd"[:n]}
+    paired_rounds(variants, (), rounds=2 * n, block_s=0.0, warmup=0)
+    seq = calls[1:]  # the first call sizes the block (one call per block here)
+    rounds = [seq[i:i + n] for i in range(0, len(seq), n)]
+    assert len(rounds) == max(2 * n, 5) and all(sorted(r) == sorted(variants) for r in rounds)
+    first = rounds[:2 * n]
+    for pos in range(n):
+        counts = {k: sum(r[pos] == k for r in first) for k in variants}
+        assert set(counts.values()) == {2}, (pos, counts)
+

@@ -43,8 +43,8 @@ def paired_rounds(variants: dict, args: tuple, rounds: int, block_s: float = 20e
     """{name: [seconds per call, one value per round]} for latency-bound collectives,
     where single calls on a shared CPU scatter by +-30%: each round times a block of
     back-to-back calls of every variant (about `block_s` long, the same count on every
-    rank), the order reversed every other round so no variant always runs first, and
-    a block's time is its slowest rank's (a collective ends when its last rank does).
+    rank), in round_order (every variant in every position equally often), and a
+    block's time is its slowest rank's (a collective ends when its last rank does).
     Compare variants round by round (paired_ratio): machine drift cancels."""
     for f in variants.values():
         for _ in range(warmup):
@@ -56,7 +56,7 @@ def paired_rounds(variants: dict, args: tuple, rounds: int, block_s: float = 20e
     block = max(1, min(max_block, int(block_s / max(block, 1e-9))))
     times = {k: [] for k in names}
     for i in range(max(rounds, MIN_ITERS)):
-        for k in (names if i % 2 == 0 else names[::-1]):
+        for k in round_order(names, i):
             f = variants[k]
             if dist.is_initialized():
                 dist.barrier()
@@ -65,6 +65,15 @@ def paired_rounds(variants: dict, args: tuple, rounds: int, block_s: float = 20e
                 f(*args)
             times[k].append(_all_ranks_max((time.perf_counter() - t0) / block))
     return times
+
+
+def round_order(names: list, i: int) -> list:
+    """Round i's order: the rotations of `names`, each forwards then backwards. Over
+    2 * len(names) rounds every variant runs in every position equally often (plain
+    reversal every other round left a middle variant never first or last)."""
+    n = len(names)
+    order = names[i % n:] + names[:i % n]
+    return order if (i // n) % 2 == 0 else order[::-1]
 
 
 def paired_ratio(times: dict, base: str, other: str) -> dict:
