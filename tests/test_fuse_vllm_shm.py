@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vllm_models import require_vllm
+from vllm_models import require_vllm, skip_without_shm
 
 require_vllm()
 
@@ -54,6 +54,7 @@ def shm_fusion_on_rank(v2: bool):
 
 @pytest.mark.parametrize("v2", [False, True], ids=["auto_functionalized", "v2"])
 def test_shm_allreduce_norm_fuses_and_matches(vllm_ranks, v2):
+    skip_without_shm()
     for rows in vllm_ranks.run(shm_fusion_on_rank, v2):
         for row in rows:
             if "rewrites" in row:

@@ -1,6 +1,7 @@
-"""The built wheel holds every module of the source tree: the tests run on an editable
-install, which imports from the tree and would not notice a package left out of
-pyproject's list (a plain `pip install .` would then fail at import)."""
+"""The built wheel holds every module of the source tree and every C++ kernel source:
+the tests run on an editable install, which imports from the tree and would not
+notice a package or a .cpp left out of pyproject (a plain `pip install .` would then
+fail at import, or fall back to the slow composite path)."""
 from __future__ import annotations
 
 import shutil
@@ -31,5 +32,7 @@ def test_wheel_holds_every_module(tmp_path):
     shipped = set(zipfile.ZipFile(wheel).namelist())
     expected = {f"{pkg}/{p.relative_to(ROOT / src).as_posix()}"
                 for src, pkg in SOURCE_DIRS.items()
-                for p in (ROOT / src).rglob("*.py") if "__pycache__" not in p.parts}
-    assert expected - shipped == set(), "add these packages to pyproject's list"
+                for ext in ("*.py", "*.cpp")
+                for p in (ROOT / src).rglob(ext) if "__pycache__" not in p.parts}
+    assert any(name.endswith(".cpp") for name in expected)
+    assert expected - shipped == set(), "add these to pyproject's packages / package-data"

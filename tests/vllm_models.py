@@ -37,7 +37,16 @@ from commfold.testing.tiny_models import SIZES, write_model  # noqa: F401  (re-e
 
 # --- a vLLM TP group inside rank-pool processes ----------------------------------
 
-from commfold.testing.vllm_tp import init_vllm_tp  # noqa: E402,F401  (re-exported)
+from commfold.testing.vllm_tp import init_vllm_tp, shm_supported  # noqa: E402,F401
+
+
+def skip_without_shm():
+    """Skip a test of vLLM's shared-memory communicator on a CPU whose vLLM kernel
+    build has none (vLLM's AVX2 build: vLLM itself runs TP over gloo there)."""
+    require_vllm()
+    if not shm_supported():
+        pytest.skip("vLLM's kernel build for this CPU (AVX2) has no shared-memory "
+                    "communicator; vLLM runs TP over gloo here")
 
 
 # --- one engine run in a fresh process -------------------------------------------

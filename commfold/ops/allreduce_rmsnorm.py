@@ -32,6 +32,8 @@ import torch
 
 from ..collectives import communicator
 from . import add_rmsnorm_cpu, flashinfer_norm
+from .norm_flags import (OFFSET_IN_WEIGHT_DTYPE, OUT_F32, ROUND_BEFORE_WEIGHT,  # noqa: F401
+                         ROUND_SUM, TWO_SHOT_SHIFT, pack_flags)
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -40,25 +42,6 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # all_gather is slower than all_reduce + local norm at every size. Two-shot is off
 # by default on gloo; "allreduce_rmsnorm_two_shot_min_bytes" in Config.extra sets it.
 TWO_SHOT_DEFAULT_MIN_BYTES = -1
-
-
-# The op's options travel packed in one int: a custom op call from Inductor's Python
-# wrapper costs about 0.45 us per argument (11 arguments measured 5.8 us, 7 about 3.9),
-# against a ~6 us shared-memory all-reduce at decode sizes.
-OFFSET_IN_WEIGHT_DTYPE = 1  # Gemma's 1 + w is computed (rounded) in the weight's dtype
-ROUND_BEFORE_WEIGHT = 2     # the normalized value is rounded to x's dtype before * w
-ROUND_SUM = 4               # normalize the stored (rounded) new residual, not the f32 sum
-OUT_F32 = 8                 # the normed output is f32 (else x's dtype)
-TWO_SHOT_SHIFT = 8          # flags >> 8: two-shot from this many bytes + 1 (0: never)
-
-
-def pack_flags(offset_in_weight_dtype: bool = False, round_before_weight: bool = False,
-               round_sum: bool = False, out_f32: bool = False,
-               two_shot_min_bytes: int = -1) -> int:
-    """The op's `flags` argument (two_shot_min_bytes < 0: one-shot only)."""
-    return (OFFSET_IN_WEIGHT_DTYPE * bool(offset_in_weight_dtype)
-            | ROUND_BEFORE_WEIGHT * bool(round_before_weight) | ROUND_SUM * bool(round_sum)
-            | OUT_F32 * bool(out_f32) | (max(two_shot_min_bytes, -1) + 1) << TWO_SHOT_SHIFT)
 
 
 def out_dtype_of(x: torch.Tensor, flags: int) -> torch.dtype:

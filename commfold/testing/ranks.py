@@ -1,24 +1,39 @@
 """Run Python functions on N gloo ranks (processes) on 127.0.0.1.
 
 A RankPool keeps its ranks alive between calls, so many test cases share one process
-group start-up; a call that fails on any rank, or does not finish within its timeout,
-raises RankError carrying each failing rank's traceback, and the pool is shut down
-(a rank stuck in a collective cannot be trusted again). ``run_on_ranks`` is the
-one-shot form.
+group start-up. A call that fails on any rank, whose rank process dies (a signal, an
+abort in C++, ``os._exit``), or that does not finish within its timeout raises
+RankError carrying each failing rank's traceback - or, for a dead rank, its exit code,
+signal and the tail of what it wrote to stderr - and the pool is shut down (a rank
+stuck in a collective cannot be trusted again). A dead rank fails the call within
+about a second, not after the timeout. ``run_on_ranks`` is the one-shot form.
+
+Each rank's stderr goes through a pipe to this process: it is copied to this
+process's ``sys.stderr`` as it arrives, and its last lines are kept for the error.
 """
 from __future__ import annotations
 
+import collections
 import os
 import queue
+import signal
 import socket
+import sys
+import threading
 import time
 import traceback
 
 import torch.multiprocessing as mp
 
+# After a rank died or failed, how long the others get to report (they may be stuck
+# in a collective with the dead rank, or fail fast with a connection error).
+_GRACE_S = 1.0
+_POLL_S = 0.1  # how often a waiting call checks that every rank is alive
+_TAIL_LINES = 30
+
 
 class RankError(RuntimeError):
-    """A function failed or hung on one or more ranks."""
+    """A function failed, hung or died on one or more ranks."""
 
 
 def free_port() -> int:
@@ -27,7 +42,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, tasks, results, threads):
+def _worker(rank, world_size, port, tasks, results, threads, stderr_pipe):
+    os.dup2(stderr_pipe.fileno(), 2)  # everything this rank writes to fd 2, C++ included
+    stderr_pipe.close()
+    import faulthandler
+
+    faulthandler.enable()  # a fatal signal prints the Python stack into that pipe
+
     import torch
     import torch.distributed as dist
 
@@ -52,6 +73,55 @@ def _worker(rank, world_size, port, tasks, results, threads):
     dist.destroy_process_group()
 
 
+class _StderrTail:
+    """Reads one rank's stderr pipe in a daemon thread: copies it to this process's
+    sys.stderr and keeps the last lines. EOF comes when the rank exits (or dies)."""
+
+    def __init__(self, conn):
+        self._conn = conn
+        self._lines: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
+        self._partial = ""
+        self._done = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        fd = self._conn.fileno()
+        try:
+            while chunk := os.read(fd, 65536):
+                text = chunk.decode(errors="replace")
+                try:
+                    sys.stderr.write(text)
+                    sys.stderr.flush()
+                except Exception:
+                    pass
+                *whole, self._partial = (self._partial + text).split("\n")
+                self._lines.extend(whole)
+        except OSError:
+            pass
+        finally:
+            if self._partial:
+                self._lines.append(self._partial)
+            self._conn.close()
+            self._done.set()
+
+    def tail(self, wait: float = 0.5) -> str:
+        """The last lines written (waits briefly for EOF: a dead rank's last words)."""
+        self._done.wait(wait)
+        return "\n".join(self._lines)
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """'SIGILL (exit code -4)' / 'exit code 3' / 'still running'."""
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        try:
+            return f"{signal.Signals(-exitcode).name} (exit code {exitcode})"
+        except ValueError:
+            return f"signal {-exitcode} (exit code {exitcode})"
+    return f"exit code {exitcode}"
+
+
 class RankPool:
     """`world_size` ranks in one gloo group; ``pool.run(fn, *args)`` runs fn(*args) on
     every rank (fn must be importable: a module-level function) and returns the ranks'
@@ -64,13 +134,16 @@ class RankPool:
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         threads = threads or max(1, (os.cpu_count() or 1) // world_size)
         port = free_port()
-        self._procs = [
-            ctx.Process(target=_worker, daemon=True,
-                        args=(r, world_size, port, self._tasks[r], self._results, threads))
-            for r in range(world_size)
-        ]
-        for p in self._procs:
+        self._procs, self._stderr = [], []
+        for r in range(world_size):
+            read_end, write_end = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_worker, daemon=True,
+                            args=(r, world_size, port, self._tasks[r], self._results,
+                                  threads, write_end))
             p.start()
+            write_end.close()  # the rank holds the only write end: EOF when it exits
+            self._procs.append(p)
+            self._stderr.append(_StderrTail(read_end))
         self._calls = 0
 
     @property
@@ -79,38 +152,48 @@ class RankPool:
 
     def run(self, fn, *args, timeout: float | None = None, **kwargs) -> list:
         if not self.alive:
-            raise RankError("rank pool is closed (an earlier call failed or hung)")
+            raise RankError("rank pool is closed (an earlier call failed, hung or lost a "
+                            "rank)")
         self._calls += 1
         call_id = self._calls
         for q in self._tasks:
             q.put((call_id, fn, args, kwargs))
-        deadline = time.monotonic() + (timeout or self.timeout)
+        limit = timeout or self.timeout
+        deadline = time.monotonic() + limit
         out, failures = {}, {}
         while len(out) + len(failures) < self.world_size:
-            left = deadline - time.monotonic()
-            if failures:  # the others may be stuck in a collective: give them a moment
-                left = min(left, 5.0)
-            try:
-                rank, cid, ok, value = self._results.get(timeout=max(left, 0.01))
-            except queue.Empty:
+            now = time.monotonic()
+            if now >= deadline:
                 break
-            if cid not in (call_id, -1):
-                continue
-            (out if ok else failures)[rank] = value
-            if not all(p.is_alive() for p in self._procs) and not failures and len(out) < self.world_size:
-                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
-                failures.update({r: f"rank {r} process died (exit code {self._procs[r].exitcode})"
-                                 for r in dead})
+            try:
+                rank, cid, ok, value = self._results.get(
+                    timeout=min(_POLL_S, deadline - now))
+            except queue.Empty:
+                pass
+            else:
+                if cid in (call_id, -1):
+                    (out if ok else failures)[rank] = value
+            for r, p in enumerate(self._procs):
+                if r not in out and r not in failures and p.exitcode is not None:
+                    failures[r] = self._death(r)
+            if failures:  # the others may be stuck in a collective: give them a moment
+                deadline = min(deadline, time.monotonic() + _GRACE_S)
         if failures or len(out) < self.world_size:
             missing = [r for r in range(self.world_size) if r not in out and r not in failures]
             self.close()
             parts = [f"--- rank {r} failed ---\n{tb}" for r, tb in sorted(failures.items())]
             if missing:
-                parts.append(f"--- rank(s) {missing} did not finish within "
-                             f"{timeout or self.timeout:.0f}s (hung in a collective?) ---")
+                reason = ("stopped waiting after another rank failed" if failures else
+                          f"did not finish within {limit:.0f}s (hung in a collective?)")
+                parts.append(f"--- rank(s) {missing} {reason} ---")
             raise RankError(f"{getattr(fn, '__name__', fn)} on {self.world_size} ranks:\n"
                             + "\n".join(parts))
         return [out[r] for r in range(self.world_size)]
+
+    def _death(self, rank: int) -> str:
+        tail = self._stderr[rank].tail()
+        msg = f"rank {rank} died: {describe_exit(self._procs[rank].exitcode)}"
+        return msg + (f"\nlast lines of its stderr:\n{tail}" if tail else "")
 
     def close(self) -> None:
         for q in self._tasks:

@@ -1,5 +1,11 @@
 """vLLM's own TP group inside rank-pool processes (tests and benchmarks), so graphs
-use vLLM's collectives: vLLM CPU's shared-memory communicator or its gloo fallback."""
+use vLLM's collectives: vLLM CPU's shared-memory communicator or its gloo fallback.
+
+vLLM's kernels are loaded the way vLLM loads them (``import_kernels()``): on x86 it
+picks among three builds by CPU flags, and ``import vllm._C`` on an AVX2-only CPU
+dies with SIGILL. Only the AVX-512 builds hold the shared-memory communicator's ops;
+on an AVX2-only CPU vLLM runs TP over torch.distributed (gloo), and so do these
+groups (``shm_supported()`` says which)."""
 from __future__ import annotations
 
 import os
@@ -7,16 +13,29 @@ import os
 _config_ctx = None
 
 
+def shm_supported() -> bool:
+    """Whether vLLM's kernel build for this CPU has the shared-memory collectives."""
+    import torch
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()
+    return hasattr(torch.ops._C, "init_shm_manager")
+
+
 def init_vllm_tp(world_size: int, shm: bool = True):
     """In a rank-pool process (default gloo group already up): vLLM's world and TP
     groups. shm=True gives vLLM CPU's default shared-memory communicator (all ranks
-    share one VLLM_DIST_IDENT); shm=False makes the idents differ, so vLLM falls back
-    to torch.distributed (gloo). Re-initializes if called again."""
+    share one VLLM_DIST_IDENT; RuntimeError where this CPU's vLLM build has none);
+    shm=False makes the idents differ, so vLLM falls back to torch.distributed
+    (gloo). Re-initializes if called again."""
     import torch.distributed as dist
-    import vllm._C  # noqa: F401  (registers the shm ops the CPU communicator checks for)
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state as ps
 
+    if not shm_supported() and shm:  # loads vLLM's kernels either way
+        raise RuntimeError(
+            "vLLM's kernel build for this CPU has no shared-memory communicator (only its "
+            "AVX-512 builds do): vLLM runs TP over gloo here; use shm=False")
     global _config_ctx
     rank = dist.get_rank()
     ident = f"commfold-test-{os.environ['MASTER_PORT']}"

@@ -1,0 +1,86 @@
+"""Build and load commfold's C++ kernels (torch.utils.cpp_extension), safely on any CPU.
+
+Kernels are compiled with ``-march=native`` on the machine that runs them, so the
+compiler uses whatever vector units that CPU has (AVX-512, AVX2 + F16C, NEON) and
+guards the rest with ``#if defined(__AVX512F__)``-style checks. Built modules are
+cached on disk (``~/.cache/torch_extensions``, or ``TORCH_EXTENSIONS_DIR``), which
+may be shared between machines - a home directory on NFS, a CI cache. So the build's
+name carries a key of everything the binary depends on: the source's hash, the
+compiler flags and the CPU's instruction-set features. A machine with another CPU
+builds its own copy instead of loading one that would die with SIGILL.
+
+``COMMFOLD_PORTABLE_KERNELS=1`` builds for the compiler's default target instead
+(no ``-march=native``): slower, loads on any CPU of the architecture.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+from functools import lru_cache
+from pathlib import Path
+
+log = logging.getLogger("commfold")
+
+_lock = threading.Lock()
+_loaded: dict[str, object] = {}
+_failed: dict[str, str] = {}
+
+
+@lru_cache(maxsize=1)
+def cpu_features() -> str:
+    """The CPU's instruction-set features, as the kernel cares about them: the
+    architecture plus /proc/cpuinfo's x86 ``flags`` / aarch64 ``Features`` line
+    (sorted), or '' where they cannot be read (then builds are portable)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return platform.machine() + ":" + " ".join(sorted(value.split()))
+    return ""
+
+
+def arch_flags() -> list[str]:
+    """-march=native where the build is keyed on this CPU, else nothing (portable)."""
+    if os.environ.get("COMMFOLD_PORTABLE_KERNELS") == "1" or not cpu_features():
+        return []
+    return ["-march=native"]
+
+
+def build_key(source: bytes, flags: list[str], features: str) -> str:
+    """What a built binary depends on, hashed: source, flags, and - only for a
+    native build - the CPU features it was built for."""
+    h = hashlib.sha256(source)
+    h.update("\0".join(flags).encode())
+    if "-march=native" in flags:
+        h.update(features.encode())
+    return h.hexdigest()[:16]
+
+
+def load(name: str, source: Path, defines: dict[str, int] | None = None):
+    """The extension built from `source` (one .cpp), or None when it cannot be built
+    here (no compiler, a build error: logged once, the caller's fallback runs)."""
+    if name in _loaded or name in _failed:
+        return _loaded.get(name)
+    with _lock:
+        if name in _loaded or name in _failed:
+            return _loaded.get(name)
+        try:
+            from torch.utils.cpp_extension import load as cpp_load
+
+            flags = ["-O3", "-fopenmp"] + arch_flags() + [
+                f"-D{k}={v}" for k, v in sorted((defines or {}).items())]
+            key = build_key(source.read_bytes(), flags, cpu_features())
+            _loaded[name] = cpp_load(f"{name}_{key}", sources=[str(source)],
+                                     extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                                     verbose=False)
+        except Exception as e:  # no compiler: the composite path still works
+            _failed[name] = f"{type(e).__name__}: {e}"
+            log.warning("commfold: C++ kernel %s unavailable (%s); using the composite "
+                        "path", name, _failed[name])
+    return _loaded.get(name)
