@@ -122,6 +122,7 @@ class StepLog(CommLog):
     rank: int = 0
     step: int = 0
     info: dict = field(default_factory=dict)
+    pid: int | None = None  # the worker process (engine runs in one directory)
 
 
 def read_step_logs(directory: str | Path) -> dict[int, list[StepLog]]:
@@ -134,6 +135,7 @@ def read_step_logs(directory: str | Path) -> dict[int, list[StepLog]]:
                 continue
             d = json.loads(line)
             events = [CommEvent.from_json(x) for x in d.pop("events")]
-            rank, step = d.pop("rank"), d.pop("step")
-            out.setdefault(rank, []).append(StepLog(events, rank=rank, step=step, info=d))
+            rank, step, pid = d.pop("rank"), d.pop("step"), d.pop("pid", None)
+            out.setdefault(rank, []).append(StepLog(events, rank=rank, step=step, info=d,
+                                                    pid=pid))
     return out
