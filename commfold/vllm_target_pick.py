@@ -38,11 +38,13 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
 
 from . import vllm_comm_log
+from .ops import topk_candidates
 
 log = logging.getLogger("commfold")
 
@@ -207,6 +209,8 @@ class _Picker:
         if why is not None:
             log.info("commfold: target pick off for this model: %s", why)
             return None
+        # logprobs steps use a C++ scan: build (or load) it now, off the step's path
+        threading.Thread(target=topk_candidates.module, daemon=True).start()
         return _Picker(runner, model, processors[0], _comm_spec(tp), vocab, shard)
 
     # compute_logits: the shard when the step qualifies
@@ -263,18 +267,19 @@ class _Picker:
 
     # the step's pick
     def sample(self, pending: _Pending, spec_metadata):
+        """vLLM's SamplerOutput for the step, picked from this rank's shard."""
         from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 
         from .ops.local_argmax import local_argmax
 
-        md = self.runner.input_batch.sampling_metadata
-        if pending.mode == "verify":
+        if spec_metadata is not None:  # greedy verification (logprobs never get here)
             return self._verify(pending.shard, spec_metadata)
-        if pending.mode == "greedy":
+        if pending.mode != "logprobs":
             tokens = local_argmax(pending.shard, self.vocab, self.comm)[1]
             return SamplerOutput(sampled_token_ids=tokens.to(torch.int32).unsqueeze(-1),
                                  logprobs_tensors=None)
-        tokens, ids, lps, ranks = self.logprobs(pending.shard, md.max_num_logprobs)
+        k = self.runner.input_batch.sampling_metadata.max_num_logprobs
+        tokens, ids, lps, ranks = self.logprobs(pending.shard, k)
         return SamplerOutput(sampled_token_ids=tokens.to(torch.int32).unsqueeze(-1),
                              logprobs_tensors=LogprobsTensors(ids.to(torch.int32), lps, ranks))
 
@@ -420,6 +425,8 @@ def _sample(original):
         if pending is None or logits is not pending.shard:
             return original(self, logits, spec_decode_metadata)
         picker.pending = None
+        if pending.mode == "logprobs" and spec_decode_metadata is not None:  # not expected
+            return original(self, picker.gather(logits), spec_decode_metadata)
         # what vLLM's _sample does before sampling (async scheduling bookkeeping)
         self.input_batch.update_async_output_token_ids()
         if spec_decode_metadata is not None and self.use_async_scheduling \
