@@ -38,7 +38,6 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -209,8 +208,10 @@ class _Picker:
         if why is not None:
             log.info("commfold: target pick off for this model: %s", why)
             return None
-        # logprobs steps use a C++ scan: build (or load) it now, off the step's path
-        threading.Thread(target=topk_candidates.module, daemon=True).start()
+        # logprobs steps use a C++ scan: load it now (built once per machine, ~30 s;
+        # not in a background thread: one killed inside torch's build lock leaves the
+        # lock behind, and every later load waits on it)
+        topk_candidates.module()
         return _Picker(runner, model, processors[0], _comm_spec(tp), vocab, shard)
 
     # compute_logits: the shard when the step qualifies
