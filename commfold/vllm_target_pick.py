@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from . import vllm_comm_log
-from .ops import topk_candidates
+from .ops import logprob_scan
 
 log = logging.getLogger("commfold")
 
@@ -211,7 +211,7 @@ class _Picker:
         # logprobs steps use a C++ scan: load it now (built once per machine, ~30 s;
         # not in a background thread: one killed inside torch's build lock leaves the
         # lock behind, and every later load waits on it)
-        topk_candidates.module()
+        logprob_scan.module()
         return _Picker(runner, model, processors[0], _comm_spec(tp), vocab, shard)
 
     # compute_logits: the shard when the step qualifies

@@ -58,7 +58,7 @@ def _run_cases(shm: bool, cases: list[dict]):
     from vllm.platforms import current_platform
 
     current_platform.register_triton_kernel_overrides()  # as vLLM's CPU worker does
-    tp = init_vllm_tp(2, shm=shm)
+    tp = init_vllm_tp(2, shm=shm, reuse=True)
     out = []
     for case in cases:
         dtype = getattr(torch, case["dtype"])
@@ -117,12 +117,10 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("shm", [True, False], ids=["shm", "gloo"])
-def test_pick_equals_vllms_sampler(vllm_ranks, shm):
-    if shm and not shm_supported():
-        pytest.skip("vLLM's kernel build for this CPU (AVX2) has no shared-memory communicator")
-    cases = CASES if shm or not shm_supported() else CASES[3:5] + CASES[9:10]
-    _check(vllm_ranks.run(_run_cases, shm, cases))
+def test_pick_equals_vllms_sampler(vllm_ranks):
+    """vLLM's default CPU communicator (shared memory; gloo where the CPU's vLLM
+    build has none). The gloo fallback: test_pick_equals_vllms_sampler_gloo."""
+    _check(vllm_ranks.run(_run_cases, shm_supported(), CASES))
 
 
 @settings(max_examples=12, deadline=None, derandomize=True,
@@ -281,7 +279,7 @@ def _seen(shm: bool, log_dir: str):
     from commfold.testing import record_collectives
     from commfold.testing.vllm_tp import shm_handle
 
-    tp = init_vllm_tp(2, shm=shm)
+    tp = init_vllm_tp(2, shm=shm, reuse=True)
     comm = f"vllm_shm:{shm_handle(tp)}" if shm else f"vllm:{tp.unique_name}"
     x = torch.randn(4, 10)
     with record_collectives() as log:
@@ -318,9 +316,19 @@ def _seen(shm: bool, log_dir: str):
 def test_collectives_seen_once_with_phases(vllm_ranks, shm, tmp_path):
     if shm and not shm_supported():
         pytest.skip("vLLM's kernel build for this CPU (AVX2) has no shared-memory communicator")
+    _check_collectives_seen(vllm_ranks.run(_seen, shm, str(tmp_path)), shm, tmp_path)
+
+
+def test_pick_equals_vllms_sampler_gloo(vllm_ranks):
+    """vLLM's torch.distributed fallback (last: the groups are made once per kind)."""
+    if not shm_supported():
+        pytest.skip("test_pick_equals_vllms_sampler ran on gloo already (no shm here)")
+    _check(vllm_ranks.run(_run_cases, False, CASES[3:5] + CASES[9:10]))
+
+
+def _check_collectives_seen(results, shm, tmp_path):
     from commfold.testing.comm_log import read_step_logs
 
-    results = vllm_ranks.run(_seen, shm, str(tmp_path))
     # shm sends non-float data bit-cast as float32: an int64 pair is 4 float32
     pair = ((4, 4), "float") if shm else ((4, 2), "long int")
     for res in results:

@@ -6,9 +6,9 @@ vLLM (``Sampler.gather_logprobs`` over ``log_softmax(logits, dtype=float32)``) t
 number of logprobs >= that one. Here each rank keeps its shard and the ranks
 exchange, in two all-gathers of a few float64 per row:
 
-1. per rank: its max m and first argmax, s = sum(exp(x - m)) (float64), x at the
-   target token if it owns it, and how many top-k candidates it has
-   (commfold.ops.topk_candidates). Every rank then knows M, S, L = log S (as
+1. per rank: its max m and first argmax, its row's log-sum-exp (float32, as vLLM's
+   sum is), x at the target token if it owns it, and how many top-k candidates it has
+   (commfold.ops.logprob_scan). Every rank then knows M, S, L = log S (as
    float32), the token (the target, or the first maximum: torch.argmax's rule, NaN
    included) and its logprob lp_t = (x_t - M) - L, computed in float32 as torch's
    CPU log_softmax computes it.
@@ -18,9 +18,9 @@ exchange, in two all-gathers of a few float64 per row:
    order among equal logprobs as torch.topk over the full row (torch.topk's CPU
    order among ties is its heap's, neither index order nor stable).
 
-Logprob values differ from vLLM's only by L: vLLM's float32 sum over the row rounds
-differently from this float64 one (up to ~8 float32 ulps of the logprob at V=151936;
-the float64 sum is the closer to the exact value). Rows whose maximum is not finite
+Logprob values differ from vLLM's only by L: vLLM's float32 sum over the whole row
+rounds differently from the ranks' float32 sums combined in float64 (a few float32
+ulps of the logprob at V=151936). Rows whose maximum is not finite
 (NaN, +-inf: vLLM's log_softmax gives NaN rows there) are gathered whole and handed
 to ``fallback`` - vLLM's own code - so they come out exactly as vLLM's; all ranks see
 the same maxima, so all gather the same rows.
@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 
 from ..collectives import communicator
-from .topk_candidates import candidates, heap_topk
+from .logprob_scan import candidates, count_logprob_ge, heap_topk
 
 Fallback = Callable[[torch.Tensor, torch.Tensor, int],
                     tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -55,37 +55,35 @@ def local_logprobs(shard: torch.Tensor, valid_vocab: int, comm: str, k: int,
     n_local = max(0, min(vs, valid_vocab - rank * vs))
     if rank == 0 and n_local < k:  # the row's first k entries are rank 0's
         raise ValueError(f"commfold.local_logprobs: rank 0 holds {n_local} < k = {k} columns")
-    x = shard[:, :n_local].float()
+    x = shard[:, :n_local]
     first = rank * vs
 
-    # round 1: (m, s, first argmax, x at the target, candidate count) per row
+    # round 1: (m, log-sum-exp, first argmax, x at the target, candidate count)
     if n_local:
-        m = x.amax(-1)
-        arg = x.argmax(-1) + first
-        shift = torch.where(m.isfinite(), m, torch.zeros_like(m))
-        s = torch.exp(x.double() - shift.double()[:, None]).sum(-1)
+        m, arg = x.max(-1)  # first max / first NaN, as torch.argmax
+        m, arg = m.float(), arg + first
+        lse = torch.logsumexp(x.float(), -1)  # float32, as vLLM sums its row
     else:  # only padding here: never the maximum
         m = torch.full((rows,), -math.inf)
         arg = torch.zeros(rows, dtype=torch.long)
-        s = torch.zeros(rows, dtype=torch.float64)
+        lse = torch.full((rows,), -math.inf)
     xt = torch.zeros(rows, dtype=torch.float64)
-    if targets is not None:
+    if targets is not None and n_local:
         local_t = targets - first
         mine = (local_t >= 0) & (local_t < n_local)
-        if n_local:
-            xt = torch.where(mine, x.gather(1, local_t.clamp(0, n_local - 1)[:, None])[:, 0]
-                             .double(), xt)
+        got_t = x.gather(1, local_t.clamp(0, n_local - 1)[:, None])[:, 0].double()
+        xt = torch.where(mine, got_t, xt)
     idx, count = candidates(shard, n_local, k) if k else (
         torch.empty(rows, 0, dtype=torch.long), torch.zeros(rows, dtype=torch.long))
-    one = torch.stack([m.double(), s, arg.double(), xt, count.double()], -1)
+    one = torch.stack([m.double(), lse.double(), arg.double(), xt, count.double()], -1)
     every = c.all_gather(one).view(world, rows, 5)
 
     ms = every[..., 0]
     big_m = ms.amax(0)
     winner = ms.argmax(0, keepdim=True)  # first max / first NaN over ranks
     tokens = every[..., 2].gather(0, winner)[0].long() if targets is None else targets.long()
-    part = torch.where(every[..., 1] == 0, torch.zeros_like(ms),
-                       every[..., 1] * torch.exp(torch.where(ms.isfinite(), ms, 0) - big_m))
+    lses = every[..., 1]  # -inf: a rank holding nothing (or only -inf)
+    part = torch.where(lses == -math.inf, torch.zeros_like(lses), torch.exp(lses - big_m))
     log_s = part.sum(0).log().float()
     big_m32 = big_m.float()
     if targets is None:
@@ -99,14 +97,11 @@ def local_logprobs(shard: torch.Tensor, valid_vocab: int, comm: str, k: int,
     # round 2: this rank's part of the rank count, its candidates as int64
     # (float32 value bits << 32 | global index)
     width = int(every[..., 4].max())
-    if n_local:
-        ge = (((x - big_m32[:, None]) - log_s[:, None]) >= lp_t[:, None]).sum(-1)
-    else:
-        ge = torch.zeros(rows, dtype=torch.long)
+    ge = count_logprob_ge(shard, n_local, big_m32, log_s, lp_t)
     two = torch.full((rows, 1 + width), int(_pack(-math.inf, 0)), dtype=torch.long)
     two[:, 0] = ge
     if idx.shape[1]:  # this rank's candidates, in the first columns of the width
-        vals = torch.where(idx >= 0, x.gather(1, idx.clamp(min=0)), -math.inf)
+        vals = torch.where(idx >= 0, x.gather(1, idx.clamp(min=0)).float(), -math.inf)
         two[:, 1:1 + idx.shape[1]] = _pack(vals, idx.clamp(min=0) + first)
     got = c.all_gather(two).view(world, rows, 1 + width)
     ranks = got[..., 0].sum(0)

@@ -1,7 +1,8 @@
-// The entries of each row that a heap-based top-k (std::partial_sort: torch.topk on
-// CPU) could ever take into its heap: the first k, then every x[j] strictly larger
-// than the k-th largest of x[0..j). Built and loaded by topk_candidates.py (see its
-// docstring for why this reproduces torch.topk's order among ties).
+// Row scans for vLLM's logprobs over a vocab shard (loaded by logprob_scan.py, which
+// says why): the entries a heap-based top-k (std::partial_sort: torch.topk on CPU)
+// could ever take into its heap - the first k, then every x[j] strictly larger than
+// the k-th largest of x[0..j) -, and how many entries have a float32 logprob
+// (x - M) - L at least t.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -66,6 +67,49 @@ std::vector<at::Tensor> topk_candidates(const at::Tensor& x, int64_t n, int64_t 
   return {idx, counts};
 }
 
+template <typename T>
+static void count_rows(const at::Tensor& x, int64_t n, const float* M, const float* L,
+                       const float* t, int64_t* out) {
+  const int64_t rows = x.size(0), stride = x.stride(0), col = x.stride(1);
+  const T* base = x.data_ptr<T>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = base + r * stride;
+      const float m = M[r], l = L[r], lim = t[r];
+      int64_t count = 0;
+      // float arithmetic, rounded at each step as torch's float32 ops round: no
+      // -ffast-math, and no multiply for the compiler to contract into an FMA
+      for (int64_t j = 0; j < n; ++j) {
+        const float d = static_cast<float>(row[j * col]) - m;
+        const float lp = d - l;
+        count += lp >= lim;
+      }
+      out[r] = count;
+    }
+  });
+}
+
+// x [rows, >= n]; M, L, t [rows] float32: per row, how many of x[:, :n] have
+// (x - M) - L >= t in float32 (vLLM's rank of a token whose logprob is t).
+at::Tensor count_logprob_ge(const at::Tensor& x, int64_t n, const at::Tensor& M,
+                            const at::Tensor& L, const at::Tensor& t) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && 0 <= n && n <= x.size(1),
+              "count_logprob_ge: a 2-D CPU tensor and 0 <= n <= its width");
+  for (const auto* v : {&M, &L, &t})
+    TORCH_CHECK(v->scalar_type() == at::kFloat && v->is_contiguous() && v->numel() == x.size(0),
+                "count_logprob_ge: M, L, t float32 [rows]");
+  at::Tensor out = at::empty({x.size(0)}, at::kLong);
+  const float *pm = M.data_ptr<float>(), *pl = L.data_ptr<float>(), *pt = t.data_ptr<float>();
+  switch (x.scalar_type()) {
+    case at::kFloat: count_rows<float>(x, n, pm, pl, pt, out.data_ptr<int64_t>()); break;
+    case at::kBFloat16: count_rows<c10::BFloat16>(x, n, pm, pl, pt, out.data_ptr<int64_t>()); break;
+    case at::kHalf: count_rows<c10::Half>(x, n, pm, pl, pt, out.data_ptr<int64_t>()); break;
+    default: TORCH_CHECK(false, "count_logprob_ge: float32, bfloat16 or float16 only");
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("topk_candidates", &topk_candidates, "heap top-k candidates of each row");
+  m.def("count_logprob_ge", &count_logprob_ge, "entries whose float32 logprob is >= t");
 }

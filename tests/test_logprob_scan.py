@@ -1,5 +1,5 @@
 """torch.topk's exact result (its CPU heap order among ties included) from each shard's
-heap candidates (commfold.ops.topk_candidates), the C++ scan and the torch-ops
+heap candidates (commfold.ops.logprob_scan), the C++ scan and the torch-ops
 fallback alike; the C++ scan finds exactly the entries a running top-k takes in."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from commfold.ops import topk_candidates as tc
+from commfold.ops import logprob_scan as tc
 
 
 def _running(row: list[float], k: int) -> list[int]:

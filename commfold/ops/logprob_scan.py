@@ -1,5 +1,8 @@
-"""torch.topk's exact result - its order among equal values included - from a few
-entries per row instead of the whole row.
+"""Row scans over a vocab shard for vLLM's logprobs (commfold.ops.local_logprobs):
+torch.topk's exact result from a few candidates per row, and the rank count.
+
+torch.topk's exact result - its order among equal values included - from a few
+entries per row instead of the whole row:
 
 On CPU, torch.topk(x, k) with k * 64 <= n runs std::partial_sort: a heap of the
 first k entries, then each later entry enters (evicting the heap's smallest) only if
@@ -18,8 +21,10 @@ values that are a monotone (non-decreasing) function of the row's values, e.g. t
 logits of a row whose log_softmax is ranked (x_j > t implies f(x_j) >= f(t): still a
 superset).
 
-``candidates`` runs a C++ scan (topk_candidates.cpp, one pass per row); where no
+``candidates`` runs a C++ scan (logprob_scan.cpp, one pass per row); where no
 compiler is available it returns a larger superset computed with torch ops.
+``count_logprob_ge`` counts a row's entries whose float32 logprob (x - M) - L is at
+least t - vLLM's rank of a token (C++, one pass; torch ops without a compiler).
 """
 from __future__ import annotations
 
@@ -30,12 +35,12 @@ import torch
 
 from . import cpp_build
 
-SOURCE = Path(__file__).with_name("topk_candidates.cpp")
+SOURCE = Path(__file__).with_name("logprob_scan.cpp")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def module():
-    return cpp_build.load("commfold_topk_candidates", SOURCE)
+    return cpp_build.load("commfold_logprob_scan", SOURCE)
 
 
 def candidates(x: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,3 +81,14 @@ def heap_topk(proxy: torch.Tensor, k: int):
     if width < 64 * k:  # keep torch.topk on its partial_sort path, as on the full row
         proxy = torch.nn.functional.pad(proxy, (0, 64 * k - width), value=-math.inf)
     return torch.topk(proxy, k, dim=-1)
+
+
+def count_logprob_ge(x: torch.Tensor, n: int, big_m: torch.Tensor, log_s: torch.Tensor,
+                     t: torch.Tensor) -> torch.Tensor:
+    """Per row, how many of x[:, :n] have (x - M) - L >= t, in float32 as torch's
+    CPU log_softmax computes (x - M) - L. M, L, t: float32 [rows]."""
+    m = module() if x.dtype in _DTYPES else None
+    if m is not None:
+        return m.count_logprob_ge(x, n, big_m.contiguous(), log_s.contiguous(), t.contiguous())
+    x = x[:, :n].float()
+    return (((x - big_m[:, None]) - log_s[:, None]) >= t[:, None]).sum(-1)
