@@ -285,8 +285,9 @@ def _seen(shm: bool, log_dir: str):
     with record_collectives() as log:
         tp.all_gather(x, dim=-1)
         tp.all_reduce(x.clone())
-        tp.gather(x.to(torch.bfloat16), dst=0, dim=-1)
         local_argmax(x, 19, comm)  # one gather of a (value, index) int64 pair per row
+        tp.gather(x.to(torch.bfloat16), dst=0, dim=-1)
+    torch.distributed.barrier()  # vLLM's shm gather does not wait on senders (vllm_tp)
     events = [(e.name, e.shapes, e.dtype, e.bytes) for e in log.events]
 
     # the step recorder, driven as the runner wrappers drive it
@@ -334,8 +335,8 @@ def _check_collectives_seen(results, shm, tmp_path):
     for res in results:
         assert res["events"] == [("all_gather", ((4, 10),), "float", 160),
                                  ("all_reduce", ((4, 10),), "float", 160),
-                                 ("gather", ((4, 10),), "c10::BFloat16", 80),
-                                 ("all_gather", (pair[0],), pair[1], 64)], res
+                                 ("all_gather", (pair[0],), pair[1], 64),
+                                 ("gather", ((4, 10),), "c10::BFloat16", 80)], res
 
     logs = read_step_logs(tmp_path)
     assert sorted(logs) == [0, 1]

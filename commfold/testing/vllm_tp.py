@@ -28,9 +28,12 @@ def init_vllm_tp(world_size: int, shm: bool = True, reuse: bool = False):
     share one VLLM_DIST_IDENT; RuntimeError where this CPU's vLLM build has none);
     shm=False makes the idents differ, so vLLM falls back to torch.distributed
     (gloo). Re-initializes if called again, unless reuse=True and the current group
-    already has the asked communicator: vLLM's shared-memory communicator, created
-    again and again in one process (vLLM never does that), was seen to fall out of
-    step between ranks (one rank through an all-reduce the other still waits in)."""
+    already has the asked communicator (tests that call this per example).
+
+    vLLM's shared-memory gather (``tp.gather``, which vLLM CPU itself never uses for
+    TP: its logits go through all-gather) returns at once on the ranks that send: a
+    collective right after it can run two steps ahead of a slow peer, which then
+    waits forever in the collective before. Put a barrier after such a gather."""
     import torch.distributed as dist
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state as ps
