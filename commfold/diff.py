@@ -381,10 +381,10 @@ def _fmt_comm(c: dict) -> str:
     return str(Comm(c["bytes"], c["calls"]))
 
 
-def _fmt_bytes(n) -> str:
-    from commfold.report import _fmt_bytes as f
+def format_bytes(n) -> str:
+    from commfold.report import format_bytes
 
-    return f(n)
+    return format_bytes(n)
 
 
 def summary(graphs_per_rank: list[list[dict]], out_dir: Path) -> str:
@@ -397,7 +397,7 @@ def summary(graphs_per_rank: list[list[dict]], out_dir: Path) -> str:
         for r in g["rewrites"]:
             rows.append((str(g["graph"]), r["pass_name"], r["pattern"], r["location"],
                          f"{_fmt_comm(r['comm_before'])} -> {_fmt_comm(r['comm_after'])}",
-                         _fmt_bytes(r["extra_memory_bytes"])))
+                         format_bytes(r["extra_memory_bytes"])))
         misses += [(g["graph"], m) for m in g["near_misses"]]
         errors += [(g["graph"], e) for e in g["errors"]]
     n_rewrites = len(rows) - 1

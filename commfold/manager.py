@@ -15,7 +15,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .config import Config
 from .context import PassContext
-from .graph import Checkpoint, restore, snapshot
+from .checkpoint import Checkpoint, restore, snapshot
 from .report import PassError, Report, publish
 
 log = logging.getLogger("commfold")

@@ -37,7 +37,8 @@ import torch.fx as fx
 from torch._inductor.pattern_matcher import stable_topological_sort
 
 from commfold.context import PassContext
-from commfold.graph import erase_if_dead, insert_call, nbytes, numel, replay, tensor_val
+from commfold.graph import nbytes, numel, tensor_val
+from commfold.graph_edit import erase_if_dead, insert_call, replay
 from commfold.patterns.common import aten, is_call, prims
 from commfold.patterns.gather import gather_candidates, match_vocab_gather
 from commfold.patterns.greedy import GreedyPick
