@@ -1,12 +1,17 @@
-"""Node accessors: what an FX node holds (fake values, sizes)."""
+"""Node accessors: what an FX node holds and how it is called. The one home of these
+helpers for patterns/ and passes/ alike; they know no op vocabulary (that is
+patterns/common.py's)."""
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx as fx
 
 
 def val(node) -> object:
-    """The fake value recorded on a node (a FakeTensor, SymInt, tuple...) or None."""
+    """The fake value recorded on a node (a FakeTensor, SymInt, tuple...) or None; a
+    non-node is its own value."""
     return node.meta.get("val") if isinstance(node, fx.Node) else node
 
 
@@ -15,18 +20,37 @@ def tensor_val(node) -> torch.Tensor | None:
     return v if isinstance(v, torch.Tensor) else None
 
 
-def numel(t: torch.Tensor) -> int | str:
-    """Static element count, or the symbolic expression as text."""
-    n = 1
-    for s in t.shape:
-        n = n * s
-    static = static_int(n)  # never int() a SymInt: that guards, specializing a dynamic size
-    return static if static is not None else str(n)
+def dtype_of(node) -> torch.dtype | None:
+    """The dtype of a node holding a tensor, else None."""
+    v = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return v.dtype if isinstance(v, torch.Tensor) else None
 
 
-def nbytes(t: torch.Tensor) -> int | str:
-    n = numel(t)
-    return n * t.element_size() if isinstance(n, int) else f"{n}*{t.element_size()}"
+def ndim(node) -> int | None:
+    v = tensor_val(node)
+    return v.dim() if v is not None else None
+
+
+def shape_of(x) -> list | None:
+    """A node's tensor shape, or x itself as a list (a shape given directly)."""
+    if isinstance(x, fx.Node):
+        v = x.meta.get("val")
+        return list(v.shape) if isinstance(v, torch.Tensor) else None
+    return list(x)
+
+
+def same_shape(a, b) -> bool:
+    """Shapes (of nodes' fake values, or lists) provably equal, symbolic sizes included."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    sa, sb = shape_of(a), shape_of(b)
+    if sa is None or sb is None or len(sa) != len(sb):
+        return False
+    return all(statically_known_true(x == y) for x, y in zip(sa, sb))
+
+
+def norm_dim(dim: int, rank: int) -> int:
+    return dim + rank if dim < 0 else dim
 
 
 def static_int(x) -> int | None:
@@ -46,3 +70,63 @@ def static_int(x) -> int | None:
         except Exception:
             return None
     return None
+
+
+def is_number(x) -> bool:
+    """A Python int or float (a bool is not a number here)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def numel(t: torch.Tensor) -> int | str:
+    """Static element count, or the symbolic expression as text."""
+    n = 1
+    for s in t.shape:
+        n = n * s
+    static = static_int(n)  # never int() a SymInt: that guards, specializing a dynamic size
+    return static if static is not None else str(n)
+
+
+def numel_times(t: torch.Tensor, factor: int) -> int | str:
+    """numel(t) * factor (e.g. the bytes of `factor`-byte items per element), as text
+    when the count is symbolic."""
+    n = numel(t)
+    return n * factor if isinstance(n, int) else f"{n}*{factor}"
+
+
+def nbytes(t: torch.Tensor) -> int | str:
+    return numel_times(t, t.element_size())
+
+
+def is_call(node, *targets) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def is_getitem(node, index=None) -> bool:
+    return (is_call(node, operator.getitem)
+            and (index is None or node.args[1] == index))
+
+
+def only_user(node: fx.Node) -> fx.Node | None:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+_ARGS: dict = {}  # (op, argument name) -> (position or None if keyword-only, default)
+
+
+def arg(node: fx.Node, name: str):
+    """The argument `name` of an op call, passed by position or keyword, else the
+    op schema's default (None when it has none): keepdim, dim, slice bounds, ...
+    read the same way everywhere, with the op's own defaults."""
+    key = (node.target, name)
+    spec = _ARGS.get(key)
+    if spec is None:
+        schema = node.target._schema
+        found = [(None if a.kwarg_only else i, a.default_value if a.has_default_value()
+                  else None) for i, a in enumerate(schema.arguments) if a.name == name]
+        if not found:
+            raise KeyError(f"{node.target} has no argument {name!r}")
+        spec = _ARGS[key] = found[0]
+    pos, default = spec
+    if pos is not None and pos < len(node.args):
+        return node.args[pos]
+    return node.kwargs.get(name, default)
