@@ -30,12 +30,12 @@ def _registry() -> dict:
 @lru_cache(maxsize=1)
 def code_hash() -> str:
     """Hash of every source file of the installed package (core, passes, patterns)."""
-    import commfold
     import commfold.passes
     import commfold.patterns
 
     h = hashlib.sha256()
-    roots = {Path(m.__file__).parent for m in (commfold, commfold.passes, commfold.patterns)}
+    roots = {Path(__file__).parent,  # the core package: this module's folder
+             *(Path(m.__file__).parent for m in (commfold.passes, commfold.patterns))}
     for root in sorted(roots):
         for f in sorted(root.rglob("*.py")):
             h.update(str(f.relative_to(root)).encode())

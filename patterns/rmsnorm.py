@@ -21,8 +21,6 @@ vllm_ir.fused_add_rms_norm) are recognized by patterns.rmsnorm_vllm.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.fx as fx
 
@@ -30,27 +28,10 @@ from commfold.graph import (arg, dtype_of, is_call, is_number, ndim, only_user, 
                             tensor_val)
 
 from .common import Miss, aten, prims
+from .rmsnorm_match import RMSNorm
+from .rmsnorm_vllm import match_ir_norm
 
-
-@dataclass(frozen=True)
-class RMSNorm:
-    x: fx.Node  # the value normed (before the residual add)
-    residual: fx.Node | None
-    h: fx.Node | None  # x + residual (or x): the new residual; None when not computed
-    weight: fx.Node | None  # the raw weight ([hidden]); offset applied by the kernel
-    eps: float
-    offset: float  # Gemma: out * (offset + w)
-    offset_in_weight_dtype: bool  # the offset sum is rounded to the weight's dtype
-    round_before_weight: bool  # n is cast to h's dtype before the weight multiply
-    out_dtype: torch.dtype
-    output: fx.Node  # the normed value
-    inner: tuple[fx.Node, ...]  # nodes between h and output, read only by the norm
-    sum_in_f32: bool = False  # the norm reads the exact f32 sum, h is rounded apart
-    eager: bool = False  # an eager op: every cast rounds (not fused by Inductor)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return tensor_val(self.x).dtype
+__all__ = ["RMSNorm", "match_rmsnorm"]  # RMSNorm: the match type, re-exported
 
 
 def _cast_to(node: fx.Node, dtype=None) -> bool:
@@ -76,8 +57,6 @@ def match_rmsnorm(x: fx.Node) -> RMSNorm | Miss | None:
     """The residual add + RMSNorm reading x; a Miss when one almost matches; None when
     no RMSNorm reads x. A norm reading x itself wins over one reading x + residual
     (then x is also the new residual, read by a later add)."""
-    from .rmsnorm_vllm import match_ir_norm  # imports this module: import when used
-
     ir = match_ir_norm(x)
     if ir is not None:
         return ir
