@@ -201,7 +201,7 @@ def test_observing_hook_sees_every_pass_and_forces_the_pass_list():
     import torch.fx as fx
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from commfold.diff import render
+    from commfold.diff.render import render
     from commfold.manager import CommfoldPass, observing
 
     gm = make_fx(lambda x: torch.relu(x * 2).sum(-1))(torch.randn(2, 3))
