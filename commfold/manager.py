@@ -15,7 +15,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .config import Config
 from .context import PassContext
-from .graph import Checkpoint, restore, snapshot
+from .checkpoint import Checkpoint, restore, snapshot
 from .report import PassError, Report, publish
 
 log = logging.getLogger("commfold")
@@ -30,12 +30,12 @@ def _registry() -> dict:
 @lru_cache(maxsize=1)
 def code_hash() -> str:
     """Hash of every source file of the installed package (core, passes, patterns)."""
-    import commfold
     import commfold.passes
     import commfold.patterns
 
     h = hashlib.sha256()
-    roots = {Path(m.__file__).parent for m in (commfold, commfold.passes, commfold.patterns)}
+    roots = {Path(__file__).parent,  # the core package: this module's folder
+             *(Path(m.__file__).parent for m in (commfold.passes, commfold.patterns))}
     for root in sorted(roots):
         for f in sorted(root.rglob("*.py")):
             h.update(str(f.relative_to(root)).encode())
