@@ -8,7 +8,7 @@ both Inductor-compiled, on gloo ranks of this machine (default TP=2).
 For each (dtype, H) one compile per variant (token count dynamic), plus a control:
 the unfused program compiled again (A/A; its ratio is the noise floor). A single call at
 small sizes is one latency-bound gloo all-reduce whose time scatters by +-30% on a
-shared CPU, so calls are timed in rounds (commfold.testing.bench.paired_rounds):
+shared CPU, so calls are timed in rounds (harness.bench.paired_rounds):
 each round runs a short block of back-to-back calls of each variant, order swapped
 every other round, slowest rank's time. The table shows the median per call and the
 median over rounds of the per-round ratio unfused/fused (> 1: fused is faster), with
@@ -29,8 +29,8 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 import commfold
-from commfold.testing import run_on_ranks
-from commfold.testing.bench import comm_of_variants, paired_ratio, paired_rounds
+from commfold.ranks import run_on_ranks
+from harness.bench import comm_of_variants, paired_ratio, paired_rounds
 
 
 def block(x, r, w):
@@ -78,7 +78,7 @@ def measure(dtypes, hiddens, tokens, rounds, two_shot=False, comm="gloo") -> lis
     rank, world = dist.get_rank(), dist.get_world_size()
     fn = _BLOCKS[comm]
     if comm == "vllm-shm":
-        from commfold.testing.vllm_tp import init_vllm_tp, shm_handle
+        from harness.vllm_tp import init_vllm_tp, shm_handle
 
         _SHM["handle"] = shm_handle(init_vllm_tp(world, shm=True))
         torch._inductor.config.enable_auto_functionalized_v2 = False  # as vLLM sets it

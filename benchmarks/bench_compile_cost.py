@@ -26,7 +26,7 @@ import torch
 
 import commfold
 from commfold.manager import CommfoldPass
-from commfold.testing import run_on_ranks
+from commfold.ranks import run_on_ranks
 
 
 @contextmanager

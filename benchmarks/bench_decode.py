@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 import commfold
 from commfold.models import DecoderConfig, TPDecoder, greedy_decode, sample_ids
-from commfold.testing import run_on_ranks
-from commfold.testing.bench import comm_of_variants, time_side_by_side
+from commfold.ranks import run_on_ranks
+from harness.bench import comm_of_variants, time_side_by_side
 
 
 def step_bound(rewrites, batch, seq, hidden, layers, shard_vocab) -> dict:

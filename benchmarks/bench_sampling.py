@@ -19,8 +19,8 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from commfold.testing import run_on_ranks
-from commfold.testing.bench import comm_of_variants, time_side_by_side
+from commfold.ranks import run_on_ranks
+from harness.bench import comm_of_variants, time_side_by_side
 
 
 def _gather(shard):

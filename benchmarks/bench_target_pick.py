@@ -27,8 +27,8 @@ from types import SimpleNamespace
 
 import torch
 
-from commfold.testing import run_on_ranks
-from commfold.testing.bench import comm_of_variants, time_side_by_side
+from commfold.ranks import run_on_ranks
+from harness.bench import comm_of_variants, time_side_by_side
 
 MODES = {"greedy": None, "logprobs=5": 5, "logprobs=20": 20}
 
@@ -36,8 +36,8 @@ MODES = {"greedy": None, "logprobs=5": 5, "logprobs=20": 20}
 def measure(batches, modes, vocab, hidden, dtype, iters, shm):
     from vllm.platforms import current_platform
 
-    from commfold.testing import vllm_step as vs
-    from commfold.testing.vllm_tp import init_vllm_tp
+    from harness import vllm_step as vs
+    from harness.vllm_tp import init_vllm_tp
     from commfold.vllm_target_pick import _Picker
 
     current_platform.register_triton_kernel_overrides()

@@ -46,7 +46,7 @@ def _rank(opts: dict) -> dict:
 
     import commfold
     from commfold.models import DecoderConfig, TPDecoder, greedy_decode, sample_ids
-    from commfold.testing import record_collectives
+    from commfold.comm_log import record_collectives
 
     cfg = DecoderConfig(vocab=opts["vocab"], hidden=opts["hidden"], layers=opts["layers"],
                         heads=opts["heads"], ffn=opts["ffn"], dtype=getattr(torch, opts["dtype"]))
@@ -106,7 +106,7 @@ def _fmt_comm(comm: dict) -> str:
 def run(opts: dict, echo=print) -> int:
     import commfold
     from commfold.demo import _rank  # by module name, also when run as __main__
-    from commfold.testing import RankError, run_on_ranks
+    from commfold.ranks import RankError, run_on_ranks
 
     w = opts["world_size"]
     echo(f"commfold demo: {w}-rank tensor-parallel decoder on CPU (gloo): vocab {opts['vocab']}, "

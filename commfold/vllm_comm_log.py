@@ -23,7 +23,7 @@ with ``note(key, value)`` (e.g. the target-pick decision).
 Cost when on: a profiler around every step (~10-30 ms a step on 2 cores; kineto
 prints two "USDT ... profiler_start/stop" lines to stderr per step). Nothing is
 installed when the variable is unset. Read the files with
-``commfold.testing.comm_log.read_step_logs``.
+``commfold.comm_log.read_step_logs``.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """A drafter-like model at TP=2 under commfold's replicate_vocab_parallel.
 
-    python examples/drafter.py              # r = 64 and 256, V = 151936, 2 gloo ranks
-    python examples/drafter.py --r 64 --steps 4 --max-bytes 268435456
+    python -m examples.drafter              # r = 64 and 256, V = 151936, 2 gloo ranks
+    python -m examples.drafter --r 64 --steps 4 --max-bytes 268435456
 
 The drafter is Markov-style: the next token depends on the current one only.
     h = tanh(mix(embed(tok)) + proj(ctx(tok)));  tok = argmax(head(h))
@@ -33,7 +33,8 @@ import torch.nn.functional as F
 
 import commfold
 from commfold.ops import replicate
-from commfold.testing import record_collectives, run_on_ranks
+from commfold.ranks import run_on_ranks
+from commfold.comm_log import record_collectives
 
 VOCAB = 151936
 CTX_DIM = 128

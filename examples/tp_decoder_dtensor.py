@@ -5,8 +5,8 @@ ColwiseParallel / RowwiseParallel for attention and MLP, a RowwiseParallel
 are gathered (Replicate) before the argmax. DTensor emits the collectives; commfold
 finds them in the compiled graph like any others.
 
-    python examples/tp_decoder_dtensor.py                   # spawns 2 CPU ranks (gloo)
-    torchrun --nproc-per-node 2 examples/tp_decoder_dtensor.py
+    python -m examples.tp_decoder_dtensor                   # spawns 2 CPU ranks (gloo)
+    torchrun --nproc-per-node 2 -m examples.tp_decoder_dtensor
     commfold diff examples/tp_decoder_dtensor.py
 """
 import torch
@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                parallelize_module)
 
 from commfold.models import greedy_decode
-from commfold.testing.example import greedy_vs_inductor, run_example
+from harness.example import greedy_vs_inductor, run_example
 
 VOCAB, HIDDEN, LAYERS, HEADS, FFN = 1000, 64, 2, 4, 128
 BATCH, SEQ, STEPS = 4, 8, 4

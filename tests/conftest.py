@@ -2,7 +2,7 @@
 restarted after a failed call (a rank stuck in a collective is not reused)."""
 import pytest
 
-from commfold.testing import RankPool
+from commfold.ranks import RankPool
 
 
 _pools: dict[int, RankPool] = {}

@@ -29,7 +29,7 @@ import torch.distributed._functional_collectives as funcol
 from torch._inductor import config as inductor_config
 
 import commfold
-from commfold.testing import record_collectives
+from commfold.comm_log import record_collectives
 
 ROOT = Path(__file__).resolve().parent.parent
 FIGURES = {"local_argmax", "allreduce_rmsnorm", "replicate", "decode", "compile_cost"}
@@ -249,7 +249,7 @@ def test_only_keeps_the_other_figures(tmp_path):
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_paired_rounds_put_every_variant_in_every_position(n):
     """Over 2n rounds each variant runs first, last and in between equally often."""
-    from commfold.testing.bench import paired_rounds
+    from harness.bench import paired_rounds
 
     calls = []
     variants = {k: (lambda k=k: calls.append(k)) for k in "abcd"[:n]}

@@ -114,7 +114,7 @@ def vllm_tp_on_avx2_kernels():
     torch.cpu._is_avx512_supported = lambda: False
     torch.cpu._is_avx512_bf16_supported = lambda: False
     from commfold.ops.allreduce_rmsnorm import pack_flags
-    from commfold.testing.vllm_tp import init_vllm_tp, shm_supported
+    from harness.vllm_tp import init_vllm_tp, shm_supported
 
     shm = shm_supported()  # loads vLLM's kernels as vLLM does
     try:
@@ -144,7 +144,7 @@ def test_vllm_tp_on_the_avx2_kernel_build():
     from vllm_models import require_vllm
 
     require_vllm()
-    from commfold.testing import RankPool
+    from commfold.ranks import RankPool
 
     with RankPool(2, timeout=300, threads=1) as pool:
         for row in pool.run(vllm_tp_on_avx2_kernels):

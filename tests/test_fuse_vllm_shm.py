@@ -17,7 +17,7 @@ require_vllm()
 
 def shm_fusion_on_rank(v2: bool):
     import commfold
-    from commfold.testing.vllm_tp import init_vllm_tp, shm_handle
+    from harness.vllm_tp import init_vllm_tp, shm_handle
 
     torch._dynamo.reset()
     tp = init_vllm_tp(2, shm=True)

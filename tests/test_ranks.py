@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from commfold.testing import RankError, RankPool, run_on_ranks
+from commfold.ranks import RankError, RankPool, run_on_ranks
 
 
 def rank_and_sum():

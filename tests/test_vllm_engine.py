@@ -32,7 +32,7 @@ from vllm_models import ENGINE_ENV, SIZES, TOKENS_MARK, require_vllm, write_mode
 require_vllm()
 
 from commfold.report import Report  # noqa: E402
-from commfold.testing.comm_log import read_step_logs, target_pick_problems  # noqa: E402
+from commfold.comm_log import read_step_logs, target_pick_problems  # noqa: E402
 
 RUNNER = str(Path(__file__).with_name("vllm_models.py"))
 LAYERS = SIZES["num_hidden_layers"]
@@ -204,7 +204,7 @@ def test_target_pick_takes_the_steps_that_qualify(engine_case):
     assert {"greedy", "logprobs", "vLLM (sampling (temperature > 0))"} <= set(picks), picks
     assert None not in picks
     assert any(s.info.get("prompt_logprobs") == "logprobs" for s in engine_case["steps"][0])
-    # the check helper engine runs with spec decoding use (commfold.testing.comm_log)
+    # the check helper engine runs with spec decoding use (commfold.comm_log)
     assert target_pick_problems(engine_case["steps"], VOCAB_SHARD) == []
     assert target_pick_problems(engine_case["base_steps"], VOCAB_SHARD) == [
         "no step was picked locally (COMMFOLD_VLLM=1 set? COMMFOLD_TARGET_PICK=0?)"]

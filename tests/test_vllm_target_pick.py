@@ -54,7 +54,7 @@ def _vocab_gathers(log, shard):
 
 
 def _run_cases(shm: bool, cases: list[dict]):
-    from commfold.testing import vllm_step as tc
+    from harness import vllm_step as tc
     from vllm.platforms import current_platform
 
     current_platform.register_triton_kernel_overrides()  # as vLLM's CPU worker does
@@ -262,7 +262,7 @@ def test_off_switch(monkeypatch):
     assert vtp.enabled({}) and not vtp.enabled({"COMMFOLD_TARGET_PICK": "0"})
 
 
-# --- the collective log (commfold.testing.comm_log, commfold.vllm_comm_log) -----------
+# --- the collective log (commfold.comm_log, commfold.vllm_comm_log) -----------
 # It sees what really runs in a vLLM TP=2 group: vLLM CPU's shared-memory ops (which
 # never reach a c10d backend), its gloo fallback, and commfold's own ops on either -
 # each collective once, with this rank's shapes, dtype and bytes; the engine-step
@@ -276,8 +276,8 @@ def _seen(shm: bool, log_dir: str):
 
     from commfold import vllm_comm_log
     from commfold.ops.local_argmax import local_argmax
-    from commfold.testing import record_collectives
-    from commfold.testing.vllm_tp import shm_handle
+    from commfold.comm_log import record_collectives
+    from harness.vllm_tp import shm_handle
 
     tp = init_vllm_tp(2, shm=shm, reuse=True)
     comm = f"vllm_shm:{shm_handle(tp)}" if shm else f"vllm:{tp.unique_name}"
@@ -328,7 +328,7 @@ def test_pick_equals_vllms_sampler_gloo(vllm_ranks):
 
 
 def _check_collectives_seen(results, shm, tmp_path):
-    from commfold.testing.comm_log import read_step_logs
+    from commfold.comm_log import read_step_logs
 
     # shm sends non-float data bit-cast as float32: an int64 pair is 4 float32
     pair = ((4, 4), "float") if shm else ((4, 2), "long int")

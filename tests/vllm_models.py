@@ -32,12 +32,12 @@ def require_vllm():
 
 # --- tiny models -----------------------------------------------------------------
 
-from commfold.testing.tiny_models import SIZES, write_model  # noqa: F401  (re-exported)
+from harness.tiny_models import SIZES, write_model  # noqa: F401  (re-exported)
 
 
 # --- a vLLM TP group inside rank-pool processes ----------------------------------
 
-from commfold.testing.vllm_tp import init_vllm_tp, shm_supported  # noqa: E402,F401
+from harness.vllm_tp import init_vllm_tp, shm_supported  # noqa: E402,F401
 
 
 def skip_without_shm():

@@ -59,7 +59,7 @@ def run_diff(target: str, world_size: int = 2, out: str = "commfold-diff",
 
 def _run(target_text, world_size, out, passes, timeout, echo) -> int:
     from commfold.config import ALL_PASSES
-    from commfold.testing import free_port
+    from commfold.ranks import free_port
 
     target = Target.parse(target_text)
     if world_size < 1:

@@ -110,7 +110,9 @@ def rank_main(spec_json: str) -> None:
         if target.script:
             progress("running target")
             sys.argv = [target.script]
-            sys.path.insert(0, str(Path(target.script).parent))
+            # modules beside the script and beside the current directory import (the
+            # checkout's harness/ for `commfold diff examples/...` run from its root)
+            sys.path[:0] = [str(Path(target.script).parent), os.getcwd()]
             import runpy
 
             runpy.run_path(target.script, run_name="__main__")

@@ -101,7 +101,7 @@ def spec_metadata(drafts: list[list[int]]):
 def step_both_ways(model, md, h, spec=None, logprobs_mode="raw_logprobs"):
     """(commfold's SamplerOutput, vLLM's SamplerOutput, the mode the hook chose, the
     collectives each way)."""
-    from commfold.testing import record_collectives
+    from commfold.comm_log import record_collectives
     from commfold.vllm_target_pick import _Picker
 
     r = runner(model, md, logprobs_mode)

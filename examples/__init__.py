@@ -1,0 +1,1 @@
+"""Runnable examples: `python -m examples.NAME` from the checkout root."""
