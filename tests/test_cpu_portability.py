@@ -24,7 +24,8 @@ KERNEL_MODULES = ("vllm._C", "vllm._C_AVX2", "vllm._C_AVX512")
 
 
 def _python_files():
-    for folder in ("commfold", "passes", "patterns", "tests", "benchmarks", "examples"):
+    for folder in ("commfold", "passes", "patterns", "tests", "benchmarks", "examples",
+                   "harness"):
         yield from (ROOT / folder).rglob("*.py")
 
 
