@@ -65,8 +65,7 @@ def _variants(two_shot: bool, fn=block) -> dict:
          "control": _compiled("inductor", fn)}
     if two_shot:
         v["two-shot"] = _compiled(commfold.backend(
-            passes=("fuse_allreduce_rmsnorm",),
-            extra=(("allreduce_rmsnorm_two_shot_min_bytes", "0"),)), fn)
+            passes=("fuse_allreduce_rmsnorm",), two_shot_min_bytes=0), fn)
     return v
 
 

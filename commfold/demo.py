@@ -145,10 +145,11 @@ def run(opts: dict, echo=print) -> int:
 
 def main(argv=None, prog: str = "commfold demo") -> int:
     import commfold
+    from commfold.config import unknown_passes
 
     args = _parser(prog).parse_args(argv)
     passes = [p for p in (args.passes or "").split(",") if p] or list(commfold.ALL_PASSES)
-    unknown = [p for p in passes if p not in commfold.ALL_PASSES]
+    unknown = unknown_passes(passes)
     if unknown:
         print(f"commfold demo: error: unknown pass(es) {unknown}; registered: "
               f"{list(commfold.ALL_PASSES)}", file=sys.stderr)

@@ -22,6 +22,7 @@ log = logging.getLogger("commfold")
 
 
 def _registry() -> dict:
+    """commfold.passes.PASSES, imported on first use: `import commfold` stays light."""
     from commfold.passes import PASSES
 
     return PASSES

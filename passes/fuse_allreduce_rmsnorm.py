@@ -38,19 +38,17 @@ from torch._inductor.fx_utils import get_node_storage
 from commfold.context import PassContext
 from commfold.graph import nbytes, tensor_val
 from commfold.graph_edit import erase_if_dead, insert_call
-from commfold.ops.allreduce_rmsnorm import (SUPPORTED_DTYPES, TWO_SHOT_DEFAULT_MIN_BYTES,
-                                           pack_flags)
+from commfold.ops.allreduce_rmsnorm import SUPPORTED_DTYPES, pack_flags
 from commfold.patterns.allreduce import AllReduce, allreduce_candidates, match_allreduce
 from commfold.patterns.rmsnorm import match_rmsnorm
 from commfold.patterns.rmsnorm_match import RMSNorm
 from commfold.report import Comm
 
 PATTERN = "all_reduce->rmsnorm"
-TWO_SHOT_OPTION = "allreduce_rmsnorm_two_shot_min_bytes"
 
 
 def run(ctx: PassContext) -> None:
-    two_shot = int(dict(ctx.config.extra).get(TWO_SHOT_OPTION, TWO_SHOT_DEFAULT_MIN_BYTES))
+    two_shot = ctx.config.two_shot_min_bytes
     for ar, norm in ctx.matches(PATTERN, allreduce_candidates(ctx.graph), _allreduce_norm):
         why = _unsafe(ar, norm)
         if why:

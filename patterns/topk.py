@@ -13,6 +13,7 @@ greedy pick (patterns.greedy), not matched here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch.fx as fx
 
@@ -36,7 +37,7 @@ class TopK:
     valid_vocab: "int | fx.Node | None"
     elementwise: tuple[fx.Node, ...]
     reader: fx.Node  # the topk / sort node
-    kind: str  # "topk" | "sort"
+    kind: Literal["topk", "sort"]
     k: int
     outputs: tuple[tuple[fx.Node, int], ...]
 

@@ -17,13 +17,12 @@ from commfold.testing import record_collectives
 from models_norm import OFFSET, build_decoder, make_block
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
-TWO_SHOT = "allreduce_rmsnorm_two_shot_min_bytes"
 OP = "commfold::allreduce_rmsnorm"
 
 
 def _config(two_shot: int | None = None):
-    extra = ((TWO_SHOT, str(two_shot)),) if two_shot is not None else ()
-    return commfold.backend(passes=("fuse_allreduce_rmsnorm",), strict=True, extra=extra)
+    options = {"two_shot_min_bytes": two_shot} if two_shot is not None else {}
+    return commfold.backend(passes=("fuse_allreduce_rmsnorm",), strict=True, **options)
 
 
 def _inputs(case, tokens, world, rank):

@@ -32,6 +32,8 @@ from typing import Optional
 
 import torch
 
+from ..collectives import CommKind
+
 log = logging.getLogger("commfold")
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -64,8 +66,8 @@ def why_not(x: torch.Tensor, weight: Optional[torch.Tensor], weight_offset: floa
         return f"{x.device.type} tensor"
     if os.environ.get("COMMFOLD_FLASHINFER", "1") == "0":
         return "COMMFOLD_FLASHINFER=0"
-    if comm.kind not in ("c10d", "vllm"):
-        return f"communicator kind {comm.kind!r}"
+    if comm.kind not in (CommKind.C10D, CommKind.VLLM):
+        return f"communicator kind {comm.kind.value!r}"
     if x.dtype not in DTYPES or out_dtype != x.dtype:
         return f"dtype {x.dtype} -> {out_dtype}"
     if weight is not None and weight.dtype != x.dtype:
@@ -157,7 +159,7 @@ def _workspace(fi, comm, hidden: int, dtype: torch.dtype, device):
 def _process_group(comm):
     from ..collectives import _c10d_group, _vllm_group
 
-    if comm.kind == "c10d":
+    if comm.kind is CommKind.C10D:
         return _c10d_group(comm.name)
     return _vllm_group(comm.name).cpu_group  # as vLLM creates its own workspace
 

@@ -12,6 +12,12 @@ ROUND_SUM = 4               # normalize the stored (rounded) new residual, not t
 OUT_F32 = 8                 # the normed output is f32 (else x's dtype)
 TWO_SHOT_SHIFT = 8          # flags >> 8: two-shot from this many bytes + 1 (0: never)
 
+# Config.two_shot_min_bytes' default. Measured on the 2-core CPU dev machine (gloo,
+# TP=2, T in 1..2048, H in 1024/4096): gloo's reduce_scatter costs about as much as
+# its all_reduce, so reduce_scatter + all_gather is slower than all_reduce + local
+# norm at every size. Two-shot is off by default.
+TWO_SHOT_DEFAULT_MIN_BYTES = -1
+
 
 def pack_flags(offset_in_weight_dtype: bool = False, round_before_weight: bool = False,
                round_sum: bool = False, out_f32: bool = False,
