@@ -44,6 +44,14 @@ def code_hash() -> str:
     return h.hexdigest()
 
 
+def _pass_functions(names) -> str:
+    """Which function runs each pass: a pass swapped at run time (a plugin, a test's
+    fault injection) must not be served the cached graph of the one it replaced."""
+    registry = _registry()
+    return ",".join(f"{n}={getattr(registry.get(n), '__module__', '?')}."
+                    f"{getattr(registry.get(n), '__qualname__', '?')}" for n in names)
+
+
 # Observation hook (used by `commfold diff`): while `observing(...)` is active, every
 # CommfoldPass in this process calls observer(pass_name, graph_before, graph_after,
 # report) after each pass (graph copies, so later passes do not change them), and, if
@@ -146,7 +154,7 @@ class CommfoldPass(CustomGraphPass):
     def uuid(self):
         if _observer is not None:
             return None  # observed: always run the pass (a cache hit would skip it)
-        parts = [code_hash(), self.config.key()]
+        parts = [code_hash(), self.config.key(), _pass_functions(self.config.passes)]
         if self.then is not None:
             then_uuid = self.then.uuid() if hasattr(self.then, "uuid") else None
             if then_uuid is None:
