@@ -84,9 +84,13 @@ class CommfoldPass(CustomGraphPass):
     """
 
     def __init__(self, config: Config | None = None, then=None, on_report=None):
-        self.config = config or Config()
+        self._config = config or Config()
         self.then = then
         self.on_report = on_report  # called with each published Report
+
+    @property
+    def config(self) -> Config:
+        return self._config
 
     def __call__(self, graph: fx.Graph) -> None:
         config = self.config
