@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -97,7 +97,7 @@ class Communicator:
         raise ValueError(f"commfold: no reduce_scatter for communicator {self.spec!r}")
 
 
-@lru_cache(maxsize=None)
+@cache
 def communicator(spec: str) -> Communicator:
     return Communicator(spec)
 
@@ -108,7 +108,7 @@ def _c10d_group(name: str):
     return _resolve_process_group(name)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _vllm_group(name: str):
     from vllm.distributed.parallel_state import _groups
 

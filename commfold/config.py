@@ -66,5 +66,5 @@ class Config:
         """A stable text form, part of the cache key."""
         return json.dumps(dataclasses.asdict(self), sort_keys=True, default=str)
 
-    def replace(self, **changes) -> "Config":
+    def replace(self, **changes) -> Config:
         return dataclasses.replace(self, **changes)

@@ -12,10 +12,10 @@ Options come from the environment, read when the pass is first used (its uuid() 
 run; vLLM asks for the uuid when it builds its config, before it pickles the pass into
 its worker processes): COMMFOLD_PASSES (comma-separated pass names),
 COMMFOLD_REPLICATE_MAX_BYTES. Importing this module reads no environment and cannot
-fail on a bad value; the first use raises one line that says what to set. COMMFOLD_REPORT_DIR makes every process (each rank)
-write its reports there as JSON; COMMFOLD_COMM_LOG_DIR makes every worker rank log
-the collectives of each engine step (commfold.vllm_comm_log; with or without
-COMMFOLD_VLLM).
+fail on a bad value; the first use raises one line that says what to set.
+COMMFOLD_REPORT_DIR makes every process (each rank) write its reports there as JSON;
+COMMFOLD_COMM_LOG_DIR makes every worker rank log the collectives of each engine step
+(commfold.vllm_comm_log; with or without COMMFOLD_VLLM).
 
 Caches: vLLM keys its compile cache and Inductor its FX graph cache on the pass's
 ``uuid()`` (commfold's code hash + config) only if vLLM takes the pass as its own

@@ -74,7 +74,8 @@ def _unsafe(ar: AllReduce, norm: RMSNorm) -> str | None:
     if dtype not in SUPPORTED_DTYPES or norm.dtype != dtype:
         return f"unsupported dtype {dtype} (norm input {norm.dtype})"
     if norm.residual is not None and len(ar.reduced.users) > 1:
-        return "the reduced value is read besides the residual add (the op returns only the sum with the residual)"
+        return ("the reduced value is read besides the residual add (the op returns only "
+                "the sum with the residual)")
     # FX nodes compare by graph position (O(1)): no per-match walk of the graph
     last_input = max(n for n in (ar.collective, norm.residual, norm.weight) if n is not None)
     readers = [u for n in (norm.h, norm.output) if n is not None for u in n.users

@@ -23,7 +23,7 @@ PickKind = Literal["argmax", "max", "topk"]
 @dataclass(frozen=True)
 class GreedyPick:
     gather: VocabGather
-    valid_vocab: "int | fx.Node | None"  # slice end (an int or a SymInt node); None: no slice
+    valid_vocab: int | fx.Node | None  # slice end (an int or a SymInt node); None: no slice
     elementwise: tuple[fx.Node, ...]  # monotone ops to replay on the shard, in order
     pick: fx.Node  # the argmax / max.dim / topk node
     kind: PickKind
@@ -79,7 +79,7 @@ class RowWalk:
     """The single-consumer path from a gathered row to the op that reads it: an
     optional slice to the valid vocab, then column-uniform elementwise ops."""
 
-    valid_vocab: "int | fx.Node | None"
+    valid_vocab: int | fx.Node | None
     elementwise: tuple[fx.Node, ...]
     reader: fx.Node
 

@@ -34,7 +34,7 @@ class TopK:
     slices - to which; `dead` are the nodes they replace, erased after."""
 
     gather: VocabGather
-    valid_vocab: "int | fx.Node | None"
+    valid_vocab: int | fx.Node | None
     elementwise: tuple[fx.Node, ...]
     reader: fx.Node  # the topk / sort node
     kind: Literal["topk", "sort"]

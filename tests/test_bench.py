@@ -100,7 +100,8 @@ def test_rewritten_forms_send_their_lower_bound(quick_run):
     assert "| NO |" not in md
 
 
-def test_without_matplotlib_json_and_markdown_still_written(quick_run, tmp_path, monkeypatch, capsys):
+def test_without_matplotlib_json_and_markdown_still_written(quick_run, tmp_path, monkeypatch,
+                                                             capsys):
     _, results, _ = quick_run
     monkeypatch.syspath_prepend(str(ROOT))
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
@@ -254,7 +255,8 @@ def test_only_keeps_the_other_figures(tmp_path):
                for n, f in new["figures"].items() if n != "decode")
     quick = keep_previous(run("new", True, ["decode"]), tmp_path)
     assert list(quick["figures"]) == ["decode"]
-    assert keep_previous(run("new", False, ["decode"]), tmp_path / "none")["figures"].keys() == {"decode"}
+    kept = keep_previous(run("new", False, ["decode"]), tmp_path / "none")
+    assert kept["figures"].keys() == {"decode"}
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])

@@ -26,7 +26,6 @@ Paths, chosen per call from shapes and arguments only (same on every rank):
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 
@@ -58,8 +57,8 @@ _lib.define("allreduce_rmsnorm" + _SCHEMA)
 _lib.define("allreduce_rmsnorm_eager" + _SCHEMA)
 
 
-def allreduce_rmsnorm(x: torch.Tensor, residual: Optional[torch.Tensor],
-                      weight: Optional[torch.Tensor], eps: float, weight_offset: float,
+def allreduce_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None,
+                      weight: torch.Tensor | None, eps: float, weight_offset: float,
                       flags: int, comm: str) -> torch.Tensor:
     """RMSNorm(all_reduce_sum(x) [+ residual]), normed output returned; the new
     residual all_reduce_sum(x) [+ residual] written into x."""

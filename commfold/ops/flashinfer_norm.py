@@ -27,8 +27,7 @@ from __future__ import annotations
 import logging
 import os
 from contextlib import nullcontext
-from functools import lru_cache
-from typing import Optional
+from functools import cache
 
 import torch
 
@@ -46,7 +45,7 @@ _failed: set = set()
 _warned: set = set()
 
 
-@lru_cache(maxsize=None)
+@cache
 def flashinfer_comm():
     """flashinfer.comm when it has the unified fusion API, else None (looked up once:
     a failing import on every call would cost more than the call)."""
@@ -58,9 +57,9 @@ def flashinfer_comm():
     return fi if ok else None
 
 
-def why_not(x: torch.Tensor, weight: Optional[torch.Tensor], weight_offset: float,
+def why_not(x: torch.Tensor, weight: torch.Tensor | None, weight_offset: float,
             offset_in_weight_dtype: bool, round_before_weight: bool,
-            out_dtype: torch.dtype, comm) -> Optional[str]:
+            out_dtype: torch.dtype, comm) -> str | None:
     """None when the call can go to FlashInfer, else the reason it cannot."""
     if x.device.type not in DEVICE_TYPES:
         return f"{x.device.type} tensor"
@@ -95,8 +94,8 @@ def max_bytes(world: int) -> int:
     return _vllm_table(world) or DEFAULT_MAX_BYTES
 
 
-@lru_cache(maxsize=None)
-def _vllm_table(world: int) -> Optional[int]:
+@cache
+def _vllm_table(world: int) -> int | None:
     """vLLM's measured size limit (MB) for its FlashInfer fusion on this GPU (looked
     up once per world size: it is on every CUDA call's path)."""
     try:
@@ -109,7 +108,7 @@ def _vllm_table(world: int) -> Optional[int]:
     return int(mb * 2**20) if mb else None
 
 
-def run(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Optional[torch.Tensor],
+def run(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
         eps: float, weight_offset: float, comm):
     """(normed, new residual) through FlashInfer, or None when its workspace is not
     available (the caller then takes the composite path). Call after why_not."""
