@@ -37,6 +37,8 @@ log = logging.getLogger("commfold")
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DEVICE_TYPES = ("cuda",)  # tests widen this to run the plumbing on CPU tensors
+# Not measured here (no GPU): when vLLM's table (below) has no entry, a limit within
+# its entries (0.5-64 MB), as a guess.
 DEFAULT_MAX_BYTES = 2 * 2**20
 MAX_WORLD = 16
 
