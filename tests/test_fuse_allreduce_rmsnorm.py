@@ -253,11 +253,6 @@ def _avg(x, r, w):
     return torch.nn.functional.rms_norm(y, (y.shape[-1],), w, 1e-5)
 
 
-def _other_dim(x, r, w):
-    y = funcol.all_reduce(x, "sum", dist.group.WORLD) + r
-    return y * torch.rsqrt(y.pow(2).mean(0, keepdim=True) + 1e-5) * w
-
-
 def _reduced_read_twice(x, r, w):
     y = funcol.all_reduce(x, "sum", dist.group.WORLD)
     h = y + r
@@ -269,7 +264,9 @@ def _f64(x, r, w):
     return torch.nn.functional.rms_norm(y, (y.shape[-1],), w.double(), 1e-5)
 
 
-SKIPS = {"_avg": "'avg' all-reduce", "_other_dim": "not the last (hidden) dim",
+# the pass's own skips (a norm over another dim, a recognizer near-miss, is asserted
+# without ranks in test_recognize_norms.py)
+SKIPS = {"_avg": "'avg' all-reduce",
          "_reduced_read_twice": "the reduced value is read besides the residual add",
          "_f64": "unsupported dtype torch.float64",
          "_inplace_input_residual": "the reduced value is read besides the residual add"}
