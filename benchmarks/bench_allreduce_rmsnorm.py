@@ -65,8 +65,7 @@ def _variants(two_shot: bool, fn=block) -> dict:
          "control": _compiled("inductor", fn)}
     if two_shot:
         v["two-shot"] = _compiled(commfold.backend(
-            passes=("fuse_allreduce_rmsnorm",),
-            extra=(("allreduce_rmsnorm_two_shot_min_bytes", "0"),)), fn)
+            passes=("fuse_allreduce_rmsnorm",), two_shot_min_bytes=0), fn)
     return v
 
 
@@ -95,7 +94,8 @@ def measure(dtypes, hiddens, tokens, rounds, two_shot=False, comm="gloo") -> lis
                 for a in (x, r):
                     torch._dynamo.maybe_mark_dynamic(a, 0)
                 out = {k: f(x, r, w)[0] for k, f in variants.items()}
-                diff = float((out["fused"].float() - out["unfused"].float()).abs().max()) if t else 0.0
+                diff = (float((out["fused"].float() - out["unfused"].float()).abs().max())
+                        if t else 0.0)
                 times = paired_rounds(variants, (x, r, w), rounds, warmup=2)
                 sent = comm_of_variants(variants, (x, r, w))
                 sent["bound"] = {"bytes": t * hidden * x.element_size(), "calls": 1}

@@ -13,7 +13,8 @@ of Inductor's objects and costs ~250 ms at 32 layers, whoever triggers it); the
 per-pass figures are the report's (wall). Targets (issue 7): at most 2% of compile time,
 at most 1 ms per rewrite, near-linear in graph size. Reports rank 0's figures;
 Inductor's caches are off; one untimed 1-layer compile first takes the process's
-one-time costs (imports, first calls) out of the figures. ``measure`` is the rank-side function the suite runs.
+one-time costs (imports, first calls) out of the figures. ``measure`` is the rank-side
+function the suite runs.
 """
 from __future__ import annotations
 

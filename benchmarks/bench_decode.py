@@ -89,13 +89,14 @@ def main(argv=None):
                         a.steps, a.iters, timeout=3600)[0]
     print(f"greedy decode, TP={a.world_size}, V={a.vocab}, hidden {a.hidden}, {a.layers} layers, "
           f"window {a.seq}, {a.steps} tokens per call, median of {a.iters} (rank 0)")
-    print("| B | Inductor tok/s | commfold tok/s | speed-up | same tokens | bytes/step: Inductor | commfold | bound |")
+    print("| B | Inductor tok/s | commfold tok/s | speed-up | same tokens "
+          "| bytes/step: Inductor | commfold | bound |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         c = r["comm"]
         print(f"| {r['B']} | {r['inductor_tok_s']:.1f} | {r['commfold_tok_s']:.1f} | "
-              f"{r['inductor_s'] / r['commfold_s']:.2f}x | {r['same']} | {c['inductor']['bytes']} | "
-              f"{c['commfold']['bytes']} | {c['bound']['bytes']} |")
+              f"{r['inductor_s'] / r['commfold_s']:.2f}x | {r['same']} | "
+              f"{c['inductor']['bytes']} | {c['commfold']['bytes']} | {c['bound']['bytes']} |")
 
 
 if __name__ == "__main__":

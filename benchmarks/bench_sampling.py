@@ -87,7 +87,8 @@ def main(argv=None):
     a = p.parse_args(argv)
     rows = run_on_ranks(measure, a.world_size, a.batch, a.vocab, a.k, a.iters, timeout=3600)[0]
     print(f"sampling reads, TP={a.world_size}, CPU gloo, median of {a.iters} (rank 0)")
-    print("| case | B | V | Inductor (ms) | commfold (ms) | speed-up | same | bytes/rank: Inductor | commfold | bound |")
+    print("| case | B | V | Inductor (ms) | commfold (ms) | speed-up | same "
+          "| bytes/rank: Inductor | commfold | bound |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         c = r["comm"]

@@ -43,7 +43,8 @@ class Figure:
 
 V = 151936
 FIGURES = {f.name: f for f in (
-    Figure("local_argmax", "Greedy pick over vocab-sharded logits: all-gather + argmax vs local_argmax",
+    Figure("local_argmax",
+           "Greedy pick over vocab-sharded logits: all-gather + argmax vs local_argmax",
            bench_local_argmax.measure,
            full=([1, 8, 64, 256], [32000, V], 7), quick=([4], [1000], 5),
            worlds=(2, 4), extra={4: ([1, 64, 256], [V], 5)}),

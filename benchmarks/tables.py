@@ -58,7 +58,8 @@ def _allreduce_rmsnorm(rows):
 
 
 def _replicate(rows):
-    yield "| TP | layer | r | V | full weight (MiB) | sharded (ms) | replicated (ms) | sharded / replicated | build (ms) |"
+    yield ("| TP | layer | r | V | full weight (MiB) | sharded (ms) | replicated (ms) "
+           "| sharded / replicated | build (ms) |")
     yield "|---|---|---|---|---|---|---|---|---|"
     for r in rows:
         yield (f"| {r['world']} | {r['layer']} | {r['r']} | {r['V']} | {r['full_mib']:.1f} | "
@@ -67,12 +68,14 @@ def _replicate(rows):
 
 
 def _decode(rows):
-    yield "| TP | B | V | layers | Inductor (tok/s) | commfold (tok/s) | speed-up | same tokens | rewrites |"
+    yield ("| TP | B | V | layers | Inductor (tok/s) | commfold (tok/s) | speed-up "
+           "| same tokens | rewrites |")
     yield "|---|---|---|---|---|---|---|---|---|"
     for r in rows:
         rw = ", ".join(f"{k} x{r['rewrites'].count(k)}" for k in sorted(set(r["rewrites"])))
-        yield (f"| {r['world']} | {r['B']} | {r['V']} | {r['layers']} | {r['inductor_tok_s']:.1f} | "
-               f"{r['commfold_tok_s']:.1f} | {_x(r['inductor_s'], r['commfold_s'])} | "
+        yield (f"| {r['world']} | {r['B']} | {r['V']} | {r['layers']} | "
+               f"{r['inductor_tok_s']:.1f} | {r['commfold_tok_s']:.1f} | "
+               f"{_x(r['inductor_s'], r['commfold_s'])} | "
                f"{r['same']} | {rw} |")
 
 
@@ -85,7 +88,8 @@ def compile_targets(rows) -> dict:
     per_rewrite = max(own_cpu_s(r) * 1e3 / max(1, r["rewrites"]) for r in rows)
     per_node = [own_cpu_s(r) * 1e6 / max(1, r["nodes"]) for r in rows]
     return {"max_share": share, "max_share_less_gc": share_own, "max_ms_per_rewrite": per_rewrite,
-            "us_per_node_largest_over_smallest": per_node[-1] / per_node[0] if per_node[0] else None}
+            "us_per_node_largest_over_smallest":
+                per_node[-1] / per_node[0] if per_node[0] else None}
 
 
 TABLES = {"local_argmax": _local_argmax, "sampling": _sampling,
@@ -100,11 +104,13 @@ def comm_rows(results: dict):
         for r in fig["rows"]:
             if "comm" in r:
                 c = r["comm"]
-                yield name, r["world"], case(name, r), c[r["baseline"]], c[r["rewritten"]], c["bound"]
+                yield (name, r["world"], case(name, r), c[r["baseline"]], c[r["rewritten"]],
+                       c["bound"])
 
 
 def _comm_table(results):
-    yield "| figure | TP | case | baseline bytes (calls) | rewritten bytes (calls) | lower bound bytes (calls) | at bound |"
+    yield ("| figure | TP | case | baseline bytes (calls) | rewritten bytes (calls) "
+           "| lower bound bytes (calls) | at bound |")
     yield "|---|---|---|---|---|---|---|"
     for name, world, label, base, new, bound in comm_rows(results):
         yield (f"| {name} | {world} | {label} | {base['bytes']} ({base['calls']}) | "
@@ -131,8 +137,9 @@ def markdown(results: dict, plots: list[str], plots_skipped: str | None = None) 
             t = compile_targets(fig["rows"])
             lines += [f"Targets: share {100 * t['max_share']:.2f}% "
                       f"({100 * t['max_share_less_gc']:.2f}% less garbage collection; <= 2%), "
-                      f"{t['max_ms_per_rewrite']:.2f} CPU ms per rewrite (<= 1 ms), CPU µs per node at the "
-                      f"largest graph / smallest: {t['us_per_node_largest_over_smallest'] or 0:.2f} "
+                      f"{t['max_ms_per_rewrite']:.2f} CPU ms per rewrite (<= 1 ms), CPU µs per "
+                      f"node at the largest graph / smallest: "
+                      f"{t['us_per_node_largest_over_smallest'] or 0:.2f} "
                       f"(1.0 = linear).", ""]
         for e in fig["errors"]:
             lines += ["Error:", "", "```", e.strip(), "```", ""]

@@ -60,22 +60,32 @@ def _diff_parser(sub) -> None:
 
 
 def _bench(argv) -> int:
-    """Run benchmarks/ of the source checkout this commfold is installed from (an
-    editable install); the suite is not part of the installed package."""
+    """Run the benchmark suite of the source checkout this commfold is installed from
+    (an editable install): `python -m benchmarks` in that checkout, as a subprocess.
+    The suite is not part of the installed package."""
+    import subprocess
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
     if not (root / "benchmarks" / "suite.py").is_file():
-        print(f"commfold bench: no benchmark suite next to this commfold ({root}): the suite "
-              "lives in the source checkout (benchmarks/). Clone the repository and run "
-              "`python -m benchmarks` in it, or install commfold from the checkout with "
-              "`pip install -e .` so that `commfold bench` finds it.", file=sys.stderr)
+        print(f"commfold bench: needs a source checkout; this commfold is installed without "
+              f"one ({root}). Clone the repository and run `python -m benchmarks` in it, or "
+              "install commfold from it with `pip install -e .` so that `commfold bench` "
+              "finds it.", file=sys.stderr)
         return 2
-    if sys.path[:1] != [str(root)]:
-        sys.path.insert(0, str(root))  # this checkout's benchmarks/, also for spawned ranks
-    from benchmarks.suite import main as bench_main
+    argv = _absolute_out(argv, Path.cwd())  # the suite runs in the checkout
+    return subprocess.run([sys.executable, "-m", "benchmarks", *argv], cwd=root).returncode
 
-    return bench_main(argv, prog="commfold bench")
+
+def _absolute_out(argv: list[str], cwd) -> list[str]:
+    """argv with --out DIR / --out=DIR taken relative to the caller's cwd."""
+    out = list(argv)
+    for i, a in enumerate(out):
+        if a == "--out" and i + 1 < len(out):
+            out[i + 1] = str(cwd / out[i + 1])
+        elif a.startswith("--out="):
+            out[i] = "--out=" + str(cwd / a[len("--out="):])
+    return out
 
 
 def main(argv=None) -> int:

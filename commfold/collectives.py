@@ -1,7 +1,8 @@
 """Collective adapters: run a collective on whichever communicator the graph used.
 
-A rewritten graph names its communicator by a spec string, taken from the matched
-collective, so the fused op talks to the same group the original program did:
+A rewritten graph names its communicator by a spec string ``<kind>:<name>``, taken
+from the matched collective, so the fused op talks to the same group the original
+program did (the C++ kernel of commfold::allreduce_rmsnorm reads the same specs):
 
 - ``c10d:<group_name>``  torch.distributed (functional collectives, DTensor, dist.*)
 - ``vllm:<group_name>``  vLLM's ``torch.ops.vllm.*`` custom-op collectives
@@ -11,9 +12,22 @@ collective, so the fused op talks to the same group the original program did:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from enum import Enum
+from functools import cache
 
 import torch
+
+
+class CommKind(str, Enum):
+    """Which library's collectives a communicator spec names."""
+
+    C10D = "c10d"
+    VLLM = "vllm"
+    VLLM_SHM = "vllm_shm"
+
+    def spec(self, name) -> str:
+        """The spec string of this kind's communicator `name` (a group name, a handle)."""
+        return f"{self.value}:{name}"
 
 
 @dataclass(frozen=True)
@@ -21,69 +35,69 @@ class Communicator:
     spec: str
 
     @property
-    def kind(self) -> str:
-        return self.spec.split(":", 1)[0]
+    def kind(self) -> CommKind:
+        try:
+            return CommKind(self.spec.split(":", 1)[0])
+        except ValueError:
+            raise ValueError(f"commfold: unknown communicator {self.spec!r}") from None
 
     @property
     def name(self) -> str:
         return self.spec.split(":", 1)[1]
 
+    def _group(self):
+        """torch's ProcessGroup (c10d) or vLLM's GroupCoordinator (vllm, vllm_shm)."""
+        kind = self.kind
+        if kind is CommKind.C10D:
+            return _c10d_group(self.name)
+        if kind is CommKind.VLLM:
+            return _vllm_group(self.name)
+        return _vllm_shm_group(int(self.name))
+
     def rank(self) -> int:
-        if self.kind == "c10d":
-            return _c10d_group(self.name).rank()
-        if self.kind == "vllm":
-            return _vllm_group(self.name).rank_in_group
-        if self.kind == "vllm_shm":
-            return _vllm_shm_group(int(self.name)).rank_in_group
-        raise ValueError(f"commfold: unknown communicator {self.spec!r}")
+        group = self._group()
+        return group.rank() if self.kind is CommKind.C10D else group.rank_in_group
 
     def world_size(self) -> int:
-        if self.kind == "c10d":
-            return _c10d_group(self.name).size()
-        if self.kind == "vllm":
-            return _vllm_group(self.name).world_size
-        if self.kind == "vllm_shm":
-            return _vllm_shm_group(int(self.name)).world_size
-        raise ValueError(f"commfold: unknown communicator {self.spec!r}")
+        group = self._group()
+        return group.size() if self.kind is CommKind.C10D else group.world_size
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's x along dim 0, in rank order."""
-        world = self.world_size()
-        if self.kind == "c10d":
+        world, kind = self.world_size(), self.kind
+        if kind is CommKind.C10D:
             f = torch.ops._c10d_functional
             return f.wait_tensor(f.all_gather_into_tensor(x.contiguous(), world, self.name))
-        if self.kind == "vllm":
+        if kind is CommKind.VLLM:
             return torch.ops.vllm.all_gather(x.contiguous(), 0, world, self.name)
-        if self.kind == "vllm_shm":
-            return _shm_all_gather(int(self.name), x, world)
-        raise ValueError(f"commfold: unknown communicator {self.spec!r}")
+        return _shm_all_gather(int(self.name), x, world)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of every rank's x (out of place)."""
-        if self.kind == "c10d":
+        kind = self.kind
+        if kind is CommKind.C10D:
             f = torch.ops._c10d_functional
             return f.wait_tensor(f.all_reduce(x.contiguous(), "sum", self.name))
-        if self.kind == "vllm":
+        if kind is CommKind.VLLM:
             return torch.ops.vllm.all_reduce(x.contiguous(), self.name)
-        if self.kind == "vllm_shm":  # vLLM CPU's shared-memory all-reduce (in place)
-            out = x.clone(memory_format=torch.contiguous_format)
-            torch.ops._C.shm_allreduce(int(self.name), out)
-            return out
-        raise ValueError(f"commfold: unknown communicator {self.spec!r}")
+        out = x.clone(memory_format=torch.contiguous_format)  # shm all-reduce: in place
+        torch.ops._C.shm_allreduce(int(self.name), out)
+        return out
 
     def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's dim-0 chunk of the sum of every rank's x (dim 0 divisible by
         the world size)."""
-        world = self.world_size()
-        if self.kind == "c10d":
+        world, kind = self.world_size(), self.kind
+        if kind is CommKind.C10D:
             f = torch.ops._c10d_functional
-            return f.wait_tensor(f.reduce_scatter_tensor(x.contiguous(), "sum", world, self.name))
-        if self.kind == "vllm":
+            return f.wait_tensor(f.reduce_scatter_tensor(x.contiguous(), "sum", world,
+                                                         self.name))
+        if kind is CommKind.VLLM:
             return torch.ops.vllm.reduce_scatter(x.contiguous(), 0, world, self.name)
         raise ValueError(f"commfold: no reduce_scatter for communicator {self.spec!r}")
 
 
-@lru_cache(maxsize=None)
+@cache
 def communicator(spec: str) -> Communicator:
     return Communicator(spec)
 
@@ -94,7 +108,7 @@ def _c10d_group(name: str):
     return _resolve_process_group(name)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _vllm_group(name: str):
     from vllm.distributed.parallel_state import _groups
 

@@ -50,7 +50,7 @@ class CommEvent:
                     elements=self.elements, bytes=self.bytes, phase=self.phase)
 
     @classmethod
-    def from_json(cls, d: dict) -> "CommEvent":
+    def from_json(cls, d: dict) -> CommEvent:
         return cls(d["kind"], tuple(tuple(s) for s in d["shapes"]), d["dtype"], d.get("phase"))
 
 
@@ -70,7 +70,7 @@ class CommLog:
     def bytes(self, name: str | None = None) -> int:
         return sum(e.bytes for e in self.of(name))
 
-    def in_phase(self, *phases: str) -> "CommLog":
+    def in_phase(self, *phases: str) -> CommLog:
         return CommLog([e for e in self.events if e.phase in phases])
 
     def vocab_gathers(self, vocab_shard: int) -> list[CommEvent]:
@@ -80,7 +80,8 @@ class CommLog:
                 and any(s and s[-1] >= vocab_shard for s in e.shapes)]
 
     def __repr__(self) -> str:
-        return "CommLog(" + ", ".join(f"{e.name}{list(e.shapes)}:{e.dtype}" for e in self.events) + ")"
+        events = ", ".join(f"{e.name}{list(e.shapes)}:{e.dtype}" for e in self.events)
+        return f"CommLog({events})"
 
 
 def collective_event(e, phase: str | None = None) -> CommEvent | None:

@@ -9,12 +9,21 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
+from commfold.ops.norm_flags import TWO_SHOT_DEFAULT_MIN_BYTES
+
+# The pass registry: every pass, in the order they run; each is the module of the
+# same name in passes/ (its run(ctx): commfold.passes.PASSES, loaded on first use).
 # Order matters: replication first (it removes a vocab-parallel embedding's all-reduce
 # outright, better than fusing it into the next norm), then the fusion, then the
 # readers of gathers replication left sharded: softmax statistics first (they take
 # a row's greedy picks along), then top-k, then plain greedy picks.
 ALL_PASSES = ("replicate_vocab_parallel", "fuse_allreduce_rmsnorm", "local_softmax_stats",
               "local_topk", "local_argmax")
+
+
+def unknown_passes(names) -> list[str]:
+    """The names in `names` that are no registered pass."""
+    return [p for p in names if p not in ALL_PASSES]
 
 
 @dataclass(frozen=True)
@@ -26,16 +35,25 @@ class Config:
         most this many bytes is replicated on every rank (no per-step collective).
     strict: raise on an internal pass error instead of leaving the graph unchanged
         (for tests; users keep the default so a compile never breaks).
+    extra: free-form (key, value) pairs that only enter the cache key (tests use a
+        nonce to force a fresh compile).
+    two_shot_min_bytes: the fused all-reduce + RMSNorm runs two-shot (reduce-scatter,
+        add + norm on the local rows, all-gather) on c10d groups for tensors of at
+        least this many bytes whose rows divide by the world size; -1: never (the
+        default, see commfold.ops.norm_flags).
     """
 
     passes: tuple[str, ...] = ALL_PASSES
+    # measured: passes/replicate_vocab_parallel.py's docstring and
+    # benchmarks/results/README.md, "Replication"
     replicate_max_bytes: int = 64 * 2**20
     strict: bool = False
     extra: tuple[tuple[str, str], ...] = field(default=())
+    two_shot_min_bytes: int = TWO_SHOT_DEFAULT_MIN_BYTES
 
     def __post_init__(self):
         passes = (self.passes,) if isinstance(self.passes, str) else tuple(self.passes)
-        unknown = [p for p in passes if p not in ALL_PASSES]
+        unknown = unknown_passes(passes)
         if unknown:
             raise ValueError(
                 f"commfold: unknown pass name(s) {unknown}; choose from {list(ALL_PASSES)}"
@@ -43,10 +61,12 @@ class Config:
         object.__setattr__(self, "passes", passes)
         if self.replicate_max_bytes < 0:
             raise ValueError("commfold: replicate_max_bytes must be >= 0")
+        if self.two_shot_min_bytes < -1:
+            raise ValueError("commfold: two_shot_min_bytes must be >= -1 (-1: never)")
 
     def key(self) -> str:
         """A stable text form, part of the cache key."""
         return json.dumps(dataclasses.asdict(self), sort_keys=True, default=str)
 
-    def replace(self, **changes) -> "Config":
+    def replace(self, **changes) -> Config:
         return dataclasses.replace(self, **changes)

@@ -100,7 +100,8 @@ def _fmt_comm(comm: dict) -> str:
 
     if not comm:
         return "none"
-    return ", ".join(f"{name} x{calls} ({format_bytes(nbytes)})" for name, (calls, nbytes) in comm.items())
+    return ", ".join(f"{name} x{calls} ({format_bytes(nbytes)})"
+                     for name, (calls, nbytes) in comm.items())
 
 
 def run(opts: dict, echo=print) -> int:
@@ -109,9 +110,9 @@ def run(opts: dict, echo=print) -> int:
     from commfold.ranks import RankError, run_on_ranks
 
     w = opts["world_size"]
-    echo(f"commfold demo: {w}-rank tensor-parallel decoder on CPU (gloo): vocab {opts['vocab']}, "
-         f"hidden {opts['hidden']}, {opts['layers']} layers, {opts['dtype']}, batch {opts['batch']} "
-         f"x {opts['seq']} tokens; passes: {', '.join(opts['passes'])}")
+    echo(f"commfold demo: {w}-rank tensor-parallel decoder on CPU (gloo): vocab "
+         f"{opts['vocab']}, hidden {opts['hidden']}, {opts['layers']} layers, {opts['dtype']}, "
+         f"batch {opts['batch']} x {opts['seq']} tokens; passes: {', '.join(opts['passes'])}")
     echo("compiling with stock Inductor and with commfold on every rank (tens of seconds)...")
     try:
         res = run_on_ranks(_rank, w, opts, timeout=opts["timeout"])
@@ -119,7 +120,8 @@ def run(opts: dict, echo=print) -> int:
         echo(f"commfold demo: failed: {str(e).strip().splitlines()[-1]}")
         return 1
     r0 = res[0]
-    echo(f"compile: inductor {r0['compile_s']['inductor']:.1f} s, commfold {r0['compile_s']['commfold']:.1f} s (rank 0)")
+    echo(f"compile: inductor {r0['compile_s']['inductor']:.1f} s, "
+         f"commfold {r0['compile_s']['commfold']:.1f} s (rank 0)")
     echo("commfold rewrites (rank 0):")
     for text in r0["reports"]:
         echo("\n".join("  " + line for line in text.splitlines()))
@@ -130,7 +132,8 @@ def run(opts: dict, echo=print) -> int:
     same = all(r["tokens"]["commfold"] == b == base[0] for r, b in zip(res, base))
     n_tok = opts["batch"] * opts["steps"]
     if not same:
-        echo(f"tokens: MISMATCH between commfold and stock Inductor ({n_tok} greedy tokens per rank)")
+        echo(f"tokens: MISMATCH between commfold and stock Inductor "
+             f"({n_tok} greedy tokens per rank)")
         return 1
     echo(f"tokens: identical - {n_tok} greedy tokens ({opts['batch']} sequences x {opts['steps']} "
          f"steps), on all {w} ranks, with and without commfold")
@@ -145,10 +148,11 @@ def run(opts: dict, echo=print) -> int:
 
 def main(argv=None, prog: str = "commfold demo") -> int:
     import commfold
+    from commfold.config import unknown_passes
 
     args = _parser(prog).parse_args(argv)
     passes = [p for p in (args.passes or "").split(",") if p] or list(commfold.ALL_PASSES)
-    unknown = [p for p in passes if p not in commfold.ALL_PASSES]
+    unknown = unknown_passes(passes)
     if unknown:
         print(f"commfold demo: error: unknown pass(es) {unknown}; registered: "
               f"{list(commfold.ALL_PASSES)}", file=sys.stderr)

@@ -22,6 +22,7 @@ log = logging.getLogger("commfold")
 
 
 def _registry() -> dict:
+    """commfold.passes.PASSES, imported on first use: `import commfold` stays light."""
     from commfold.passes import PASSES
 
     return PASSES
@@ -83,9 +84,13 @@ class CommfoldPass(CustomGraphPass):
     """
 
     def __init__(self, config: Config | None = None, then=None, on_report=None):
-        self.config = config or Config()
+        self._config = config or Config()
         self.then = then
         self.on_report = on_report  # called with each published Report
+
+    @property
+    def config(self) -> Config:
+        return self._config
 
     def __call__(self, graph: fx.Graph) -> None:
         config = self.config

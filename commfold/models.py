@@ -64,7 +64,8 @@ class TPDecoder(nn.Module):
         self.world = dist.get_world_size(self.group)
         w, r = self.world, self.rank
         if cfg.heads % w or cfg.ffn % w:
-            raise ValueError(f"heads ({cfg.heads}) and ffn ({cfg.ffn}) must divide by the world size {w}")
+            raise ValueError(f"heads ({cfg.heads}) and ffn ({cfg.ffn}) must divide by the "
+                             f"world size {w}")
         self.head_dim = cfg.hidden // cfg.heads
         self.local_heads = cfg.heads // w
         self.shard_vocab = -(-cfg.vocab // w)  # padded vocab / world

@@ -89,7 +89,7 @@ class Report:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Report":
+    def from_dict(cls, d: dict) -> Report:
         def comm(c):
             return Comm(**c)
         return cls(

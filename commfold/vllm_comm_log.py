@@ -41,7 +41,7 @@ _RUNNER_PHASES = {"_model_forward": "forward", "_sample": "sampling",
                   "propose_draft_token_ids": "drafting"}
 _LOGITS = ("forward", "get_top_tokens", "get_top_k_tokens")
 
-_recorder: "_StepRecorder | None" = None
+_recorder: _StepRecorder | None = None
 
 
 def note(key: str, value) -> None:

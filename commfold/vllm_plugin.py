@@ -8,12 +8,14 @@
    (composed with a post-grad pass already there) and gives draft models that lack
    ``get_top_tokens`` commfold's local-argmax one.
 
-Options come from the environment, read where the pass is built (vLLM pickles the
-built pass into its worker processes): COMMFOLD_PASSES (comma-separated pass names),
-COMMFOLD_REPLICATE_MAX_BYTES. COMMFOLD_REPORT_DIR makes every process (each rank)
-write its reports there as JSON; COMMFOLD_COMM_LOG_DIR makes every worker rank log
-the collectives of each engine step (commfold.vllm_comm_log; with or without
-COMMFOLD_VLLM).
+Options come from the environment, read when the pass is first used (its uuid() or a
+run; vLLM asks for the uuid when it builds its config, before it pickles the pass into
+its worker processes): COMMFOLD_PASSES (comma-separated pass names),
+COMMFOLD_REPLICATE_MAX_BYTES. Importing this module reads no environment and cannot
+fail on a bad value; the first use raises one line that says what to set.
+COMMFOLD_REPORT_DIR makes every process (each rank) write its reports there as JSON;
+COMMFOLD_COMM_LOG_DIR makes every worker rank log the collectives of each engine step
+(commfold.vllm_comm_log; with or without COMMFOLD_VLLM).
 
 Caches: vLLM keys its compile cache and Inductor its FX graph cache on the pass's
 ``uuid()`` (commfold's code hash + config) only if vLLM takes the pass as its own
@@ -30,7 +32,7 @@ import os
 import sys
 
 from . import vllm_comm_log, vllm_target_pick
-from .config import Config
+from .config import ALL_PASSES, Config, unknown_passes
 from .manager import CommfoldPass
 
 ENV_ON = "COMMFOLD_VLLM"
@@ -44,17 +46,43 @@ def enabled(environ=os.environ) -> bool:
     return environ.get(ENV_ON, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+class EnvError(ValueError):
+    """A COMMFOLD_* variable holds a value commfold cannot use (one line: what to set)."""
+
+
 def config_from_env(environ=os.environ) -> Config:
     options = {}
-    if environ.get(ENV_PASSES, "").strip():
-        options["passes"] = tuple(p.strip() for p in environ[ENV_PASSES].split(",") if p.strip())
-    if environ.get(ENV_REPLICATE, "").strip():
-        options["replicate_max_bytes"] = int(environ[ENV_REPLICATE])
+    passes = environ.get(ENV_PASSES, "").strip()
+    if passes:
+        options["passes"] = tuple(p.strip() for p in passes.split(",") if p.strip())
+        unknown = unknown_passes(options["passes"])
+        if unknown:
+            raise EnvError(f"commfold: {ENV_PASSES}={passes!r} names unknown pass(es) "
+                           f"{unknown}; set it to some of {','.join(ALL_PASSES)} "
+                           f"(comma-separated) or unset it for all")
+    limit = environ.get(ENV_REPLICATE, "").strip()
+    if limit:
+        if not limit.isdigit():
+            raise EnvError(f"commfold: {ENV_REPLICATE}={limit!r} is not a byte count; set "
+                           f"it to an integer >= 0 (e.g. 1048576) or unset it for the "
+                           f"default {Config.replicate_max_bytes}")
+        options["replicate_max_bytes"] = int(limit)
     return Config(**options)
 
 
 class VllmCommfoldPass(CommfoldPass):
-    """CommfoldPass with what vLLM's pass manager asks of an InductorPass."""
+    """CommfoldPass with what vLLM's pass manager asks of an InductorPass. Without a
+    config, its options come from the environment at first use (config_from_env)."""
+
+    def __init__(self, config: Config | None = None, then=None, on_report=None):
+        super().__init__(config, then, on_report)
+        self._config = config  # None: read from the environment at first use
+
+    @property
+    def config(self) -> Config:
+        if self._config is None:
+            self._config = config_from_env()
+        return self._config
 
     def is_applicable_for_range(self, compile_range) -> bool:
         return True  # the rewrites do not depend on the token count
@@ -87,7 +115,7 @@ def configure(vllm_config) -> None:
             unwrapped.__class__ = VllmCommfoldPass
         compile_config[PASS_KEY] = unwrapped
     elif enabled():
-        compile_config[PASS_KEY] = VllmCommfoldPass(config_from_env(), then=current)
+        compile_config[PASS_KEY] = VllmCommfoldPass(then=current)  # options: environment
 
 
 def register() -> None:
@@ -141,6 +169,7 @@ def _hook_draft_models() -> None:
 
 
 # The pass vLLM's compilation config names as "commfold.vllm_pass" (re-exported by
-# commfold/__init__.py): options from the environment of the importing process.
-vllm_pass = VllmCommfoldPass(config_from_env())
+# commfold/__init__.py; vLLM reads it from the module's __dict__, so it is an object,
+# not a module __getattr__): options from the environment, read at first use.
+vllm_pass = VllmCommfoldPass()
 register_inductor_pass()

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .collectives import CommKind
 from . import vllm_comm_log
 from .ops import logprob_scan
 
@@ -322,10 +323,10 @@ def _comm_spec(tp) -> str:
     CPU shared-memory one, torch.distributed on a CPU group, else vLLM's custom ops."""
     shm = getattr(getattr(tp, "device_communicator", None), "dist_module", None)
     if getattr(shm, "handle", None) is not None:
-        return f"vllm_shm:{shm.handle}"
+        return CommKind.VLLM_SHM.spec(shm.handle)
     if tp.device.type == "cpu":
-        return f"c10d:{tp.device_group.group_name}"
-    return f"vllm:{tp.unique_name}"
+        return CommKind.C10D.spec(tp.device_group.group_name)
+    return CommKind.VLLM.spec(tp.unique_name)
 
 
 # --- install -------------------------------------------------------------------------

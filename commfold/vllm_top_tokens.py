@@ -13,7 +13,7 @@ vLLM plugin does so when COMMFOLD_VLLM=1). Nothing here imports vLLM.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

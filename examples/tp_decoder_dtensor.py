@@ -45,7 +45,8 @@ class Attention(nn.Module):
 
     def forward(self, x):
         b, s, _ = x.shape  # after ColwiseParallel each rank holds HEADS / world heads
-        q, k, v = (p(x).view(b, s, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
+        q, k, v = (p(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+                   for p in (self.q, self.k, self.v))
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o(a.transpose(1, 2).reshape(b, s, -1))
 
@@ -63,7 +64,8 @@ class MLP(nn.Module):
 class Layer(nn.Module):
     def __init__(self):
         super().__init__()
-        self.attn, self.attn_norm, self.mlp, self.mlp_norm = Attention(), RMSNorm(HIDDEN), MLP(), RMSNorm(HIDDEN)
+        self.attn, self.attn_norm = Attention(), RMSNorm(HIDDEN)
+        self.mlp, self.mlp_norm = MLP(), RMSNorm(HIDDEN)
 
 
 class Decoder(nn.Module):

@@ -1,11 +1,8 @@
-"""The rewrites, one module each. PASSES maps a Config pass name to its run(ctx)."""
-from . import (fuse_allreduce_rmsnorm, local_argmax, local_softmax_stats, local_topk,
-               replicate_vocab_parallel)
+"""The rewrites, one module each: PASSES maps each pass name of the registry
+(commfold.config.ALL_PASSES, in the order they run) to the run(ctx) of the module of
+that name here. A new pass is a module here plus its name in ALL_PASSES."""
+from importlib import import_module
 
-PASSES = {
-    "fuse_allreduce_rmsnorm": fuse_allreduce_rmsnorm.run,
-    "replicate_vocab_parallel": replicate_vocab_parallel.run,
-    "local_softmax_stats": local_softmax_stats.run,
-    "local_topk": local_topk.run,
-    "local_argmax": local_argmax.run,
-}
+from commfold.config import ALL_PASSES
+
+PASSES = {name: import_module(f"{__name__}.{name}").run for name in ALL_PASSES}

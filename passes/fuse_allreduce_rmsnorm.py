@@ -38,19 +38,17 @@ from torch._inductor.fx_utils import get_node_storage
 from commfold.context import PassContext
 from commfold.graph import nbytes, tensor_val
 from commfold.graph_edit import erase_if_dead, insert_call
-from commfold.ops.allreduce_rmsnorm import (SUPPORTED_DTYPES, TWO_SHOT_DEFAULT_MIN_BYTES,
-                                           pack_flags)
+from commfold.ops.allreduce_rmsnorm import SUPPORTED_DTYPES, pack_flags
 from commfold.patterns.allreduce import AllReduce, allreduce_candidates, match_allreduce
 from commfold.patterns.rmsnorm import match_rmsnorm
 from commfold.patterns.rmsnorm_match import RMSNorm
 from commfold.report import Comm
 
 PATTERN = "all_reduce->rmsnorm"
-TWO_SHOT_OPTION = "allreduce_rmsnorm_two_shot_min_bytes"
 
 
 def run(ctx: PassContext) -> None:
-    two_shot = int(dict(ctx.config.extra).get(TWO_SHOT_OPTION, TWO_SHOT_DEFAULT_MIN_BYTES))
+    two_shot = ctx.config.two_shot_min_bytes
     for ar, norm in ctx.matches(PATTERN, allreduce_candidates(ctx.graph), _allreduce_norm):
         why = _unsafe(ar, norm)
         if why:
@@ -76,7 +74,8 @@ def _unsafe(ar: AllReduce, norm: RMSNorm) -> str | None:
     if dtype not in SUPPORTED_DTYPES or norm.dtype != dtype:
         return f"unsupported dtype {dtype} (norm input {norm.dtype})"
     if norm.residual is not None and len(ar.reduced.users) > 1:
-        return "the reduced value is read besides the residual add (the op returns only the sum with the residual)"
+        return ("the reduced value is read besides the residual add (the op returns only "
+                "the sum with the residual)")
     # FX nodes compare by graph position (O(1)): no per-match walk of the graph
     last_input = max(n for n in (ar.collective, norm.residual, norm.weight) if n is not None)
     readers = [u for n in (norm.h, norm.output) if n is not None for u in n.users

@@ -57,7 +57,8 @@ LM_HEAD = "vocab_parallel_lm_head"
 # (benchmarks/bench_replicate.py --layers head+argmax, TP=2, 2-core CPU, batch 1, V=151936,
 # median ms local_argmax / replicated): 1.2 MiB 4.09/1.11, 4.6 MiB 3.78/1.38,
 # 18.5 MiB 1.50/2.28. The crossover lies between 4.6 and 18.5 MiB on a loaded machine;
-# a quiet machine has cheaper collectives, which moves it down: 4 MiB.
+# a quiet machine has cheaper collectives, which moves it down: 4 MiB. Figures:
+# benchmarks/results/README.md, "Replication" (table in results.md, "Vocab-parallel").
 ARGMAX_REPLICATE_MAX_BYTES = 4 << 20
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
+from commfold.collectives import CommKind
 from commfold.graph import is_call, is_getitem
 
 from .common import Miss, c10d, functional_kwargs, is_functionalized, optional_op, waits_of
@@ -50,12 +51,12 @@ def match_allreduce(coll: fx.Node) -> AllReduce | Miss:
         waits = waits_of(coll)
         if not waits:
             return Miss("all-reduce without a wait_tensor", coll)
-        return AllReduce(x, waits[-1], str(op), f"c10d:{group}", coll,
+        return AllReduce(x, waits[-1], str(op), CommKind.C10D.spec(group), coll,
                          (coll, *waits))
     vllm_ar = optional_op("vllm", "all_reduce")
     if vllm_ar is not None and is_call(coll, vllm_ar):
         x, group = coll.args[:2]
-        return AllReduce(x, coll, "sum", f"vllm:{group}", coll, (coll,))
+        return AllReduce(x, coll, "sum", CommKind.VLLM.spec(group), coll, (coll,))
     if is_functionalized(coll, optional_op("_C", "shm_allreduce")):
         outs = [u for u in coll.users if is_getitem(u, 1)]
         if len(outs) != 1 or len(coll.users) != 1:
@@ -67,6 +68,6 @@ def match_allreduce(coll: fx.Node) -> AllReduce | Miss:
         if data is None:
             return Miss("shm all-reduce on a view of a larger tensor (auto_functionalized_v2)",
                         coll)
-        return AllReduce(data, outs[0], "sum", f"vllm_shm:{handle}", coll,
+        return AllReduce(data, outs[0], "sum", CommKind.VLLM_SHM.spec(handle), coll,
                          (coll, outs[0]))
     return Miss("not an all-reduce", coll)

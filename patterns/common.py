@@ -84,7 +84,7 @@ def waits_of(node: fx.Node) -> list[fx.Node]:
         node = nxt
 
 
-def vocab_slice_end(node: fx.Node, rank: int) -> "tuple | Miss":
+def vocab_slice_end(node: fx.Node, rank: int) -> tuple | Miss:
     """(end,) when slice node keeps the vocab dim's [0:end] (end an int, a SymInt
     node, or None), else a Miss saying why. The ops given `end` apply slice's own
     clamping at run time (end may be symbolic)."""

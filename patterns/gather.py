@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
+from commfold.collectives import CommKind
 from commfold.graph import (arg, is_call, is_getitem, ndim, norm_dim, only_user, same_shape,
                             tensor_val)
 
@@ -76,7 +77,7 @@ def _match_shm(coll: fx.Node) -> VocabGather | Miss:
     world = view.args[1][0]
     if not isinstance(world, int):
         return Miss("gathered buffer viewed other than as [world, *shard]", coll)
-    comm = f"vllm_shm:{coll.kwargs['handle']}"
+    comm = CommKind.VLLM_SHM.spec(coll.kwargs["handle"])
     return _match_reshape_permute(coll, outs, shard, view, world, comm, rank)
 
 
@@ -85,7 +86,7 @@ def _match_vllm(coll: fx.Node) -> VocabGather | Miss:
     rank = ndim(shard)
     if rank is None or norm_dim(dim, rank) != rank - 1:
         return Miss(f"all-gather on dim {dim}, not the last (vocab) dim", coll)
-    return VocabGather(shard, coll, int(world), f"vllm:{group}", coll)
+    return VocabGather(shard, coll, int(world), CommKind.VLLM.spec(group), coll)
 
 
 def _match_c10d(coll: fx.Node) -> VocabGather | Miss:
@@ -98,7 +99,7 @@ def _match_c10d(coll: fx.Node) -> VocabGather | Miss:
     if not waits:
         return Miss("all-gather without a wait_tensor", coll)
     waited = waits[-1]
-    comm = f"c10d:{group}"
+    comm = CommKind.C10D.spec(group)
     user = only_user(waited)
     if user is None:
         return Miss("the gathered buffer has several consumers", coll)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.fx as fx
@@ -15,19 +16,22 @@ from .common import (FLOAT_DTYPES, Miss, aten, op_name, prims, reader_within,
                      vocab_slice_end)
 from .gather import VocabGather
 
+PickKind = Literal["argmax", "max", "topk"]
+
 
 
 @dataclass(frozen=True)
 class GreedyPick:
     gather: VocabGather
-    valid_vocab: "int | fx.Node | None"  # slice end (an int or a SymInt node); None: no slice
+    valid_vocab: int | fx.Node | None  # slice end (an int or a SymInt node); None: no slice
     elementwise: tuple[fx.Node, ...]  # monotone ops to replay on the shard, in order
     pick: fx.Node  # the argmax / max.dim / topk node
-    kind: str  # "argmax" | "max" | "topk"
+    kind: PickKind
     keepdim: bool
 
 
-_PICKS = {aten.argmax.default: "argmax", aten.max.dim: "max", aten.topk.default: "topk"}
+_PICKS: dict[object, PickKind] = {aten.argmax.default: "argmax", aten.max.dim: "max",
+                                  aten.topk.default: "topk"}
 
 
 def _positive_number(x) -> bool | None:
@@ -75,7 +79,7 @@ class RowWalk:
     """The single-consumer path from a gathered row to the op that reads it: an
     optional slice to the valid vocab, then column-uniform elementwise ops."""
 
-    valid_vocab: "int | fx.Node | None"
+    valid_vocab: int | fx.Node | None
     elementwise: tuple[fx.Node, ...]
     reader: fx.Node
 

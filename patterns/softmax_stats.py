@@ -38,11 +38,11 @@ class SoftmaxStats:
     base: fx.Node  # the row the statistics read
     chain: tuple[fx.Node, ...]  # elementwise ops from the gathered (sliced) row to base
     amax: fx.Node
-    finite_shift: "fx.Node | None"  # logsumexp's where(|A| == inf, 0, A), or None
+    finite_shift: fx.Node | None  # logsumexp's where(|A| == inf, 0, A), or None
     shifted: fx.Node  # D
     exp: fx.Node
     sum: fx.Node
-    log: "fx.Node | None"
+    log: fx.Node | None
     picks: tuple[fx.Node, ...]  # gather(LP, -1, idx) nodes
     softmax_max: tuple[fx.Node, ...]  # max.dim / argmax (E / S, -1) nodes
 
@@ -61,7 +61,7 @@ class RowReads:
     """Everything that reads gathered row `gather`: statistics and greedy picks."""
 
     gather: VocabGather
-    valid_vocab: "int | fx.Node | None"
+    valid_vocab: int | fx.Node | None
     stats: tuple[SoftmaxStats, ...]
     greedy: tuple[Greedy, ...]
 

@@ -13,6 +13,7 @@ greedy pick (patterns.greedy), not matched here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch.fx as fx
 
@@ -22,6 +23,9 @@ from .common import FLOAT_DTYPES, Miss, aten, vocab_slice_end
 from .gather import VocabGather
 from .greedy import walk_to_reader
 
+# k int64 pairs per row per rank stay small: top-8 / top-50 measured 2.30x / 2.15x
+# faster than the full gather at B=64, V=151936 (benchmarks/results/README.md, "Beyond
+# greedy"); larger k was not measured.
 MAX_K = 64
 _READERS = {aten.topk.default, aten.sort.default, aten.sort.stable}
 
@@ -33,10 +37,10 @@ class TopK:
     slices - to which; `dead` are the nodes they replace, erased after."""
 
     gather: VocabGather
-    valid_vocab: "int | fx.Node | None"
+    valid_vocab: int | fx.Node | None
     elementwise: tuple[fx.Node, ...]
     reader: fx.Node  # the topk / sort node
-    kind: str  # "topk" | "sort"
+    kind: Literal["topk", "sort"]
     k: int
     outputs: tuple[tuple[fx.Node, int], ...]
 

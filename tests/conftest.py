@@ -1,9 +1,18 @@
 """Shared fixtures: rank pools of 2 and 4 gloo ranks, started once per session and
-restarted after a failed call (a rank stuck in a collective is not reused)."""
+restarted after a failed call (a rank stuck in a collective is not reused); and the
+hypothesis profile: derandomized, so every run draws the same examples in the same
+time (COMMFOLD_HYPOTHESIS=random draws fresh ones)."""
+import os
+
 import pytest
+from hypothesis import settings
 
 from commfold.ranks import RankPool
 
+settings.register_profile("fixed", derandomize=True, database=None)
+settings.register_profile("random")
+settings.load_profile("random" if os.environ.get("COMMFOLD_HYPOTHESIS") == "random"
+                      else "fixed")
 
 _pools: dict[int, RankPool] = {}
 

@@ -50,7 +50,8 @@ greedy_good = st.fixed_dictionaries({
     "pick": st.sampled_from(["argmax", "max", "topk", "topk3", "logprob"]),
     "ties": st.booleans(),
 }).map(lambda b: {**b, "dtype": "f32", "ties": False} if b["pick"] in ("topk", "topk3") else b
-       ).map(lambda b: {**b, "ops": [o for o in b["ops"] if o == "add"]} if b["pick"] == "logprob" else b)
+       ).map(lambda b: {**b, "ops": [o for o in b["ops"] if o == "add"]}
+             if b["pick"] == "logprob" else b)
 # topk's choice among equal values is unspecified (so no ties, and f32, where the
 # monotone ops cannot round two logits together). topk3: local_topk; logprob: the
 # greedy token and its logprob, local_softmax_stats (without a scale last: Inductor
@@ -170,7 +171,8 @@ def block_inputs(b: dict) -> list:
         t, h = b["tokens"], b["hidden"]
         xs = torch.randn(world, t, h, generator=g, dtype=torch.float64)
         r = torch.randn(t, h, generator=g, dtype=torch.float64)
-        w = torch.randn(h, generator=g, dtype=torch.float64) * 0.3 + (0.0 if b["norm"] == "gemma" else 1.0)
+        w = (torch.randn(h, generator=g, dtype=torch.float64) * 0.3
+             + (0.0 if b["norm"] == "gemma" else 1.0))
         return [xs[rank].to(dtype), r.to(dtype), w.to(dtype)]
     if b["kind"] == "embed":
         v, h = b["vocab"], b["hidden"]

@@ -169,8 +169,10 @@ class TPDecoder(nn.Module):
         div = 1 if coll == "dtensor" else world
         self.hidden, self.layers = hidden, layers
         self.inp = nn.Linear(hidden // div, hidden, bias=False)
-        self.ups = nn.ModuleList(nn.Linear(hidden, inter // div, bias=False) for _ in range(2 * layers))
-        self.downs = nn.ModuleList(nn.Linear(inter // div, hidden, bias=False) for _ in range(2 * layers))
+        self.ups = nn.ModuleList(nn.Linear(hidden, inter // div, bias=False)
+                                 for _ in range(2 * layers))
+        self.downs = nn.ModuleList(nn.Linear(inter // div, hidden, bias=False)
+                                   for _ in range(2 * layers))
         self.norms = nn.ModuleList(_norm_module(norm, hidden, eps) for _ in range(2 * layers + 1))
 
     def _ar(self, x):

@@ -37,11 +37,12 @@ FIGURES = {"local_argmax", "allreduce_rmsnorm", "replicate", "decode", "compile_
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench")
+    cwd = tmp_path_factory.mktemp("bench")
+    out = cwd / "results"  # --out relative to the caller's cwd, not the checkout's
     # issue 7's figures (the sampling figure's passes have tests of their own)
-    proc = subprocess.run([sys.executable, "-m", "commfold.cli", "bench", "--quick", "--out", str(out),
-                           "--only", *sorted(FIGURES)], cwd=out, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "commfold.cli", "bench", "--quick", "--out",
+                           "results", "--only", *sorted(FIGURES)], cwd=cwd,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out, json.loads((out / "results.json").read_text()), (out / "results.md").read_text()
 
@@ -99,7 +100,8 @@ def test_rewritten_forms_send_their_lower_bound(quick_run):
     assert "| NO |" not in md
 
 
-def test_without_matplotlib_json_and_markdown_still_written(quick_run, tmp_path, monkeypatch, capsys):
+def test_without_matplotlib_json_and_markdown_still_written(quick_run, tmp_path, monkeypatch,
+                                                             capsys):
     _, results, _ = quick_run
     monkeypatch.syspath_prepend(str(ROOT))
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
@@ -118,7 +120,17 @@ def test_bench_cli_without_a_checkout(monkeypatch, capsys, tmp_path):
 
     monkeypatch.setattr(cli, "__file__", str(tmp_path / "site-packages" / "commfold" / "cli.py"))
     assert cli.main(["bench", "--quick"]) == 2
-    assert "python -m benchmarks" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "needs a source checkout" in err and "python -m benchmarks" in err
+
+
+def test_bench_cli_out_is_relative_to_the_callers_cwd(tmp_path):
+    """The suite runs in the checkout (a subprocess, cwd there): --out must still name a
+    folder under the caller's cwd (quick_run runs it so, end to end)."""
+    import commfold.cli as cli
+
+    assert cli._absolute_out(["--quick", "--out", "r", "--out=s"], tmp_path) == [
+        "--quick", "--out", str(tmp_path / "r"), f"--out={tmp_path / 's'}"]
 
 
 # ---------------------------------------------------------------- lint once
@@ -243,7 +255,8 @@ def test_only_keeps_the_other_figures(tmp_path):
                for n, f in new["figures"].items() if n != "decode")
     quick = keep_previous(run("new", True, ["decode"]), tmp_path)
     assert list(quick["figures"]) == ["decode"]
-    assert keep_previous(run("new", False, ["decode"]), tmp_path / "none")["figures"].keys() == {"decode"}
+    kept = keep_previous(run("new", False, ["decode"]), tmp_path / "none")
+    assert kept["figures"].keys() == {"decode"}
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])

@@ -53,7 +53,8 @@ def test_diff_funcol_example_two_ranks(tmp_path):
         stages = re.findall(rf"\] rank {r}: (.*)", text)
         assert stages[0] == "importing torch and commfold" and stages[-1] == "done", stages
         assert any(s.startswith("compiling (dynamo frame") for s in stages)
-        assert any(s.startswith("compiling graph 0: pass local_argmax done (1 rewrite") for s in stages)
+        assert any(s.startswith("compiling graph 0: pass local_argmax done (1 rewrite")
+                   for s in stages)
 
     # the table: the example compiles twice (stock inductor and backend="commfold"),
     # and under `commfold diff` both run the chosen passes.
@@ -62,7 +63,8 @@ def test_diff_funcol_example_two_ranks(tmp_path):
     cfg = ex.CONFIG
     padded_vocab = -(-cfg.vocab // 2) * 2
     before = f"{format_bytes(ex.BATCH * padded_vocab * 4)} in 1 call"
-    after = f"{format_bytes(ex.BATCH * 16 * 2)} in 1 call"  # (value, index) int64 pair per row per rank
+    # (value, index) int64 pair per row per rank
+    after = f"{format_bytes(ex.BATCH * 16 * 2)} in 1 call"
     for graph, row in enumerate(rows):
         cells = [c.strip() for c in row.split("|")]
         assert cells[:3] == [str(graph), "local_argmax", "all_gather->argmax"], row
@@ -155,7 +157,8 @@ def test_diff_bad_inputs(tmp_path, capsys, monkeypatch):
     # a rank that hangs: killed at --timeout, exit 1, where each rank was
     script = tmp_path / "hang.py"
     script.write_text(HANG)
-    code, text = main_in_process(capsys, "diff", script, "--out", tmp_path / "hang", "--timeout", 10)
+    code, text = main_in_process(capsys, "diff", script, "--out", tmp_path / "hang",
+                                 "--timeout", 10)
     assert code == 1, text
     [line] = error_lines(text)
     assert "still running after 10s" in line and "rank 1 in 'running target'" in line, line
@@ -213,7 +216,7 @@ def test_observing_hook_sees_every_pass_and_forces_the_pass_list():
         pass_(gm.graph)
     assert pass_.uuid() is not None
     assert [name for name, *_ in seen] == list(commfold.ALL_PASSES)
-    for name, before, after, report in seen:
+    for _name, before, after, report in seen:
         assert isinstance(before, fx.Graph) and isinstance(after, fx.Graph)
         assert before is not gm.graph and after is not gm.graph  # copies
         assert report.passes == commfold.ALL_PASSES and not report.errors

@@ -100,7 +100,8 @@ def injected_faults(rounds: dict, strict_rounds) -> dict:
                 torch._dynamo.reset()
                 seen = len(commfold.reports())
                 # a fresh config per round and rank: no cached graph skips the passes
-                backend = commfold.backend(strict=strict, extra=(("test_nonce", f"{name}-{dist.get_rank()}"),))
+                nonce = ("test_nonce", f"{name}-{dist.get_rank()}")
+                backend = commfold.backend(strict=strict, extra=(nonce,))
                 try:
                     got = torch.compile(fn, backend=backend)(*[a.clone() for a in args])
                 except Exception as e:
@@ -128,7 +129,8 @@ def test_injected_faults(ranks2):
             # a failing pass is undone entirely; the others keep their rewrites
             want_counts = {p: 0 if p in faulted else n for p, n in ((LA, 1), (FUSE, 1), (REP, 2))}
             assert r["counts"] == want_counts, (name, r)
-            want = sorted((PASS_OF[m], f"Injected: injected fault in {m}.{a}") for m, a, _ in points)
+            want = sorted((PASS_OF[m], f"Injected: injected fault in {m}.{a}")
+                          for m, a, _ in points)
             assert r["errors"] == want, (name, r)
             for pass_name, error in want:
                 assert any(pass_name in w and error in w for w in r["warnings"]), (name, r)
@@ -193,7 +195,8 @@ def awkward_graphs() -> dict:
     """Per scenario: mismatches vs plain Inductor, rewrites, errors, graphs compiled."""
     out = {}
     scenarios = {  # name: (torch.compile kwargs, row counts run in turn, mark_dynamic)
-        "dynamic=True": ({"dynamic": True}, [3, 5, 2], False),  # (1 row: torch 2.13 funcol fails, eager too)
+        # (1 row: torch 2.13 funcol fails, eager too)
+        "dynamic=True": ({"dynamic": True}, [3, 5, 2], False),
         "mark_dynamic": ({}, [4, 2], True),
         "recompile": ({"dynamic": False}, [3, 6], False),
         "empty batch": ({"dynamic": False}, [0], False),

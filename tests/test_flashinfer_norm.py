@@ -91,7 +91,8 @@ def fallbacks_on_rank():
     rec = flashinfer_standin.install()
     out = []
     try:
-        for i, (why, dtype, shape, wdtype, off_in_w, round_bw, odt, env) in enumerate(NOT_DELEGATED):
+        for i, case in enumerate(NOT_DELEGATED):
+            why, dtype, shape, wdtype, off_in_w, round_bw, odt, env = case
             x, r, w = _inputs(dtype, shape, 100 + i)
             w = w.to(wdtype)
             offset = 1.0 if off_in_w else 0.0
@@ -109,7 +110,8 @@ def fallbacks_on_rank():
                         os.environ.pop(k)
                     else:
                         os.environ[k] = v
-            out.append(dict(why=why, reason=reason, equal=all(torch.equal(a, b) for a, b in zip(got, ref))))
+            out.append(dict(why=why, reason=reason,
+                            equal=all(torch.equal(a, b) for a, b in zip(got, ref))))
         return out, len(rec.calls), rec.attempts
     finally:
         flashinfer_standin.uninstall()
@@ -155,7 +157,7 @@ def _comm():
 def test_eligible_calls_go_to_flashinfer_with_the_right_arguments(ranks):
     world = ranks.world_size
     for rank, (rows, ws) in enumerate(ranks.run(delegation_on_rank)):
-        for (dtype, shape, res, weight, offset), row in zip(DELEGATED, rows):
+        for (dtype, shape, _res, _weight, offset), row in zip(DELEGATED, rows):
             assert row["calls"] == 1
             tokens = shape[0] * (shape[1] if len(shape) == 3 else 1)
             assert row["call"] == dict(tokens=tokens, hidden=shape[-1], dtype=dtype, eps=1e-6,
@@ -172,7 +174,8 @@ def test_eligible_calls_go_to_flashinfer_with_the_right_arguments(ranks):
         for w in ws:
             elem = torch.empty((), dtype=w["dtype"]).element_size()
             assert w["max_token_num"] == 2 * 2**20 // (w["hidden_dim"] * elem)
-            assert (w["backend"], w["world_size"], w["rank"], w["group"]) == ("trtllm", world, rank, True)
+            assert ((w["backend"], w["world_size"], w["rank"], w["group"])
+                    == ("trtllm", world, rank, True))
 
 
 def test_ineligible_calls_take_the_composite_path_unchanged(ranks2):

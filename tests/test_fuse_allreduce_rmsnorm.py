@@ -17,13 +17,12 @@ from commfold.comm_log import record_collectives
 from models_norm import OFFSET, build_decoder, make_block
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
-TWO_SHOT = "allreduce_rmsnorm_two_shot_min_bytes"
 OP = "commfold::allreduce_rmsnorm"
 
 
 def _config(two_shot: int | None = None):
-    extra = ((TWO_SHOT, str(two_shot)),) if two_shot is not None else ()
-    return commfold.backend(passes=("fuse_allreduce_rmsnorm",), strict=True, extra=extra)
+    options = {"two_shot_min_bytes": two_shot} if two_shot is not None else {}
+    return commfold.backend(passes=("fuse_allreduce_rmsnorm",), strict=True, **options)
 
 
 def _inputs(case, tokens, world, rank):
@@ -31,7 +30,8 @@ def _inputs(case, tokens, world, rank):
     dtype, hidden = DTYPES[case["dtype"]], case["hidden"]
     xs = torch.randn(world, tokens, hidden, generator=g, dtype=torch.float64) * case["scale"]
     r = torch.randn(tokens, hidden, generator=g, dtype=torch.float64)
-    w = torch.randn(hidden, generator=g, dtype=torch.float64) * 0.5 + (0.0 if case["norm"].startswith("gemma") else 1.0)
+    w = (torch.randn(hidden, generator=g, dtype=torch.float64) * 0.5
+         + (0.0 if case["norm"].startswith("gemma") else 1.0))
     return xs.to(dtype), r.to(dtype), w.to(dtype)
 
 
@@ -58,7 +58,8 @@ def _numerics(cases, two_shot):
         torch._dynamo.reset()
         commfold.clear_reports()
         unfused = torch.compile(block, backend="inductor")
-        fused = torch.compile(lambda x, r, w: block(x, r, w), backend=_config(two_shot))
+        fused = torch.compile(lambda x, r, w: block(x, r, w),  # noqa: B023 (run in this iteration)
+                              backend=_config(two_shot))
         for tokens in case["tokens"]:
             xs, r, w = _inputs(case, tokens, world, rank)
             x = xs[rank]
@@ -67,7 +68,8 @@ def _numerics(cases, two_shot):
                 f_out, f_res = fused(*_dynamic_rows(x.clone(), r), w)
             ref = _reference(case, xs, r, w)
             out.append(dict(
-                case=case, tokens=tokens, dtype=str(f_out.dtype), same_dtype=f_out.dtype == u_out.dtype,
+                case=case, tokens=tokens, dtype=str(f_out.dtype),
+                same_dtype=f_out.dtype == u_out.dtype,
                 res_equal=torch.equal(f_res, u_res),
                 mismatch=(f_out != u_out).double().mean().item(),
                 res_maxdiff=(f_res.double() - u_res.double()).abs().max().item(),
@@ -137,7 +139,8 @@ def test_matches_unfused_program(ranks, cases):
             # the graph's own collective, once, nothing else
             assert r["calls"] == {"all_reduce": 1, "reduce_scatter": 0, "all_gather": 0}, r
         per_graph = [r["rewrites"] for r in results if "rewrites" in r]  # T=1 recompiles
-        assert len(per_graph) == len(cases) and all(c and set(c) == {1} for c in per_graph), per_graph
+        assert len(per_graph) == len(cases), per_graph
+        assert all(c and set(c) == {1} for c in per_graph), per_graph
     # every rank computed the same normed output
     assert len({tuple(r["out_hash"] for r in res) for res in per_rank}) == 1
 
@@ -250,11 +253,6 @@ def _avg(x, r, w):
     return torch.nn.functional.rms_norm(y, (y.shape[-1],), w, 1e-5)
 
 
-def _other_dim(x, r, w):
-    y = funcol.all_reduce(x, "sum", dist.group.WORLD) + r
-    return y * torch.rsqrt(y.pow(2).mean(0, keepdim=True) + 1e-5) * w
-
-
 def _reduced_read_twice(x, r, w):
     y = funcol.all_reduce(x, "sum", dist.group.WORLD)
     h = y + r
@@ -266,7 +264,9 @@ def _f64(x, r, w):
     return torch.nn.functional.rms_norm(y, (y.shape[-1],), w.double(), 1e-5)
 
 
-SKIPS = {"_avg": "'avg' all-reduce", "_other_dim": "not the last (hidden) dim",
+# the pass's own skips (a norm over another dim, a recognizer near-miss, is asserted
+# without ranks in test_recognize_norms.py)
+SKIPS = {"_avg": "'avg' all-reduce",
          "_reduced_read_twice": "the reduced value is read besides the residual add",
          "_f64": "unsupported dtype torch.float64",
          "_inplace_input_residual": "the reduced value is read besides the residual add"}
@@ -287,11 +287,13 @@ def forms_on_rank():
         torch._dynamo.reset()
         with torch._inductor.config.patch(fx_graph_cache=False):  # the pass itself runs
             got = torch.compile(fn, backend=_config())(xb, *args[1:])
-        want, got = (want,) if torch.is_tensor(want) else want, (got,) if torch.is_tensor(got) else got
+        want = (want,) if torch.is_tensor(want) else want
+        got = (got,) if torch.is_tensor(got) else got
         rep = commfold.last_report()
         out[name] = dict(count=rep.count("fuse_allreduce_rmsnorm"),
                          misses=[m.reason for m in rep.near_misses],
-                         close=all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(want, got)),
+                         close=all(torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+                                   for a, b in zip(want, got)),
                          input_written=torch.equal(xa, xb))
     return out
 

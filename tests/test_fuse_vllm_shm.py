@@ -40,7 +40,8 @@ def shm_fusion_on_rank(v2: bool):
             for tokens in (1, 5, 33):
                 g = torch.Generator().manual_seed(tokens * 10 + rank)
                 x = torch.randn(tokens, 96, generator=g).to(dtype)
-                r = torch.randn(tokens, 96, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+                r = torch.randn(tokens, 96,
+                                generator=torch.Generator().manual_seed(tokens)).to(dtype)
                 w = (torch.rand(96, generator=torch.Generator().manual_seed(7)) + 0.5).to(dtype)
                 (n0, h0), (n1, h1) = unfused(x, r, w), fused(x, r, w)
                 out.append(dict(dtype=str(dtype), tokens=tokens, h_equal=torch.equal(h0, h1),

@@ -171,8 +171,9 @@ def index_above_2_24() -> int:
     if rank * vs <= winner < (rank + 1) * vs:
         shard[:, winner - rank * vs] = 1.0
     # 2 rows: torch 2.13's dynamo mis-traces the gather of a [1, 2^23] shard (eager is fine)
-    fn = torch.compile(lambda s: funcol.all_gather_tensor(s, -1, dist.group.WORLD)[:, :vocab].argmax(-1),
-                       backend="commfold")
+    fn = torch.compile(
+        lambda s: funcol.all_gather_tensor(s, -1, dist.group.WORLD)[:, :vocab].argmax(-1),
+        backend="commfold")
     return int(fn(shard)[0])
 
 

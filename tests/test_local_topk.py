@@ -202,31 +202,18 @@ def _gather(x):
     return funcol.all_gather_single(x, -1, dist.group.WORLD)
 
 
-def smallest(x):
-    return torch.topk(_gather(x), 3, largest=False)
-
-
-def k_too_large(x):
-    return torch.topk(_gather(x), 65)
-
-
 def full_sort_used(x):
     v, i = torch.sort(_gather(x), descending=True)
     return v[:, :5], i  # every sorted index is needed
-
-
-def ascending_sort(x):
-    v, i = torch.sort(_gather(x))
-    return v[:, :5], i[:, :5]
 
 
 def float64_topk(x):
     return torch.topk(_gather(x.double()), 4)
 
 
-SKIPS = {smallest: "largest=False", k_too_large: "k > 64",
-         full_sort_used: "full sorted row", ascending_sort: "ascending",
-         float64_topk: "float64"}
+# one recognizer near-miss end to end, and the pass's own dtype skip (the recognizer's
+# others - largest=False, k > 64, ascending sorts - in test_recognize_picks.py)
+SKIPS = {full_sort_used: "full sorted row", float64_topk: "float64"}
 
 
 def run_skips() -> list:

@@ -59,7 +59,8 @@ def decoder_fingerprints(nonce: str) -> dict:
         torch._dynamo.reset()
         seen = len(commfold.reports())
         held = _perturb(scenario)
-        tokens = torch.compile(model, backend=_fresh_backend(f"{nonce}-{dist.get_rank()}-{scenario}"))(ids)
+        backend = _fresh_backend(f"{nonce}-{dist.get_rank()}-{scenario}")
+        tokens = torch.compile(model, backend=backend)(ids)
         del held
         reps = commfold.reports()[seen:]
         mine = {"fingerprints": [r.fingerprint() for r in reps],
@@ -73,7 +74,7 @@ def test_decoder_decisions_equal_across_ranks(ranks2):
     per_rank = ranks2.run(decoder_fingerprints, uuid.uuid4().hex)
     first = per_rank[0]["perturbed"][0]
     assert first["rewrites"] >= 4 and not first["from_cache"], first  # passes really ran
-    for rank, res in enumerate(per_rank):
+    for res in per_rank:
         for scenario in SCENARIOS:
             seen = res[scenario]  # what every rank reported, as this rank gathered it
             assert all(s["fingerprints"] == first["fingerprints"] for s in seen), (scenario, seen)

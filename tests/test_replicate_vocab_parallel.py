@@ -91,7 +91,8 @@ def make_head(vocab, argmax=False, movedim=False):
             world = dist.get_world_size()
             out = torch.empty((world * logits.shape[0], logits.shape[1]), dtype=logits.dtype)
             dist.all_gather_into_tensor(out, logits)
-            full = out.view(world, logits.shape[0], -1).permute(1, 0, 2).reshape(logits.shape[0], -1)
+            rows = logits.shape[0]
+            full = out.view(world, rows, -1).permute(1, 0, 2).reshape(rows, -1)
         else:
             full = funcol.all_gather_tensor(logits, -1, dist.group.WORLD)
         full = full[..., :vocab]

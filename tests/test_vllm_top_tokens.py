@@ -77,9 +77,11 @@ def _check_top_tokens(shm: bool, extras: bool):
     for vocab, dtype, scale, soft_cap in cases:
         lm, lp, n_pad = _build(vocab, dtype, scale, soft_cap)
         commfold.clear_reports()
-        ours, seen = _compile_and_graph(lambda: lm_head_top_tokens(lp, lm), _hidden(3, dtype, 1))
+        ours, seen = _compile_and_graph(lambda: lm_head_top_tokens(lp, lm),  # noqa: B023
+                                        _hidden(3, dtype, 1))  # (run in this iteration)
         report = commfold.last_report()
-        plain = torch.compile(lambda x: lp(lm, x).argmax(-1), backend="inductor", dynamic=True)
+        plain = torch.compile(lambda x: lp(lm, x).argmax(-1),  # noqa: B023 (this iteration)
+                              backend="inductor", dynamic=True)
         case = {"vocab": vocab, "dtype": str(dtype), "n_pad": n_pad,
                 "padded": lm.num_embeddings_padded != vocab,
                 "rewrites": report.count("local_argmax"), "summary": report.summary(),
@@ -163,8 +165,8 @@ def test_local_argmax_matches_vllm_get_top_tokens(vllm_ranks, shm):
             valid_vocab, comm = args[:2]  # (valid_vocab, comm, keepdim)
             assert comm.startswith("vllm_shm:" if shm else "c10d:"), (where, args)
             # padded: the op masks columns past the vocab; else no mask (or a no-op one)
-            assert valid_vocab in ((case["vocab"],) if case["padded"] else (None, 0, case["vocab"])), \
-                (where, args)
+            allowed = (case["vocab"],) if case["padded"] else (None, 0, case["vocab"])
+            assert valid_vocab in allowed, (where, args)
             assert case["seen"]["gathers"] == [], (where, case["seen"])
             bad = [e for e in case["equal"] if not e[2]]
             assert not bad, (where, bad)

@@ -34,7 +34,8 @@ def inplace_sort(shard, vocab, temp, k):
 def dtensor_topk(shard, vocab, temp, k):
     from torch.distributed.tensor import DTensor, Shard
 
-    full = DTensor.from_local(shard, argmax_programs._MESH, [Shard(1)], run_check=False).full_tensor()
+    full = DTensor.from_local(shard, argmax_programs._MESH, [Shard(1)],
+                              run_check=False).full_tensor()
     out = (full[:, :vocab] / temp).topk(k, sorted=False)  # order unspecified: any is fine
     return out.values, out.indices
 

@@ -32,7 +32,7 @@ def require_vllm():
 
 # --- tiny models -----------------------------------------------------------------
 
-from harness.tiny_models import SIZES, write_model  # noqa: F401  (re-exported)
+from harness.tiny_models import SIZES, write_model  # noqa: E402, F401 (re-exported)
 
 
 # --- a vLLM TP group inside rank-pool processes ----------------------------------

@@ -58,14 +58,14 @@ def run_diff(target: str, world_size: int = 2, out: str = "commfold-diff",
 
 
 def _run(target_text, world_size, out, passes, timeout, echo) -> int:
-    from commfold.config import ALL_PASSES
+    from commfold.config import ALL_PASSES, unknown_passes
     from commfold.ranks import free_port
 
     target = Target.parse(target_text)
     if world_size < 1:
         raise DiffError("--world-size must be at least 1", EXIT_BAD_INPUT)
     passes = list(passes) if passes else list(ALL_PASSES)
-    unknown = [p for p in passes if p not in ALL_PASSES]
+    unknown = unknown_passes(passes)
     if unknown:
         raise DiffError(f"unknown pass(es) {unknown}; registered: {list(ALL_PASSES)}",
                         EXIT_BAD_INPUT)

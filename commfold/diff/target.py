@@ -19,7 +19,7 @@ class Target:
     function: str | None = None
 
     @classmethod
-    def parse(cls, text: str) -> "Target":
+    def parse(cls, text: str) -> Target:
         if text.endswith(".py") or os.sep in text or os.path.exists(text):
             path = Path(text)
             if not path.is_file():

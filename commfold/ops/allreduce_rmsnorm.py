@@ -19,29 +19,22 @@ Paths, chosen per call from shapes and arguments only (same on every rank):
 - two-shot: reduce_scatter rows, add + norm on the local rows, all_gather the normed
   output and the residual. Used when rows % world == 0 and the tensor has at least
   the threshold packed in ``flags`` (pack_flags' two_shot_min_bytes; < 0: never). The
-  default comes from measurements (TWO_SHOT_DEFAULT_MIN_BYTES);
+  default comes from measurements (norm_flags.TWO_SHOT_DEFAULT_MIN_BYTES);
 - CUDA: FlashInfer's fused all-reduce + add + norm when installed and the call fits
   it (commfold.ops.flashinfer_norm; not run on a GPU here), else composite;
 - composite: eager torch ops, for non-CPU tensors or when no C++ toolchain exists.
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 
-from ..collectives import communicator
+from ..collectives import CommKind, communicator
 from . import add_rmsnorm_cpu, flashinfer_norm
 from .norm_flags import (OFFSET_IN_WEIGHT_DTYPE, OUT_F32, ROUND_BEFORE_WEIGHT,  # noqa: F401
-                         ROUND_SUM, TWO_SHOT_SHIFT, pack_flags)
+                         ROUND_SUM, TWO_SHOT_DEFAULT_MIN_BYTES, TWO_SHOT_SHIFT, pack_flags)
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-# Measured on the 2-core CPU dev machine (gloo, TP=2, T in 1..2048, H in 1024/4096):
-# gloo's reduce_scatter costs about as much as its all_reduce, so reduce_scatter +
-# all_gather is slower than all_reduce + local norm at every size. Two-shot is off
-# by default on gloo; "allreduce_rmsnorm_two_shot_min_bytes" in Config.extra sets it.
-TWO_SHOT_DEFAULT_MIN_BYTES = -1
 
 
 def out_dtype_of(x: torch.Tensor, flags: int) -> torch.dtype:
@@ -64,8 +57,8 @@ _lib.define("allreduce_rmsnorm" + _SCHEMA)
 _lib.define("allreduce_rmsnorm_eager" + _SCHEMA)
 
 
-def allreduce_rmsnorm(x: torch.Tensor, residual: Optional[torch.Tensor],
-                      weight: Optional[torch.Tensor], eps: float, weight_offset: float,
+def allreduce_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None,
+                      weight: torch.Tensor | None, eps: float, weight_offset: float,
                       flags: int, comm: str) -> torch.Tensor:
     """RMSNorm(all_reduce_sum(x) [+ residual]), normed output returned; the new
     residual all_reduce_sum(x) [+ residual] written into x."""
@@ -120,7 +113,7 @@ torch.library.register_fake("commfold::allreduce_rmsnorm_eager", _fake)
 
 
 def _use_two_shot(c, rows: torch.Tensor, min_bytes: int) -> bool:
-    if min_bytes < 0 or c.kind != "c10d":
+    if min_bytes < 0 or c.kind is not CommKind.C10D:
         return False
     world, n = c.world_size(), rows.shape[0]
     return n >= world and n % world == 0 and rows.numel() * rows.element_size() >= min_bytes

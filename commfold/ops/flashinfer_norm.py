@@ -27,15 +27,18 @@ from __future__ import annotations
 import logging
 import os
 from contextlib import nullcontext
-from functools import lru_cache
-from typing import Optional
+from functools import cache
 
 import torch
+
+from ..collectives import CommKind
 
 log = logging.getLogger("commfold")
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DEVICE_TYPES = ("cuda",)  # tests widen this to run the plumbing on CPU tensors
+# Not measured here (no GPU): when vLLM's table (below) has no entry, a limit within
+# its entries (0.5-64 MB), as a guess.
 DEFAULT_MAX_BYTES = 2 * 2**20
 MAX_WORLD = 16
 
@@ -44,7 +47,7 @@ _failed: set = set()
 _warned: set = set()
 
 
-@lru_cache(maxsize=None)
+@cache
 def flashinfer_comm():
     """flashinfer.comm when it has the unified fusion API, else None (looked up once:
     a failing import on every call would cost more than the call)."""
@@ -56,16 +59,16 @@ def flashinfer_comm():
     return fi if ok else None
 
 
-def why_not(x: torch.Tensor, weight: Optional[torch.Tensor], weight_offset: float,
+def why_not(x: torch.Tensor, weight: torch.Tensor | None, weight_offset: float,
             offset_in_weight_dtype: bool, round_before_weight: bool,
-            out_dtype: torch.dtype, comm) -> Optional[str]:
+            out_dtype: torch.dtype, comm) -> str | None:
     """None when the call can go to FlashInfer, else the reason it cannot."""
     if x.device.type not in DEVICE_TYPES:
         return f"{x.device.type} tensor"
     if os.environ.get("COMMFOLD_FLASHINFER", "1") == "0":
         return "COMMFOLD_FLASHINFER=0"
-    if comm.kind not in ("c10d", "vllm"):
-        return f"communicator kind {comm.kind!r}"
+    if comm.kind not in (CommKind.C10D, CommKind.VLLM):
+        return f"communicator kind {comm.kind.value!r}"
     if x.dtype not in DTYPES or out_dtype != x.dtype:
         return f"dtype {x.dtype} -> {out_dtype}"
     if weight is not None and weight.dtype != x.dtype:
@@ -93,8 +96,8 @@ def max_bytes(world: int) -> int:
     return _vllm_table(world) or DEFAULT_MAX_BYTES
 
 
-@lru_cache(maxsize=None)
-def _vllm_table(world: int) -> Optional[int]:
+@cache
+def _vllm_table(world: int) -> int | None:
     """vLLM's measured size limit (MB) for its FlashInfer fusion on this GPU (looked
     up once per world size: it is on every CUDA call's path)."""
     try:
@@ -107,7 +110,7 @@ def _vllm_table(world: int) -> Optional[int]:
     return int(mb * 2**20) if mb else None
 
 
-def run(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Optional[torch.Tensor],
+def run(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
         eps: float, weight_offset: float, comm):
     """(normed, new residual) through FlashInfer, or None when its workspace is not
     available (the caller then takes the composite path). Call after why_not."""
@@ -157,7 +160,7 @@ def _workspace(fi, comm, hidden: int, dtype: torch.dtype, device):
 def _process_group(comm):
     from ..collectives import _c10d_group, _vllm_group
 
-    if comm.kind == "c10d":
+    if comm.kind is CommKind.C10D:
         return _c10d_group(comm.name)
     return _vllm_group(comm.name).cpu_group  # as vLLM creates its own workspace
 

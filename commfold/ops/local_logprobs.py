@@ -13,10 +13,10 @@ exchange, in two all-gathers of a few float64 per row:
    included) and its logprob lp_t = (x_t - M) - L, computed in float32 as torch's
    CPU log_softmax computes it.
 2. per rank: how many of its columns have (x - M) - L >= lp_t (the rank's part of
-   vLLM's rank), and its candidates (float32 value and global index in one int64). Their logprobs, in rank
-   order, go through torch.topk itself (``heap_topk``): the same top-k and the same
-   order among equal logprobs as torch.topk over the full row (torch.topk's CPU
-   order among ties is its heap's, neither index order nor stable).
+   vLLM's rank), and its candidates (float32 value and global index in one int64).
+   Their logprobs, in rank order, go through torch.topk itself (``heap_topk``): the
+   same top-k and the same order among equal logprobs as torch.topk over the full row
+   (torch.topk's CPU order among ties is its heap's, neither index order nor stable).
 
 Logprob values differ from vLLM's only by L: vLLM's float32 sum over the whole row
 rounds differently from the ranks' float32 sums combined in float64 (a few float32
@@ -28,7 +28,7 @@ the same maxima, so all gather the same rows.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

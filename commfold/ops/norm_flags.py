@@ -5,12 +5,20 @@ from __future__ import annotations
 
 # The op's options travel packed in one int: a custom op call from Inductor's Python
 # wrapper costs about 0.45 us per argument (11 arguments measured 5.8 us, 7 about 3.9),
-# against a ~6 us shared-memory all-reduce at decode sizes.
+# against a ~6 us shared-memory all-reduce at decode sizes (docs/passes.md,
+# fuse_allreduce_rmsnorm: the CPU op's per-call path).
 OFFSET_IN_WEIGHT_DTYPE = 1  # Gemma's 1 + w is computed (rounded) in the weight's dtype
 ROUND_BEFORE_WEIGHT = 2     # the normalized value is rounded to x's dtype before * w
 ROUND_SUM = 4               # normalize the stored (rounded) new residual, not the f32 sum
 OUT_F32 = 8                 # the normed output is f32 (else x's dtype)
 TWO_SHOT_SHIFT = 8          # flags >> 8: two-shot from this many bytes + 1 (0: never)
+
+# Config.two_shot_min_bytes' default. Measured on the 2-core CPU dev machine (gloo,
+# TP=2, T in 1..2048, H in 1024/4096): gloo's reduce_scatter costs about as much as
+# its all_reduce, so reduce_scatter + all_gather is slower than all_reduce + local
+# norm at every size (0.15-0.55x of unfused: docs/passes.md, fuse_allreduce_rmsnorm;
+# rerun: python benchmarks/bench_allreduce_rmsnorm.py --two-shot). Off by default.
+TWO_SHOT_DEFAULT_MIN_BYTES = -1
 
 
 def pack_flags(offset_in_weight_dtype: bool = False, round_before_weight: bool = False,
