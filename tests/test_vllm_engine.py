@@ -32,9 +32,12 @@ from vllm_models import ENGINE_ENV, SIZES, TOKENS_MARK, require_vllm, write_mode
 require_vllm()
 
 from commfold.report import Report  # noqa: E402
+from commfold.testing.comm_log import read_step_logs  # noqa: E402
 
 RUNNER = str(Path(__file__).with_name("vllm_models.py"))
 LAYERS = SIZES["num_hidden_layers"]
+HIDDEN = SIZES["hidden_size"]
+VOCAB_SHARD = 512  # vocab 1000, padded to a multiple of 64 x TP: 1024 rows, 512 a rank
 
 # id: (arch, dtype, route, ir_enable_torch_wrap, COMMFOLD_REPLICATE_MAX_BYTES)
 CASES = {
@@ -57,12 +60,14 @@ if os.environ.get("COMMFOLD_VLLM_ALL_CASES"):
 
 def _engine(tmp: Path, model: Path, dtype: str, route: str | None, torch_wrap: bool,
             replicate_max: str | None):
-    """Greedy tokens and the per-rank commfold reports of one engine run."""
+    """Greedy tokens, the per-rank commfold reports and the per-rank engine step
+    collective logs of one engine run."""
     reports = tmp / f"reports-{route or 'off'}"
+    comm_log = tmp / f"comm-log-{route or 'off'}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMMFOLD_")}
     env.update(ENGINE_ENV, VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),
                TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor-cache"),
-               COMMFOLD_REPORT_DIR=str(reports))
+               COMMFOLD_REPORT_DIR=str(reports), COMMFOLD_COMM_LOG_DIR=str(comm_log))
     if route == "plugin":
         env["COMMFOLD_VLLM"] = "1"
     if replicate_max is not None:
@@ -75,7 +80,7 @@ def _engine(tmp: Path, model: Path, dtype: str, route: str | None, torch_wrap: b
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith(TOKENS_MARK)]
     tokens = json.loads(line[len(TOKENS_MARK):])
     found = [json.loads(Path(f).read_text()) for f in sorted(glob.glob(f"{reports}/*.json"))]
-    return tokens, found
+    return tokens, found, read_step_logs(comm_log)
 
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
@@ -83,11 +88,12 @@ def engine_case(request, tmp_path_factory):
     arch, dtype, route, torch_wrap, replicate_max = CASES[request.param]
     tmp = tmp_path_factory.mktemp(request.param)
     model = write_model(tmp / "model", arch)
-    base_tokens, base_reports = _engine(tmp, model, dtype, None, torch_wrap, replicate_max)
-    tokens, reports = _engine(tmp, model, dtype, route, torch_wrap, replicate_max)
+    base_tokens, base_reports, base_steps = _engine(tmp, model, dtype, None, torch_wrap,
+                                                    replicate_max)
+    tokens, reports, steps = _engine(tmp, model, dtype, route, torch_wrap, replicate_max)
     return dict(base_tokens=base_tokens, base_reports=base_reports, tokens=tokens,
                 reports=reports, dtype=dtype, replicate=replicate_max is None,
-                torch_wrap=torch_wrap)
+                torch_wrap=torch_wrap, base_steps=base_steps, steps=steps)
 
 
 def test_greedy_tokens_identical_with_commfold(engine_case):
@@ -133,3 +139,29 @@ def test_embedding_decision_under_the_size_rule(engine_case):
             assert 0 < done[0].extra_memory_bytes <= 64 * 2**20
         else:
             assert not done and len(declined) == 1, rep.summary()
+
+
+def test_step_log_shows_each_steps_collectives(engine_case):
+    """Every worker rank logs each engine step (COMMFOLD_COMM_LOG_DIR): the forward's
+    all-reduces of [tokens, hidden] - 2 per layer + the embedding's, which a
+    replicated embedding no longer runs; commfold's fused ops call vLLM's all-reduce
+    from C++ and are seen, once each - and the target's logits gather of
+    [rows, vocab shard]; both ranks the same."""
+    for run in ("base_steps", "steps"):
+        by_rank = engine_case[run]
+        assert sorted(by_rank) == [0, 1], (run, list(by_rank))
+        r0, r1 = by_rank[0], by_rank[1]
+        assert len(r0) == len(r1) >= 12, (run, len(r0), len(r1))
+        assert [s.info for s in r0] == [s.info for s in r1], run
+        assert [s.events for s in r0] == [s.events for s in r1], run
+        replicated = run == "steps" and engine_case["replicate"]
+        for s in r0:
+            if not s.info["tokens"]:
+                continue
+            forward = s.in_phase("forward")
+            assert forward.calls() == forward.calls("all_reduce") == \
+                2 * LAYERS + (0 if replicated else 1), (run, s)
+            assert {e.shapes for e in forward.events} == {((s.info["tokens"], HIDDEN),)}
+            (gather,) = s.in_phase("logits").vocab_gathers(VOCAB_SHARD)
+            assert gather.shapes == ((s.info["requests"], VOCAB_SHARD),), (run, s)
+            assert s.calls() == forward.calls() + 1, (run, s)  # nothing else ran
