@@ -17,8 +17,9 @@ Phases (the outermost one that applies): ``forward`` (the runner's model forward
 ``logits`` (a LogitsProcessor call outside the two below: the target's logits),
 ``sampling`` (the sampler, or the rejection sampler under spec decoding),
 ``prompt_logprobs``, ``drafting`` (the drafter's proposals, its own forward and
-logits included), ``other`` (the rest of the step). Hooks add facts about a step
-with ``note(key, value)`` (e.g. the target-pick decision).
+logits included), ``other`` (the rest of the step); ``compile`` for collectives a
+torch.compile traced during the step (on fake tensors: nothing was sent). Hooks add
+facts about a step with ``note(key, value)`` (e.g. the target-pick decision).
 
 Cost when on: a profiler around every step (~10-30 ms a step on 2 cores; kineto
 prints two "USDT ... profiler_start/stop" lines to stderr per step). Nothing is
@@ -40,6 +41,9 @@ _RUNNER_PHASES = {"_model_forward": "forward", "_sample": "sampling",
                   "_get_prompt_logprobs_dict": "prompt_logprobs",
                   "propose_draft_token_ids": "drafting"}
 _LOGITS = ("forward", "get_top_tokens", "get_top_k_tokens")
+# torch.compile's own spans: collectives dispatched inside them are traced on fake
+# tensors (a compile during the step), not run: phase "compile"
+_COMPILING = " (dynamo_timed)"
 
 _recorder: "_StepRecorder | None" = None
 
@@ -93,9 +97,13 @@ class _StepRecorder:
         events = list(prof.profiler.kineto_results.events())
         spans = sorted(((e.start_ns(), e.start_ns() + e.duration_ns(), e.name()[len(_PHASE):])
                         for e in events if e.name().startswith(_PHASE)), key=lambda s: s[0])
+        compiling = [(e.start_ns(), e.start_ns() + e.duration_ns()) for e in events
+                     if e.name().endswith(_COMPILING)]
         found = []
         for e in events:
-            c = collective_event(e, _phase_at(spans, e.start_ns()))
+            t = e.start_ns()
+            c = collective_event(e, "compile" if any(a <= t <= b for a, b in compiling)
+                                 else _phase_at(spans, t))
             if c is not None:
                 found.append(c.to_json())
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
