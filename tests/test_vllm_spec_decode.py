@@ -86,13 +86,19 @@ def test_drafter_rewritten_on_every_rank(spec_run, method):
             [p.summary() for p in gs["picks"]]
 
 
+def _sent(step):
+    return [e for e in step.events if e.phase != "compile"]
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_no_full_vocab_gather_while_drafting(spec_run, method):
     out = spec_run["out"] / method
     for variant, expect_full in (("off", True), ("commfold", False)):
         logs = read_step_logs(out / variant / "comm-log")
         assert sorted(logs) == [0, 1], variant
-        assert [s.events for s in logs[0]] == [s.events for s in logs[1]], variant
+        # the same collectives on both ranks (a pick compiling during a step traces its
+        # gather on fake tensors: phase "compile", nothing sent, not compared)
+        assert [_sent(s) for s in logs[0]] == [_sent(s) for s in logs[1]], variant
         d = drafting_gathers(logs[0], WIDE_ROW)
         assert d["steps"] > 0, d
         if expect_full:  # vLLM's pick: a gather of logits rows per draft token

@@ -19,7 +19,10 @@ permutation are right often and wrong sometimes:
   and the draft vocab holds the token; later drafts repeat it (mostly rejected);
 - ``eagle``: ``EagleLlamaForCausalLM``; ``fc`` passes the new token's embedding
   through and the target's own (shared) head scores perm(t): every draft position
-  can be accepted.
+  can be accepted;
+- ``mtp``: a MiMo target (Qwen2 layers) with one MTP layer built the same way (one
+  draft token per step), the shape of vLLM's MTP change: the drafter's trailing
+  all-reduce feeds its final RMSNorm.
 
 The permutation maps the ids below ``hot`` onto themselves and the head rows of the
 other ids are halved, so the target, started from prompts drawn there, stays inside
@@ -76,9 +79,7 @@ class SpecModels:
         return w
 
     def prompts(self, n: int, length: int = 6) -> list[list[int]]:
-        """n token-id prompts from the hot set (seeded)."""
-        g = torch.Generator().manual_seed(self.seed + 1)
-        return torch.randint(3, self.hot, (n, length), generator=g).tolist()
+        return hot_prompts(n, length, self.hot, self.seed)
 
     # --- model directories ---------------------------------------------------
 
@@ -91,15 +92,20 @@ class SpecModels:
                                            indent=1))
         return path
 
-    def _llama(self, path, layers: int) -> Path:
-        path = self._dir(path, layers)
+    def _weights(self, layers: int, bias: bool = False) -> dict:
         h = self.sizes["hidden_size"]
         w = {"model.embed_tokens.weight": self.embed, "lm_head.weight": self.head,
              "model.norm.weight": torch.ones(h)}
         for i, layer in enumerate(self.layers[:layers]):
             w[f"model.layers.{i}.input_layernorm.weight"] = torch.ones(h)
             w.update({f"model.layers.{i}.{k}": v for k, v in layer.items()})
-        _save(w, path)
+            if bias:
+                w.update(_qkv_bias(f"model.layers.{i}.", layer))
+        return w
+
+    def _llama(self, path, layers: int) -> Path:
+        path = self._dir(path, layers)
+        _save(self._weights(layers), path)
         return path
 
     def write_target(self, path) -> Path:
@@ -140,6 +146,28 @@ class SpecModels:
         _save(w, path)
         return path
 
+    def write_mimo(self, path) -> Path:
+        """A MiMo model (Qwen2 layers, q/k/v biases zero) with one MTP layer: the
+        target and, with method "mtp", its drafter. The MTP layer's ``input_proj``
+        passes the new token's (normed) embedding through, its block adds a small
+        perturbation, and the shared head scores perm(t): the draft is right when the
+        target follows the permutation. vLLM's MiMo MTP has no get_top_tokens."""
+        h, layers = self.sizes["hidden_size"], self.sizes["num_hidden_layers"]
+        path = self._dir(path, layers, architectures=["MiMoForCausalLM"], model_type="qwen2",
+                         num_nextn_predict_layers=1, attention_bias=True)
+        w = self._weights(layers, bias=True)
+        g = torch.Generator().manual_seed(self.seed + 4)
+        proj = torch.zeros(h, 2 * h)
+        proj[:, h:] = torch.eye(h)  # [previous hidden, token embedding] -> the embedding
+        block = self._layer(g, self.sigma * DRAFT_SCALE, 1)
+        mtp = {"input_proj.weight": proj, "input_layernorm.weight": torch.ones(h),
+               **{k: torch.ones(h) for k in ("token_layernorm.weight", "hidden_layernorm.weight",
+                                             "final_layernorm.weight")},
+               **block, **_qkv_bias("", block)}
+        w.update({f"model.mtp_layers.0.{k}": v for k, v in mtp.items()})
+        _save(w, path)
+        return path
+
     def write_eagle(self, path) -> Path:
         h = self.sizes["hidden_size"]
         path = self._dir(path, 1, architectures=["EagleLlamaForCausalLM"])
@@ -147,14 +175,26 @@ class SpecModels:
         fc = torch.zeros(h, 2 * h)
         fc[:, :h] = torch.eye(h)  # the new token's embedding; the head is the target's
         w = {"fc.weight": fc}
-        w.update({f"layers.0.{k}": v for k, v in self._layer(g, self.sigma * DRAFT_SCALE, 1).items()})
+        layer = self._layer(g, self.sigma * DRAFT_SCALE, 1)
+        w.update({f"layers.0.{k}": v for k, v in layer.items()})
         _save(w, path)
         return path
+
+
+def hot_prompts(n: int, length: int = 6, hot: int = 32768, seed: int = 0) -> list[list[int]]:
+    """n token-id prompts from the hot set (seeded)."""
+    g = torch.Generator().manual_seed(seed + 1)
+    return torch.randint(3, hot, (n, length), generator=g).tolist()
 
 
 def default_sigma(hidden: int) -> float:
     """The layer weight std that keeps the target on the permutation ~90% of steps."""
     return SIGMA * (SIZES["hidden_size"] / hidden) ** 0.75
+
+
+def _qkv_bias(prefix: str, layer: dict) -> dict:
+    return {f"{prefix}self_attn.{p}.bias": torch.zeros(layer[f"self_attn.{p}.weight"].shape[0])
+            for p in ("q_proj", "k_proj", "v_proj")}
 
 
 def _save(weights: dict, path: Path) -> None:

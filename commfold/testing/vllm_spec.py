@@ -14,20 +14,25 @@ import gc
 import json
 import os
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from .vllm_engine import BASE_ENV, fast_start_env, share_modelinfos
 
 # variant -> (COMMFOLD_VLLM, use_local_argmax_reduction)
-VARIANTS = {"off": (False, False), "vllm-local-argmax": (False, True), "commfold": (True, False)}
+VARIANTS = {"off": (False, False), "vllm-local-argmax": (False, True), "commfold": (True, False),
+            "commfold-local-argmax": (True, True)}
 PICK_PASSES = ("replicate_vocab_parallel", "local_argmax")
 
 
 def speculative_config(method: str | None, draft: str | None, k: int,
                        local_argmax: bool = False) -> dict | None:
+    """vLLM's speculative_config; an MTP drafter (draft None) is the target's own."""
     if method is None:
         return None
-    cfg = {"method": method, "model": str(draft), "num_speculative_tokens": k}
+    cfg = {"method": method, "num_speculative_tokens": k}
+    if draft is not None:
+        cfg["model"] = str(draft)
     if local_argmax:
         cfg["use_local_argmax_reduction"] = True
     return cfg
@@ -46,16 +51,14 @@ def engine_env(commfold: bool, out: Path | None, comm_log: bool = True,
     return env
 
 
-def run_engine(target: str, spec: dict | None, prompts: list[list[int]], max_tokens: int,
-               env: dict[str, str], warmup: bool = False, **llm_kwargs) -> dict:
-    """Start one TP=2 engine in this process's environment plus `env`, generate
-    greedily (ignore_eos), stop it; tokens, acceptance and timings. With `warmup`
-    the prompts run once before the timed run (the drafter's pick compiles on its
-    first call)."""
-    from vllm import LLM, SamplingParams
+@contextmanager
+def engine(target: str, spec: dict | None, env: dict[str, str], **llm_kwargs):
+    """One TP=2 engine started in this process's environment plus `env` (an empty
+    value unsets a variable), stopped on exit; ``llm.start_s`` is its start-up time."""
+    from vllm import LLM
 
     saved = {k: os.environ.get(k) for k in env}
-    for k, v in env.items():  # an empty value unsets
+    for k, v in env.items():
         if v:
             os.environ[k] = v
         else:
@@ -66,18 +69,8 @@ def run_engine(target: str, spec: dict | None, prompts: list[list[int]], max_tok
         llm = LLM(model=target, tensor_parallel_size=2, distributed_executor_backend="mp",
                   seed=0, disable_log_stats=False, skip_tokenizer_init=True,
                   speculative_config=spec, **llm_kwargs)
-        started = time.perf_counter() - t0
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                                detokenize=False)
-        inputs = [{"prompt_token_ids": p} for p in prompts]
-        if warmup:
-            llm.generate(inputs, params, use_tqdm=False)
-        before = acceptance(llm)
-        t0 = time.perf_counter()
-        outs = llm.generate(inputs, params, use_tqdm=False)
-        generate_s = time.perf_counter() - t0
-        after = acceptance(llm)
-        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        llm.start_s = time.perf_counter() - t0
+        yield llm
         del llm
         gc.collect()
     finally:
@@ -86,9 +79,31 @@ def run_engine(target: str, spec: dict | None, prompts: list[list[int]], max_tok
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    return {"tokens": tokens, "acceptance": _minus(after, before), "start_s": started,
-            "generate_s": generate_s,
-            "output_tokens": sum(len(t) for t in tokens)}
+
+
+def generate(llm, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Greedy generation (ignore_eos) of all prompts at once: tokens, wall seconds,
+    output tokens and the acceptance counters of this call."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                            detokenize=False)
+    before = acceptance(llm)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    return {"tokens": tokens, "seconds": seconds, "output_tokens": sum(map(len, tokens)),
+            "acceptance": _minus(acceptance(llm), before)}
+
+
+def run_engine(target: str, spec: dict | None, prompts: list[list[int]], max_tokens: int,
+               env: dict[str, str], **llm_kwargs) -> dict:
+    """One engine, one generation: tokens, acceptance and timings."""
+    with engine(target, spec, env, **llm_kwargs) as llm:
+        out = generate(llm, prompts, max_tokens)
+        out["start_s"] = llm.start_s
+    return out
 
 
 def acceptance(llm) -> dict:
@@ -132,11 +147,14 @@ def split_reports(reports: list) -> dict:
     return {"model": [r for r in reports if tuple(r.passes) != PICK_PASSES], "picks": picks}
 
 
+FINAL_NORMS = ("norm", "final_layernorm")  # Llama-family models; MTP layers (MiMo, DeepSeek)
+
+
 def is_final_norm(rewrite) -> bool:
-    """Whether a rewrite sits in a model's final norm (module path ``...norm``, not
-    a layer's ``input_layernorm`` / ``post_attention_layernorm``)."""
+    """Whether a rewrite sits in a model's final norm (module path ``...norm`` /
+    ``...final_layernorm``, not a layer's ``input_layernorm`` and the like)."""
     _, found, module = rewrite.location.rpartition(" in ")
-    return bool(found) and module.rsplit(".", 1)[-1] == "norm"
+    return bool(found) and module.rsplit(".", 1)[-1] in FINAL_NORMS
 
 
 def drafting_gathers(steps, vocab_shard: int) -> dict:
