@@ -30,7 +30,7 @@ import copy
 import os
 import sys
 
-from . import vllm_comm_log
+from . import vllm_comm_log, vllm_target_pick
 from .config import Config
 from .manager import CommfoldPass
 
@@ -101,6 +101,7 @@ def register() -> None:
     vllm_comm_log.install()  # only with COMMFOLD_COMM_LOG_DIR set
     if enabled():
         _hook_draft_models()
+        vllm_target_pick.install()  # COMMFOLD_TARGET_PICK=0 leaves it off
 
 
 def _hook_vllm_config() -> None:

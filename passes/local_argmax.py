@@ -27,7 +27,8 @@ import operator
 import torch
 
 from commfold.context import PassContext
-from commfold.graph import erase_if_dead, insert_call, nbytes, numel, replay, tensor_val
+from commfold.graph import nbytes, numel_times, tensor_val
+from commfold.graph_edit import erase_if_dead, insert_call, replace_items, replay
 from commfold.ops.local_argmax import SUPPORTED_DTYPES
 from commfold.patterns.gather import gather_candidates, match_vocab_gather
 from commfold.patterns.greedy import GreedyPick, match_greedy
@@ -66,18 +67,10 @@ def rewrite_pick(ctx: PassContext, m: GreedyPick, before: Comm | None = None) ->
     if m.kind == "argmax":
         m.pick.replace_all_uses_with(index)
     else:
-        for user in list(m.pick.users):
-            user.replace_all_uses_with(value if user.args[1] == 0 else index)
-            graph.erase_node(user)
+        replace_items(m.pick, (value, index))
     erase_if_dead(m.pick, also=m.gather.comm_nodes)
-    rows = tensor_val(index)
-    pair_bytes = _pair_bytes(rows, m.gather.world_size)
+    # one int64 (value bits, index) pair per row per rank, as the collective outputs
+    pair_bytes = numel_times(tensor_val(index), 16 * m.gather.world_size)
     ctx.rewrote(PATTERN, m.pick, before, Comm(pair_bytes, 1),
                 detail=f"{m.kind}, world {m.gather.world_size}, "
                        f"{'no padding' if m.valid_vocab is None else 'padding sliced off'}")
-
-
-def _pair_bytes(index_val, world: int):
-    """One int64 (value bits, index) pair per row per rank, as the collective outputs."""
-    n = numel(index_val)
-    return n * 16 * world if isinstance(n, int) else f"{n}*{16 * world}"
