@@ -2,7 +2,7 @@
 speculative decoding, with ``draft_model`` and with ``eagle3``, each as vLLM ships it
 ("vllm"), with vLLM's hand-written local argmax for the draft pick
 ("vllm-local-argmax", ``use_local_argmax_reduction``) and with commfold
-(COMMFOLD_VLLM=1; where commfold's target-pick hook exists, also with it off:
+(COMMFOLD_VLLM=1, the target's pick included; on request also with that off:
 "commfold-no-target-pick", COMMFOLD_TARGET_PICK=0).
 
     python benchmarks/bench_vllm_engine.py                 # everything (~40-60 min)
@@ -22,10 +22,11 @@ Each (method, variant) is one engine started in this process. Per concurrency C
 greedy), max_num_seqs = C; one warm-up run, then ``--repeats`` timed runs: output
 tokens/s is C x tokens / the median wall time. Generated tokens must equal the
 "vllm" variant's (bit-exact rewrites). Acceptance is vLLM's counters over the timed
-runs. Collective bytes per engine step come from a second, logged engine
-(COMMFOLD_COMM_LOG_DIR: a profiler around each step perturbs timing), C=8, per
-phase (forward, target logits, sampling, drafting), averaged over the steps that
-drafted (or all decode steps without spec decoding).
+runs. Collective bytes per engine step come from the step log
+(COMMFOLD_COMM_LOG_DIR), paused while timing (a profiler around each step perturbs
+it) and on for one last run at C=8: per phase (forward, target logits, sampling,
+drafting), averaged over the steps that drafted (all decode steps without spec
+decoding).
 
 Results merge into --out/vllm_engine.json (pieces can run separately);
 vllm_engine.md and vllm_engine.png are rewritten from it.
@@ -54,6 +55,9 @@ DRAFT = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32)  # the draft_model drafter
 K = 3  # draft tokens per step
 PROMPT_LEN = 16
+
+
+DEFAULT_VARIANTS = ("vllm", "vllm-local-argmax", "commfold")
 
 
 def variants() -> dict[str, dict]:
@@ -88,50 +92,58 @@ def engine_kwargs(max_seqs: int) -> dict:
                 max_num_batched_tokens=max(1024, max_seqs * (K + 1) * 2))
 
 
-def timed(models, method, variant, concurrency, tokens, repeats) -> dict:
+def measure(models, method, variant, concurrency, tokens, repeats, log_tokens) -> dict:
     """One engine: per concurrency C, a warm-up run then `repeats` timed runs of C
-    prompts; tokens/s from the median, acceptance over the timed runs."""
+    prompts (tokens/s from the median, acceptance over the timed runs), the step log
+    paused; then one logged run at C=8 (`log_tokens` new tokens): collective bytes
+    per engine step by phase over its decode steps (those that drafted, under spec
+    decoding)."""
+    from commfold.testing.comm_log import read_step_logs
     from commfold.testing.vllm_spec import engine, generate
+    from commfold.vllm_comm_log import PAUSED
 
-    env, spec = _setup(models, method, variant, None)
     out = {"rows": []}
-    with engine(models["target"], spec, env, **engine_kwargs(max(concurrency))) as llm:
-        out["start_s"] = llm.start_s
-        for c in concurrency:
-            prompts = models["prompts"][:c]
-            generate(llm, prompts, tokens)  # warm-up (the draft pick compiles here)
-            runs = [generate(llm, prompts, tokens) for _ in range(repeats)]
-            acc = {k: sum(r["acceptance"][k] for r in runs) for k in ("drafts", "draft_tokens",
-                                                                         "accepted")}
-            acc["per_pos"] = [sum(x) for x in zip(*(r["acceptance"]["per_pos"] for r in runs))]
-            secs = statistics.median(r["seconds"] for r in runs)
-            out["rows"].append({"concurrency": c, "tokens_per_s": runs[0]["output_tokens"] / secs,
-                                "seconds": [r["seconds"] for r in runs], "acceptance": acc,
-                                "tokens": runs[0]["tokens"],
-                                "same_every_run": all(r["tokens"] == runs[0]["tokens"]
-                                                      for r in runs)})
+    with tempfile.TemporaryDirectory() as tmp:
+        env, spec = _setup(models, method, variant, Path(tmp))
+        log_dir = Path(tmp) / "comm-log"
+        log_dir.mkdir(parents=True)
+        (log_dir / PAUSED).write_text("")
+        with engine(models["target"], spec, env, **engine_kwargs(max(concurrency))) as llm:
+            out["start_s"] = llm.start_s
+            for c in concurrency:
+                prompts = models["prompts"][:c]
+                generate(llm, prompts, tokens)  # warm-up (the draft pick compiles here)
+                runs = [generate(llm, prompts, tokens) for _ in range(repeats)]
+                out["rows"].append(_row(c, runs))
+            if log_tokens:
+                (log_dir / PAUSED).unlink()
+                generate(llm, models["prompts"][:8], log_tokens)
+        if log_tokens:
+            out["comm"] = _bytes_per_step(read_step_logs(log_dir).get(0, []), method)
     return out
 
 
-def logged(models, method, variant, tokens) -> dict:
-    """A second engine under the per-step collective log, C=8: bytes per engine step,
-    by phase, over the decode steps (those that drafted, under spec decoding)."""
-    from commfold.testing.comm_log import read_step_logs
-    from commfold.testing.vllm_spec import engine, generate
+def _row(c, runs) -> dict:
+    acc = {k: sum(r["acceptance"][k] for r in runs) for k in ("drafts", "draft_tokens",
+                                                                 "accepted")}
+    acc["per_pos"] = [sum(x) for x in zip(*(r["acceptance"]["per_pos"] for r in runs))]
+    secs = statistics.median(r["seconds"] for r in runs)
+    return {"concurrency": c, "tokens_per_s": runs[0]["output_tokens"] / secs,
+            "seconds": [r["seconds"] for r in runs], "acceptance": acc,
+            "tokens": runs[0]["tokens"],
+            "same_every_run": all(r["tokens"] == runs[0]["tokens"] for r in runs)}
 
-    with tempfile.TemporaryDirectory() as tmp:
-        env, spec = _setup(models, method, variant, Path(tmp))
-        with engine(models["target"], spec, env, **engine_kwargs(8)) as llm:
-            generate(llm, models["prompts"][:8], tokens)
-        steps = read_step_logs(Path(tmp) / "comm-log").get(0, [])
+
+def _bytes_per_step(steps, method) -> dict:
     decode = [s for s in steps if s.info.get("tokens") and s.info["tokens"] <= 8 * (K + 1)
               and (method == "none" or s.in_phase("drafting").calls())]
     phases = ("forward", "logits", "sampling", "drafting", "other")
     per = {p: statistics.mean(s.in_phase(p).bytes() for s in decode) if decode else 0
            for p in phases}
     calls = statistics.mean(s.calls() for s in decode) if decode else 0
+    picks = sorted({str(s.info.get("target_pick")) for s in decode})
     return {"steps": len(decode), "bytes_per_step": sum(per.values()), "by_phase": per,
-            "calls_per_step": calls}
+            "calls_per_step": calls, "target_picks": picks}
 
 
 def _setup(models, method, variant, log_dir):
@@ -260,11 +272,12 @@ def plot(results: dict, path: Path) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    ap.add_argument("--variants", nargs="+", default=list(variants()), choices=list(variants()))
+    ap.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS),
+                    choices=list(variants()))
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 64])
     ap.add_argument("--tokens", type=int, default=32, help="new tokens per prompt")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--no-comm-log", action="store_true", help="skip the logged runs")
+    ap.add_argument("--no-comm-log", action="store_true", help="skip the logged run")
     ap.add_argument("--models", type=Path,
                     default=Path(tempfile.gettempdir()) / "commfold-bench-models")
     ap.add_argument("--out", type=Path, default=OUT)
@@ -287,9 +300,8 @@ def main(argv=None) -> int:
     for method, variant in plan(a.methods, a.variants):
         key = f"{method}/{variant}"
         print(f"[vllm_engine] {key} ...", flush=True)
-        r = timed(models, method, variant, a.concurrency, a.tokens, a.repeats)
-        if not a.no_comm_log:
-            r["comm"] = logged(models, method, variant, 16)
+        r = measure(models, method, variant, a.concurrency, a.tokens, a.repeats,
+                    0 if a.no_comm_log else 16)
         results["runs"][key] = r
         save(a.out, results)
         for row in r["rows"]:

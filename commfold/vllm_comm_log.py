@@ -22,7 +22,8 @@ torch.compile traced during the step (on fake tensors: nothing was sent). Hooks 
 facts about a step with ``note(key, value)`` (e.g. the target-pick decision).
 
 Cost when on: a profiler around every step (~10-30 ms a step on 2 cores; kineto
-prints two "USDT ... profiler_start/stop" lines to stderr per step). Nothing is
+prints two "USDT ... profiler_start/stop" lines to stderr per step); none while
+``dir/paused`` exists (a benchmark times its runs paused, then logs one run). Nothing is
 installed when the variable is unset. Read the files with
 ``commfold.testing.comm_log.read_step_logs``.
 """
@@ -35,6 +36,7 @@ from functools import wraps
 from pathlib import Path
 
 ENV_DIR = "COMMFOLD_COMM_LOG_DIR"
+PAUSED = "paused"  # while dir/paused exists no step is recorded (nor profiled)
 _PHASE = "commfold.phase:"
 # runner method -> phase; LogitsProcessor methods are "logits" (see _LOGITS)
 _RUNNER_PHASES = {"_model_forward": "forward", "_sample": "sampling",
@@ -75,6 +77,8 @@ class _StepRecorder:
 
         if self.prof is not None:  # the last step had no sample_tokens
             self.end()
+        if (self.directory / PAUSED).exists():  # a benchmark's timed runs: no profiler
+            return
         spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
         self.info = dict(tokens=getattr(scheduler_output, "total_num_scheduled_tokens", None),
                          requests=len(getattr(scheduler_output, "num_scheduled_tokens", {})),

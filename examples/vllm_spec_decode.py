@@ -48,6 +48,7 @@ METHODS = ("draft_model", "eagle3")
 K = {"mtp": 1}  # draft tokens per step (MiMo's MTP layer drafts one); others 3
 PROMPTS, MAX_TOKENS = 6, 24
 WIDE_ROW = 1024  # a gather this wide per row carries logits (a pick sends 2 values a row)
+TARGET_LAYERS = 2  # the target's all-reduce + norm sites: 2 per layer (embedding replicated)
 
 
 def write_models(root: Path, methods) -> dict[str, str]:
@@ -103,7 +104,7 @@ def variants_of(methods, vllm_local_argmax: bool) -> dict[str, list[str]]:
 
 def check(out: Path, results: dict) -> list[tuple[str, bool, str]]:
     """(check, holds, detail) for every method and variant (see the docstring)."""
-    from commfold.testing.comm_log import read_step_logs
+    from commfold.testing.comm_log import read_step_logs, target_pick_problems
     from commfold.testing.vllm_spec import drafting_gathers, is_final_norm, rank_reports, \
         split_reports
 
@@ -133,10 +134,18 @@ def check(out: Path, results: dict) -> list[tuple[str, bool, str]]:
             expect(f"{method}/{variant}: both ranks logged drafting steps",
                    sorted(draft) == [0, 1] and all(d["steps"] > 0 for d in draft.values()), draft)
             full = [d["vocab_gathers"] for d in draft.values()]
+            verify = [s for s in logs.get(0, []) if s.info.get("spec_tokens")]
             if variant == "off":
                 expect(f"{method}/off: the drafting loop gathers full-vocab logits",
                        full and all(n > 0 for n in full), draft)
+                expect(f"{method}/off: every verify step gathers the target's logits",
+                       verify and all(s.in_phase("logits").vocab_gathers(WIDE_ROW)
+                                      for s in verify), len(verify))
                 continue
+            if variant.startswith("commfold"):  # the target's own pick (#18): local verify
+                expect(f"{method}/{variant}: target verify picked locally, no vocab gather",
+                       verify and not target_pick_problems(logs, WIDE_ROW),
+                       target_pick_problems(logs, WIDE_ROW))
             expect(f"{method}/{variant}: tokens identical to off", r["tokens"] == off["tokens"])
             expect(f"{method}/{variant}: acceptance per position identical to off",
                    r["acceptance"] == off["acceptance"], (r["acceptance"], off["acceptance"]))
@@ -159,7 +168,11 @@ def check(out: Path, results: dict) -> list[tuple[str, bool, str]]:
                        [g.summary() for g in model])
                 if len(model) != 2:
                     continue
-                drafter = model[1]
+                target, drafter = model
+                fused = [x for x in target.rewrites if x.pass_name == "fuse_allreduce_rmsnorm"]
+                expect(f"{method}/commfold rank {rank}: target all-reduce + RMSNorm fused",
+                       len(fused) == 2 * TARGET_LAYERS and sum(map(is_final_norm, fused)) == 1
+                       and target.count("replicate_vocab_parallel") == 1, target.summary())
                 fused = [x for x in drafter.rewrites if x.pass_name == "fuse_allreduce_rmsnorm"]
                 expect(f"{method}/commfold rank {rank}: drafter all-reduce + RMSNorm fused, "
                        "final norm included",

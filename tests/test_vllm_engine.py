@@ -3,8 +3,8 @@
 commfold on by either route (named in compilation_config, or the plugin's
 COMMFOLD_VLLM=1).
 
-Each case starts the engine twice, without and then with commfold, sharing vLLM's
-and Inductor's cache directories (fresh per case): greedy tokens must be identical;
+Each case starts the engine twice in one subprocess, without and then with commfold,
+sharing vLLM's and Inductor's cache directories (fresh per case): greedy tokens must be identical;
 each rank's report (written by the worker processes to COMMFOLD_REPORT_DIR) must show
 the all-reduce+RMSNorm fusions - per layer, o_proj's all-reduce into the
 post-attention norm and down_proj's into the next input norm (the last one into the
@@ -62,31 +62,35 @@ if os.environ.get("COMMFOLD_VLLM_ALL_CASES"):
     CASES["qwen3-bf16-torchwrap"] = ("qwen3", "bfloat16", "named", True, None)
 
 
-def _engine(tmp: Path, model: Path, dtype: str, route: str | None, torch_wrap: bool,
-            replicate_max: str | None, batches: bool = False):
-    """Greedy tokens (or {"greedy": tokens, batch: outputs} with batches), the
-    per-rank commfold reports and the per-rank engine step collective logs of one
-    engine run."""
-    reports = tmp / f"reports-{route or 'off'}"
-    comm_log = tmp / f"comm-log-{route or 'off'}"
+def _engine_pair(tmp: Path, model: Path, dtype: str, route: str, torch_wrap: bool,
+                 replicate_max: str | None, batches: bool = False) -> list[dict]:
+    """Two engine runs in one subprocess (vLLM's imports paid once), commfold off,
+    then on by `route`, sharing vLLM's and Inductor's cache directories: per run its
+    greedy tokens (or {"greedy": tokens, batch: outputs} with batches), per-rank
+    commfold reports and per-rank engine step collective logs."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMMFOLD_")}
     env.update(ENGINE_ENV, VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),
-               TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor-cache"),
-               COMMFOLD_REPORT_DIR=str(reports), COMMFOLD_COMM_LOG_DIR=str(comm_log))
-    if route == "plugin":
-        env["COMMFOLD_VLLM"] = "1"
-    if replicate_max is not None:
-        env["COMMFOLD_REPLICATE_MAX_BYTES"] = replicate_max
-    kwargs = dict(model=str(model), dtype=dtype, torch_wrap=torch_wrap,
-                  commfold_route=route if route == "named" else None,
-                  sampling_batches=batches)
-    proc = subprocess.run([sys.executable, RUNNER, json.dumps(kwargs)], env=env,
+               TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor-cache"))
+    runs, dirs = [], []
+    for r in (None, route):
+        name = r or "off"
+        dirs.append((tmp / f"reports-{name}", tmp / f"comm-log-{name}"))
+        run_env = {"COMMFOLD_REPORT_DIR": str(dirs[-1][0]),
+                   "COMMFOLD_COMM_LOG_DIR": str(dirs[-1][1]),
+                   "COMMFOLD_VLLM": "1" if r == "plugin" else "",
+                   "COMMFOLD_REPLICATE_MAX_BYTES": replicate_max if r and replicate_max else ""}
+        runs.append({"env": run_env, "kwargs": dict(
+            model=str(model), dtype=dtype, torch_wrap=torch_wrap,
+            commfold_route=r if r == "named" else None, sampling_batches=batches)})
+    proc = subprocess.run([sys.executable, RUNNER, json.dumps(runs)], env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith(TOKENS_MARK)]
-    tokens = json.loads(line[len(TOKENS_MARK):])
-    found = [json.loads(Path(f).read_text()) for f in sorted(glob.glob(f"{reports}/*.json"))]
-    return tokens, found, read_step_logs(comm_log)
+    out = []
+    for tokens, (reports, comm_log) in zip(json.loads(line[len(TOKENS_MARK):]), dirs):
+        found = [json.loads(Path(f).read_text()) for f in sorted(glob.glob(f"{reports}/*.json"))]
+        out.append((tokens, found, read_step_logs(comm_log)))
+    return out
 
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
@@ -95,9 +99,8 @@ def engine_case(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(request.param)
     model = write_model(tmp / "model", arch)
     batches = request.param in SAMPLING_CASES
-    base, base_reports, base_steps = _engine(tmp, model, dtype, None, torch_wrap,
-                                             replicate_max, batches)
-    out, reports, steps = _engine(tmp, model, dtype, route, torch_wrap, replicate_max, batches)
+    (base, base_reports, base_steps), (out, reports, steps) = _engine_pair(
+        tmp, model, dtype, route, torch_wrap, replicate_max, batches)
     return dict(base_tokens=base["greedy"] if batches else base, base_reports=base_reports,
                 tokens=out["greedy"] if batches else out, reports=reports, dtype=dtype,
                 replicate=replicate_max is None, torch_wrap=torch_wrap,

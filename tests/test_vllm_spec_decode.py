@@ -25,7 +25,7 @@ from vllm_models import require_vllm
 
 require_vllm()
 
-from commfold.testing.comm_log import read_step_logs  # noqa: E402
+from commfold.testing.comm_log import read_step_logs, target_pick_problems  # noqa: E402
 from commfold.testing.vllm_spec import (drafting_gathers, is_final_norm,  # noqa: E402
                                         rank_reports, split_reports)
 
@@ -73,6 +73,10 @@ def test_drafter_rewritten_on_every_rank(spec_run, method):
         target, drafter = gs["model"]  # vLLM compiles the target first
         for g in (target, drafter):
             assert not g.errors and not g.from_cache, g.summary()
+        # the target (2 layers, its embedding replicated): 2 fusions a layer
+        fused = [r for r in target.rewrites if r.pass_name == "fuse_allreduce_rmsnorm"]
+        assert len(fused) == 4 and sum(map(is_final_norm, fused)) == 1, target.summary()
+        assert target.count("replicate_vocab_parallel", "vocab_parallel_embedding") == 1
         fused = [r for r in drafter.rewrites if r.pass_name == "fuse_allreduce_rmsnorm"]
         # one layer: o_proj's all-reduce into the post-attention norm, down_proj's
         # into the final norm (the embedding's all-reduce is gone: replicated)
@@ -105,3 +109,22 @@ def test_no_full_vocab_gather_while_drafting(spec_run, method):
             assert d["vocab_gathers"] >= d["steps"], d
         else:  # commfold's: one (value, index) pair per row per rank
             assert d["vocab_gathers"] == 0 and d["gathers"] > 0 and d["row_bytes"] == 16, d
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_target_verify_picked_locally(spec_run, method):
+    """#18 under speculative decoding: with commfold every verify step is the target's
+    local argmax at each draft position (no vocab-wide gather of its logits), then
+    vLLM's accept/reject (identical acceptance: above); without commfold each verify
+    step gathers the target's logits rows."""
+    out = spec_run["out"] / method
+    on, off = (read_step_logs(out / v / "comm-log") for v in ("commfold", "off"))
+    assert target_pick_problems(on, WIDE_ROW) == []
+    verify = [s for s in on[0] if s.info.get("spec_tokens")]
+    assert verify and all(s.info["target_pick"] == "verify" for s in verify)
+    assert not any("target_pick" in s.info for s in off[0])
+    off_verify = [s for s in off[0] if s.info.get("spec_tokens")]
+    assert len(off_verify) == len(verify)
+    for s in off_verify:  # vLLM's: one gather of [draft positions + bonus rows, shard]
+        (gather,) = s.in_phase("logits").vocab_gathers(WIDE_ROW)
+        assert gather.shapes[0][0] == s.info["requests"] + s.info["spec_tokens"], s

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 ISA_OK = "TORCHINDUCTOR_VEC_ISA_OK"
@@ -43,15 +44,26 @@ def _isa_probe_agrees() -> bool:
     return bool(probed) and probed == unprobed
 
 
+# Every graph compiles (no compile cache serves one commfold should rewrite), but the
+# C++ kernels Inductor builds for it are reused by source across the engines that
+# share TORCHINDUCTOR_CACHE_DIR: vLLM's own compile cache off (it would point Inductor
+# at a fresh directory per config hash and save each compiled model, AOT), Inductor's
+# graph caches off (they would serve a graph without running the passes).
+COMPILE_EVERY_GRAPH = {"VLLM_DISABLE_COMPILE_CACHE": "1", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
+                       "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
+
+
 def fast_start_env() -> dict[str, str]:
-    """Environment for vLLM processes that skips the workers' ISA re-probe where
-    that gives the same ISAs (see the module docstring); {} otherwise."""
+    """Environment for vLLM processes: every graph compiled, its kernels shared by
+    source (COMPILE_EVERY_GRAPH), and the workers' ISA re-probe skipped where that
+    gives the same ISAs (see the module docstring)."""
+    env = dict(COMPILE_EVERY_GRAPH)
     if ISA_OK in os.environ:  # the caller decided
-        return {}
+        return env
     try:
-        return {ISA_OK: "1"} if _isa_probe_agrees() else {}
+        return env | ({ISA_OK: "1"} if _isa_probe_agrees() else {})
     except Exception:  # noqa: BLE001 - no fast start, never a failed run
-        return {}
+        return env
 
 
 def default_vllm_cache() -> Path:
@@ -78,3 +90,24 @@ def share_modelinfos(cache_root: str | os.PathLike | None = None) -> None:
         link.symlink_to(shared, target_is_directory=True)
     except OSError:  # read-only home, say: vLLM inspects as usual
         pass
+
+
+@contextmanager
+def environ(env: dict[str, str]):
+    """os.environ plus `env` (an empty value unsets a variable) inside the block: one
+    process can start engines with commfold off, then on (each engine's workers
+    read the environment when they start)."""
+    saved = {k: os.environ.get(k) for k in env}
+    for k, v in env.items():
+        if v:
+            os.environ[k] = v
+        else:
+            os.environ.pop(k, None)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

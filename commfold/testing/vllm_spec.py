@@ -17,7 +17,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from .vllm_engine import BASE_ENV, fast_start_env, share_modelinfos
+from .vllm_engine import BASE_ENV, environ, fast_start_env, share_modelinfos
 
 # variant -> (COMMFOLD_VLLM, use_local_argmax_reduction)
 VARIANTS = {"off": (False, False), "vllm-local-argmax": (False, True), "commfold": (True, False),
@@ -44,8 +44,9 @@ def engine_env(commfold: bool, out: Path | None, comm_log: bool = True,
     or off, where its reports and step logs go, and vLLM's cache root (`cache`: a
     fresh one makes every graph compile, so commfold's passes run and report)."""
     env = {**BASE_ENV, **fast_start_env(), "COMMFOLD_VLLM": "1" if commfold else ""}
-    if cache is not None:
+    if cache is not None:  # kernels shared by the engines of one cache (fast_start_env)
         env["VLLM_CACHE_ROOT"] = str(cache)
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache) / "inductor")
     env["COMMFOLD_REPORT_DIR"] = str(out / "reports") if out else ""
     env["COMMFOLD_COMM_LOG_DIR"] = str(out / "comm-log") if out and comm_log else ""
     return env
@@ -57,14 +58,8 @@ def engine(target: str, spec: dict | None, env: dict[str, str], **llm_kwargs):
     value unsets a variable), stopped on exit; ``llm.start_s`` is its start-up time."""
     from vllm import LLM
 
-    saved = {k: os.environ.get(k) for k in env}
-    for k, v in env.items():
-        if v:
-            os.environ[k] = v
-        else:
-            os.environ.pop(k, None)
-    share_modelinfos()
-    try:
+    with environ(env):
+        share_modelinfos()
         t0 = time.perf_counter()
         llm = LLM(model=target, tensor_parallel_size=2, distributed_executor_backend="mp",
                   seed=0, disable_log_stats=False, skip_tokenizer_init=True,
@@ -73,12 +68,6 @@ def engine(target: str, spec: dict | None, env: dict[str, str], **llm_kwargs):
         yield llm
         del llm
         gc.collect()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def generate(llm, prompts: list[list[int]], max_tokens: int) -> dict:
