@@ -203,8 +203,14 @@ def table_rows(results: dict) -> list[dict]:
                          "per_pos": a["per_pos"],
                          "same_tokens": None if ref is None else row["tokens"] == ref,
                          "bytes_per_step": r.get("comm", {}).get("bytes_per_step"),
-                         "drafting_bytes": r.get("comm", {}).get("by_phase", {}).get("drafting")})
+                         "drafting_bytes": _phase(r, "drafting"),
+                         "pick_bytes": _phase(r, "logits", "sampling")})
     return rows
+
+
+def _phase(run, *phases):
+    by = run.get("comm", {}).get("by_phase")
+    return None if by is None else sum(by.get(p, 0) for p in phases)
 
 
 def _ratio(row, other):
@@ -218,17 +224,20 @@ def markdown(results: dict) -> str:
     lines = [f"# vLLM engine throughput, TP=2 ({results.get('meta', {}).get('date', '')})", "",
              "Output tokens/s of `LLM.generate` (median of the timed runs); ratios to vLLM as "
              "shipped and to vLLM's hand-written local argmax (`use_local_argmax_reduction`); "
-             "acceptance = accepted / drafted tokens; collective bytes per engine step from a "
-             "separate logged run at C=8 (all phases, and the drafting phase alone).", "",
+             "acceptance = accepted / drafted tokens; collective bytes per decode step per rank "
+             "(rank 0's step log, one logged run at C=8 after the timed runs): all phases, "
+             "the target's logits + pick, the drafting loop.", "",
              "| method | variant | C | tok/s | vs vLLM | vs vLLM local argmax | acceptance "
-             "| same tokens | B/step | drafting B/step |", "|" + "---|" * 10]
+             "| same tokens | B/step | target pick B/step | drafting B/step |",
+             "|" + "---|" * 11]
     for r in sorted(table_rows(results), key=lambda r: (METHODS.index(r["method"]),
                                                         r["concurrency"], r["variant"])):
         lines.append(f"| {r['method']} | {r['variant']} | {r['concurrency']} | "
                      f"{r['tokens_per_s']:.1f} | {f(r['vs_vllm'], '.3f')} | "
                      f"{f(r['vs_local_argmax'], '.3f')} | {f(r['acceptance'], '.2f')} | "
                      f"{'' if r['same_tokens'] is None else 'yes' if r['same_tokens'] else 'NO'} | "
-                     f"{f(r['bytes_per_step'], ',.0f')} | {f(r['drafting_bytes'], ',.0f')} |")
+                     f"{f(r['bytes_per_step'], ',.0f')} | {f(r['pick_bytes'], ',.0f')} | "
+                     f"{f(r['drafting_bytes'], ',.0f')} |")
     meta = results.get("meta", {})
     lines += ["", f"Models: {meta.get('models', '')}", f"Machine: {meta.get('machine', '')}"]
     return "\n".join(lines) + "\n"
