@@ -49,6 +49,9 @@ K = {"mtp": 1}  # draft tokens per step (MiMo's MTP layer drafts one); others 3
 PROMPTS, MAX_TOKENS = 6, 24
 WIDE_ROW = 1024  # a gather this wide per row carries logits (a pick sends 2 values a row)
 TARGET_LAYERS = 2  # the target's all-reduce + norm sites: 2 per layer (embedding replicated)
+# EAGLE-3 reads a target layer's output before the next norm (vLLM's aux hidden
+# states): that all-reduce's value has a second reader, so its site stays (a near-miss)
+AUX_READS = {"eagle3": 1}
 
 
 def write_models(root: Path, methods) -> dict[str, str]:
@@ -171,7 +174,8 @@ def check(out: Path, results: dict) -> list[tuple[str, bool, str]]:
                 target, drafter = model
                 fused = [x for x in target.rewrites if x.pass_name == "fuse_allreduce_rmsnorm"]
                 expect(f"{method}/commfold rank {rank}: target all-reduce + RMSNorm fused",
-                       len(fused) == 2 * TARGET_LAYERS and sum(map(is_final_norm, fused)) == 1
+                       len(fused) == 2 * TARGET_LAYERS - AUX_READS.get(method, 0)
+                       and sum(map(is_final_norm, fused)) == 1
                        and target.count("replicate_vocab_parallel") == 1, target.summary())
                 fused = [x for x in drafter.rewrites if x.pass_name == "fuse_allreduce_rmsnorm"]
                 expect(f"{method}/commfold rank {rank}: drafter all-reduce + RMSNorm fused, "

@@ -12,10 +12,10 @@ import pytest
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.py"))
 # Engine starts are the suite's dearest seconds, so none is paid twice:
 # vllm_spec_decode.py is run, and its artifacts asserted, by test_vllm_spec_decode.py;
-# vllm_greedy.py's check (greedy tokens identical with commfold named in vLLM's
-# compilation_config, a tiny Qwen3 at TP=2) is test_vllm_engine.py's
-# qwen3-fp32-torchwrap-named case, which asserts more (COMMFOLD_VLLM_EXAMPLES=1 runs
-# both here too).
+# vllm_greedy.py (greedy tokens identical with commfold named in vLLM's
+# compilation_config, a tiny Qwen3 at TP=2) is test_vllm_engine.py's opt-in named
+# cases (COMMFOLD_VLLM_ALL_CASES=1), which assert more; COMMFOLD_VLLM_EXAMPLES=1 runs
+# both examples here too.
 RUN_ELSEWHERE = set() if os.environ.get("COMMFOLD_VLLM_EXAMPLES") else {
     "vllm_spec_decode.py", "vllm_greedy.py"}
 

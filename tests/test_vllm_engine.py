@@ -4,7 +4,8 @@ commfold on by either route (named in compilation_config, or the plugin's
 COMMFOLD_VLLM=1).
 
 Each case starts the engine twice in one subprocess, without and then with commfold,
-sharing vLLM's and Inductor's cache directories (fresh per case): greedy tokens must be identical;
+sharing vLLM's and Inductor's cache directories (fresh per case): greedy tokens must
+be identical;
 each rank's report (written by the worker processes to COMMFOLD_REPORT_DIR) must show
 the all-reduce+RMSNorm fusions - per layer, o_proj's all-reduce into the
 post-attention norm and down_proj's into the next input norm (the last one into the
@@ -13,8 +14,10 @@ or 2 x layers when the embedding is replicated (no all-reduce left) - and the sa
 decisions on both ranks, and the spelling each fusion was found in (vLLM's IR ops,
 or bf16's f32 sum of two upcasts). The commfold run's reports also show that the
 cache did not serve the graph compiled without commfold. Engine start-up dominates
-(about 1-2 min per start on 2 cores), so the cases are few (COMMFOLD_VLLM_ALL_CASES=1
-adds plain fp32 and bf16 with IR ops).
+(about 1-2 min per start on 2 cores), so the default suite has one case, Llama bf16
+through the plugin, which also carries the target pick's batches (#18);
+COMMFOLD_VLLM_ALL_CASES=1 adds Qwen3 fp32 through the named pass, with and without
+vLLM's IR ops.
 """
 from __future__ import annotations
 
@@ -41,10 +44,6 @@ VOCAB_SHARD = 512  # vocab 1000, padded to a multiple of 64 x TP: 1024 rows, 512
 
 # id: (arch, dtype, route, ir_enable_torch_wrap, COMMFOLD_REPLICATE_MAX_BYTES)
 CASES = {
-    # vLLM's IR ops (vllm_ir.rms_norm, auto_functionalized(fused_add_rms_norm)); the
-    # embedding (1024 padded rows x 128 x 4 B = 512 KiB) under the default 64 MiB
-    # rule: replicated, no all-reduce left for the first input norm
-    "qwen3-fp32-torchwrap-named": ("qwen3", "float32", "named", True, None),
     # the decomposed bf16 norm (f32 sum of two upcasts, new residual cast back); a
     # 1 KiB rule: the embedding stays sharded (a near-miss says why) and its
     # all-reduce is fused into the first input norm
@@ -54,10 +53,16 @@ CASES = {
 # temperature sampling + a penalty; greedy with logprobs=5 and prompt_logprobs=3):
 # commfold's target pick (#18) takes the steps that qualify, vLLM the others.
 SAMPLING_CASES = {"llama-bf16-plugin"}
-# Engine starts cost 1-2 min each: the other forms are opt-in (the plain fp32 graph
-# is the hand-written f32 form of the rank tests; bf16 IR ops are tested on ranks
-# with vLLM's own ops in test_fuse_vllm_spellings).
+# Engine starts cost 1-2 min each, the suite's dearest seconds: the other forms are
+# opt-in. In the default suite the replicated embedding (2L fusions) and the bf16
+# plugin route are test_vllm_spec_decode's (its target and drafters); vLLM's IR ops
+# are tested on ranks with vLLM's own ops (test_fuse_vllm_spellings), the named
+# route by test_vllm_registration (and examples/vllm_greedy.py, runnable).
 if os.environ.get("COMMFOLD_VLLM_ALL_CASES"):
+    # vLLM's IR ops (vllm_ir.rms_norm, auto_functionalized(fused_add_rms_norm)); the
+    # embedding (1024 padded rows x 128 x 4 B = 512 KiB) under the default 64 MiB
+    # rule: replicated, no all-reduce left for the first input norm
+    CASES["qwen3-fp32-torchwrap-named"] = ("qwen3", "float32", "named", True, None)
     CASES["qwen3-fp32-named"] = ("qwen3", "float32", "named", False, None)
     CASES["qwen3-bf16-torchwrap"] = ("qwen3", "bfloat16", "named", True, None)
 

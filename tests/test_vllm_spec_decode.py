@@ -73,9 +73,14 @@ def test_drafter_rewritten_on_every_rank(spec_run, method):
         target, drafter = gs["model"]  # vLLM compiles the target first
         for g in (target, drafter):
             assert not g.errors and not g.from_cache, g.summary()
-        # the target (2 layers, its embedding replicated): 2 fusions a layer
+        # the target (2 layers, its embedding replicated): 2 fusions a layer, less the
+        # one whose reduced value EAGLE-3 also reads (vLLM's aux hidden states)
         fused = [r for r in target.rewrites if r.pass_name == "fuse_allreduce_rmsnorm"]
-        assert len(fused) == 4 and sum(map(is_final_norm, fused)) == 1, target.summary()
+        aux = [m for m in target.near_misses if m.pass_name == "fuse_allreduce_rmsnorm"]
+        assert len(fused) + len(aux) == 4 and sum(map(is_final_norm, fused)) == 1, \
+            target.summary()
+        assert len(aux) == (method == "eagle3"), target.summary()
+        assert all("read besides" in m.reason for m in aux), target.summary()
         assert target.count("replicate_vocab_parallel", "vocab_parallel_embedding") == 1
         fused = [r for r in drafter.rewrites if r.pass_name == "fuse_allreduce_rmsnorm"]
         # one layer: o_proj's all-reduce into the post-attention norm, down_proj's
@@ -124,7 +129,7 @@ def test_target_verify_picked_locally(spec_run, method):
     assert verify and all(s.info["target_pick"] == "verify" for s in verify)
     assert not any("target_pick" in s.info for s in off[0])
     off_verify = [s for s in off[0] if s.info.get("spec_tokens")]
-    assert len(off_verify) == len(verify)
+    assert off_verify  # (how requests share steps depends on their arrival: not compared)
     for s in off_verify:  # vLLM's: one gather of [draft positions + bonus rows, shard]
         (gather,) = s.in_phase("logits").vocab_gathers(WIDE_ROW)
         assert gather.shapes[0][0] == s.info["requests"] + s.info["spec_tokens"], s
