@@ -239,7 +239,10 @@ def markdown(results: dict) -> str:
                      f"{f(r['bytes_per_step'], ',.0f')} | {f(r['pick_bytes'], ',.0f')} | "
                      f"{f(r['drafting_bytes'], ',.0f')} |")
     meta = results.get("meta", {})
-    lines += ["", f"Models: {meta.get('models', '')}", f"Machine: {meta.get('machine', '')}"]
+    lines += ["", f"Models: {meta.get('models', '')}", f"Machine: {meta.get('machine', '')}",
+              f"Command: `{meta.get('command', '')}`"]
+    if results.get("notes"):  # the reading of the numbers, kept in the JSON by hand
+        lines += ["", results["notes"]]
     return "\n".join(lines) + "\n"
 
 
@@ -303,6 +306,7 @@ def main(argv=None) -> int:
     results["meta"] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "command": "python " + " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
         "models": f"target Llama {TARGET}, V=151936; draft_model 1 layer {DRAFT}; "
                   f"eagle3 1 layer, hidden {TARGET['hidden_size']}, draft vocab 32000; "
                   f"k={K}; {a.tokens} new tokens per prompt, {PROMPT_LEN}-token prompts"}
