@@ -5,7 +5,7 @@ speculative decoding, with ``draft_model`` and with ``eagle3``, each as vLLM shi
 (COMMFOLD_VLLM=1, the target's pick included; on request also with that off:
 "commfold-no-target-pick", COMMFOLD_TARGET_PICK=0).
 
-    python benchmarks/bench_vllm_engine.py                 # everything (~40-60 min)
+    python benchmarks/bench_vllm_engine.py --tokens 16 --repeats 2   # the table (~11 min)
     python benchmarks/bench_vllm_engine.py --methods eagle3 --variants vllm commfold
     python benchmarks/bench_vllm_engine.py --report        # table + plot from the JSON
 
