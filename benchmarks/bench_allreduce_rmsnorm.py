@@ -1,9 +1,9 @@
 """fuse_allreduce_rmsnorm: fused vs unfused all_reduce -> residual add -> RMSNorm,
 both Inductor-compiled, on gloo ranks of this machine (default TP=2).
 
-    python benchmarks/bench_allreduce_rmsnorm.py                 # full grid
-    python benchmarks/bench_allreduce_rmsnorm.py --tokens 1 16 --hidden 1024 --rounds 20
-    python benchmarks/bench_allreduce_rmsnorm.py --comm vllm-shm     # vLLM CPU's all-reduce
+    python -m benchmarks.bench_allreduce_rmsnorm                 # full grid
+    python -m benchmarks.bench_allreduce_rmsnorm --tokens 1 16 --hidden 1024 --rounds 20
+    python -m benchmarks.bench_allreduce_rmsnorm --comm vllm-shm     # vLLM CPU's all-reduce
 
 For each (dtype, H) one compile per variant (token count dynamic), plus a control:
 the unfused program compiled again (A/A; its ratio is the noise floor). A single call at

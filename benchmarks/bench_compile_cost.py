@@ -1,8 +1,8 @@
 """commfold's own cost inside an Inductor compile: time in commfold vs the whole
 compile, per rewrite, and against graph size (8/32/128-layer TP decoders, TP=2).
 
-    python benchmarks/bench_compile_cost.py                 # 8 and 32 layers
-    python benchmarks/bench_compile_cost.py --layers 8 32 128
+    python -m benchmarks.bench_compile_cost                 # 8 and 32 layers
+    python -m benchmarks.bench_compile_cost --layers 8 32 128
 
 commfold's time is the whole post-grad hook (CommfoldPass.__call__: the restore
 checkpoint, every pass, the lint, the report), timed from outside: wall time for its

@@ -2,8 +2,8 @@
 whose LM head and argmax are inside the compiled graph, with and without commfold,
 side by side in one run (TP=2 on this CPU, gloo).
 
-    python benchmarks/bench_decode.py                      # V=151936, batch 1 and 8
-    python benchmarks/bench_decode.py --batch 1 --steps 8 --layers 2
+    python -m benchmarks.bench_decode                      # V=151936, batch 1 and 8
+    python -m benchmarks.bench_decode --batch 1 --steps 8 --layers 2
 
 Each timed call decodes --steps tokens per row over a fixed --seq window (one
 compile per variant); tokens/s = batch x steps / median time. Communication is one

@@ -2,8 +2,8 @@
 Inductor (all-gather of the logits + argmax) vs commfold (local argmax + a gather of
 one (value, index) pair per row per rank), side by side in one run.
 
-    python benchmarks/bench_local_argmax.py                  # B in {1, 64}, V=151936
-    python benchmarks/bench_local_argmax.py --batch 1 8 64 256 --vocab 32000 151936
+    python -m benchmarks.bench_local_argmax                  # B in {1, 64}, V=151936
+    python -m benchmarks.bench_local_argmax --batch 1 8 64 256 --vocab 32000 151936
 
 Prints rank 0's median time per call, the ratio plain / commfold (>1: faster) and the
 bytes each rank put into collectives per call (lower bound after the rewrite: one

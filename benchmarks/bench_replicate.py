@@ -1,8 +1,8 @@
 """Step time of vocab-parallel layers, sharded vs replicated (replicate_vocab_parallel),
 at TP=2 on this machine's CPU (gloo), side by side in one run.
 
-    python benchmarks/bench_replicate.py                 # V=151936, r in {64, 256}
-    python benchmarks/bench_replicate.py --vocab 32000 --iters 20 --batch 1
+    python -m benchmarks.bench_replicate                 # V=151936, r in {64, 256}
+    python -m benchmarks.bench_replicate --vocab 32000 --iters 20 --batch 1
 
 Rows (rank 0's median per step over interleaved iterations; ratio = sharded / other):
 - embedding:    masked lookup + all-reduce   vs  replicated lookup (no collective)

@@ -3,8 +3,8 @@
 logits) vs commfold (local_softmax_stats / local_topk / local_argmax: a few values
 per row per rank), side by side in one run.
 
-    python benchmarks/bench_sampling.py                      # B=64, V=151936, TP=2
-    python benchmarks/bench_sampling.py --batch 1 64 --k 1 8 50
+    python -m benchmarks.bench_sampling                      # B=64, V=151936, TP=2
+    python -m benchmarks.bench_sampling --batch 1 64 --k 1 8 50
 
 Prints rank 0's median time per call, the ratio plain / commfold (>1: faster),
 whether results agree (tokens and indices exactly, logprobs within 1e-5) and the

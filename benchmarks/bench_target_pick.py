@@ -11,8 +11,8 @@ real Sampler:
 - greedy also: vLLM's hand-written get_top_tokens (what vLLM uses for drafters,
   not for the target), the strongest alternative in vLLM itself.
 
-    python benchmarks/bench_target_pick.py                 # B = 1 8 64, greedy / logprobs=5 / 20
-    python benchmarks/bench_target_pick.py --batch 64 --modes greedy --gloo
+    python -m benchmarks.bench_target_pick                 # B = 1 8 64, greedy / logprobs=5 / 20
+    python -m benchmarks.bench_target_pick --batch 64 --modes greedy --gloo
 
 Prints rank 0's median ms per step (LM-head matmul included: it is the same work
 both ways), the speed-up, whether the outputs agree (tokens exactly; logprob ids

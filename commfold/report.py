@@ -140,14 +140,27 @@ _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 
 
 def source_location(node) -> str:
-    """`file:line (function)` of the user code that produced node, from its stack trace."""
+    """`file:line (function)` of the user code that produced node, from its stack trace,
+    and ` in <module path>` when the node came from inside an nn.Module (a shared
+    helper's line - vLLM's RMSNorm op, say - then still says which layer it was)."""
     trace = node.meta.get("stack_trace") or ""
     frames = _FRAME.findall(trace)
     if not frames:
         return f"<graph node {node.name}>"
     path, line, fn = frames[-1]
     short = "/".join(path.split("/")[-2:])
-    return f"{short}:{line} ({fn})"
+    module = module_path(node)
+    return f"{short}:{line} ({fn})" + (f" in {module}" if module else "")
+
+
+def module_path(node) -> str:
+    """The innermost module the node was traced in (`model.layers.0.mlp`), or ''."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    fqn = str(list(stack.values())[-1][0])
+    fqn = re.sub(r"^L\['self'\]\.?|^self\.?", "", fqn)
+    return re.sub(r"\._modules\['([^']+)'\]|\['([^']+)'\]", lambda m: "." + (m[1] or m[2]), fqn)
 
 
 _lock = threading.Lock()

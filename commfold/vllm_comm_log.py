@@ -17,11 +17,13 @@ Phases (the outermost one that applies): ``forward`` (the runner's model forward
 ``logits`` (a LogitsProcessor call outside the two below: the target's logits),
 ``sampling`` (the sampler, or the rejection sampler under spec decoding),
 ``prompt_logprobs``, ``drafting`` (the drafter's proposals, its own forward and
-logits included), ``other`` (the rest of the step). Hooks add facts about a step
-with ``note(key, value)`` (e.g. the target-pick decision).
+logits included), ``other`` (the rest of the step); ``compile`` for collectives a
+torch.compile traced during the step (on fake tensors: nothing was sent). Hooks add
+facts about a step with ``note(key, value)`` (e.g. the target-pick decision).
 
 Cost when on: a profiler around every step (~10-30 ms a step on 2 cores; kineto
-prints two "USDT ... profiler_start/stop" lines to stderr per step). Nothing is
+prints two "USDT ... profiler_start/stop" lines to stderr per step); none while
+``dir/paused`` exists (a benchmark times its runs paused, then logs one run). Nothing is
 installed when the variable is unset. Read the files with
 ``commfold.comm_log.read_step_logs``.
 """
@@ -34,12 +36,16 @@ from functools import wraps
 from pathlib import Path
 
 ENV_DIR = "COMMFOLD_COMM_LOG_DIR"
+PAUSED = "paused"  # while dir/paused exists no step is recorded (nor profiled)
 _PHASE = "commfold.phase:"
 # runner method -> phase; LogitsProcessor methods are "logits" (see _LOGITS)
 _RUNNER_PHASES = {"_model_forward": "forward", "_sample": "sampling",
                   "_get_prompt_logprobs_dict": "prompt_logprobs",
                   "propose_draft_token_ids": "drafting"}
 _LOGITS = ("forward", "get_top_tokens", "get_top_k_tokens")
+# torch.compile's own spans: collectives dispatched inside them are traced on fake
+# tensors (a compile during the step), not run: phase "compile"
+_COMPILING = " (dynamo_timed)"
 
 _recorder: _StepRecorder | None = None
 
@@ -71,6 +77,8 @@ class _StepRecorder:
 
         if self.prof is not None:  # the last step had no sample_tokens
             self.end()
+        if (self.directory / PAUSED).exists():  # a benchmark's timed runs: no profiler
+            return
         spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
         self.info = dict(tokens=getattr(scheduler_output, "total_num_scheduled_tokens", None),
                          requests=len(getattr(scheduler_output, "num_scheduled_tokens", {})),
@@ -93,9 +101,13 @@ class _StepRecorder:
         events = list(prof.profiler.kineto_results.events())
         spans = sorted(((e.start_ns(), e.start_ns() + e.duration_ns(), e.name()[len(_PHASE):])
                         for e in events if e.name().startswith(_PHASE)), key=lambda s: s[0])
+        compiling = [(e.start_ns(), e.start_ns() + e.duration_ns()) for e in events
+                     if e.name().endswith(_COMPILING)]
         found = []
         for e in events:
-            c = collective_event(e, _phase_at(spans, e.start_ns()))
+            t = e.start_ns()
+            c = collective_event(e, "compile" if any(a <= t <= b for a, b in compiling)
+                                 else _phase_at(spans, t))
             if c is not None:
                 found.append(c.to_json())
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -5,8 +5,9 @@
    with ``__import__("commfold").__dict__["vllm_pass"]`` - the ready pass below.
 2. ``COMMFOLD_VLLM=1 vllm serve ... -tp N``: ``register()``, the vLLM general plugin
    (entry point group ``vllm.general_plugins``), adds the pass to every VllmConfig
-   (composed with a post-grad pass already there) and gives draft models that lack
-   ``get_top_tokens`` commfold's local-argmax one.
+   (composed with a post-grad pass already there) and hooks the speculative drafter
+   (commfold.vllm_draft): its greedy pick without a full-vocab gather, and a
+   ``get_top_tokens`` for drafters that lack one.
 
 Options come from the environment, read when the pass is first used (its uuid() or a
 run; vLLM asks for the uuid when it builds its config, before it pickles the pass into
@@ -147,25 +148,11 @@ def _hook_vllm_config() -> None:
 
 
 def _hook_draft_models() -> None:
-    """Draft proposers with use_local_argmax_reduction refuse a drafter without
-    get_top_tokens: give such drafters commfold's (built from their compute_logits)."""
-    from vllm.v1.spec_decode import draft_model, llm_base_proposer
+    """The drafter's greedy pick without a full-vocab gather, and a get_top_tokens for
+    drafters without one (commfold.vllm_draft)."""
+    from .vllm_draft import hook_proposers
 
-    from .vllm_top_tokens import install_get_top_tokens
-
-    for cls in (llm_base_proposer.SpecDecodeBaseProposer, draft_model.DraftModelProposer):
-        original = cls.__dict__.get("_get_model")
-        if original is None or getattr(original, "_commfold", False):
-            continue
-
-        def _get_model(self, _original=original):
-            model = _original(self)
-            if getattr(self, "use_local_argmax_reduction", False):
-                install_get_top_tokens(model)
-            return model
-
-        _get_model._commfold = True
-        cls._get_model = _get_model
+    hook_proposers(config_from_env())
 
 
 # The pass vLLM's compilation config names as "commfold.vllm_pass" (re-exported by

@@ -9,10 +9,13 @@ vLLM's custom ops). Bit for bit the same token as the full gather, ties included
 
 Draft proposers with ``use_local_argmax_reduction`` call ``model.get_top_tokens`` and
 refuse a drafter that lacks it; ``install_get_top_tokens`` supplies this one (the
-vLLM plugin does so when COMMFOLD_VLLM=1). Nothing here imports vLLM.
+vLLM plugin does so when COMMFOLD_VLLM=1). ``draft_top_tokens`` is the pick for any
+drafter, EAGLE-3's smaller draft vocab included (see RemappedPick). Nothing here
+imports vLLM.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -20,18 +23,22 @@ import torch
 from .backend import backend
 from .config import Config
 
+log = logging.getLogger("commfold")
+
 LOCAL_ARGMAX = Config(passes=("local_argmax",))
 
 
 def top_tokens_fn(compute_logits: Callable[[torch.Tensor], torch.Tensor],
-                  config: Config | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+                  config: Config | None = None, values: bool = False) -> Callable:
     """hidden states [T, H] -> greedy token ids [T] (int64): ``argmax`` of
-    ``compute_logits(hidden)`` over the vocab, compiled with commfold (dynamic T).
-    A compute_logits commfold cannot rewrite still runs correctly, with the gather
-    (the report says why)."""
+    ``compute_logits(hidden)`` over the vocab, compiled with commfold (dynamic T);
+    with ``values`` the pair (max value, argmax) of ``max(dim=-1)``. A compute_logits
+    commfold cannot rewrite still runs correctly, with the gather (the report says
+    why)."""
 
-    def greedy(hidden: torch.Tensor) -> torch.Tensor:
-        return compute_logits(hidden).argmax(dim=-1)
+    def greedy(hidden: torch.Tensor):
+        logits = compute_logits(hidden)
+        return tuple(logits.max(dim=-1)) if values else logits.argmax(dim=-1)
 
     compiled = torch.compile(greedy, backend=backend(config=config or LOCAL_ARGMAX), dynamic=True)
 
@@ -50,13 +57,66 @@ def lm_head_top_tokens(logits_processor, lm_head, config: Config | None = None):
     return top_tokens_fn(lambda h: logits_processor(lm_head, h), config)
 
 
+class RemappedPick:
+    """The greedy pick of a drafter whose vocab is a subset of the target's (vLLM's
+    EAGLE-3 ``draft_id_to_target_id``, "d2t": draft id k is target id k + d2t[k]).
+
+    vLLM's ``compute_logits`` scatters the draft logits into a row of the target
+    vocab filled with -inf and the pick is its argmax: a full-vocab gather, then a
+    scatter no graph pass sees through. Here the pick is ``pick(hidden)`` - (max, first
+    argmax) over the draft vocab, compiled with local_argmax - then the remap. That
+    is the argmax of the scattered row exactly when the remap is strictly increasing
+    (draft order is target order: the first maximum is the same column, NaN
+    included), and a row whose maximum is -inf maps to 0, the argmax of an all -inf
+    row. The remap is checked on every call (d2t is replicated: the same data and
+    decision on every rank; vLLM recomputes it per call too); one that is not
+    strictly increasing or leaves the target vocab takes ``fallback`` (vLLM's own
+    ``compute_logits(hidden).argmax(-1)``), logged once."""
+
+    def __init__(self, d2t: torch.Tensor, target_vocab: int, pick: Callable,
+                 fallback: Callable[[torch.Tensor], torch.Tensor]):
+        self.d2t, self.target_vocab = d2t, target_vocab
+        self.pick, self.fallback = pick, fallback
+        self._warned = False
+
+    def targets(self) -> torch.Tensor | None:
+        t = torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t.reshape(-1)
+        if t.numel() and bool((t[1:] > t[:-1]).all()) and 0 <= t[0] and t[-1] < self.target_vocab:
+            return t
+        if not self._warned:
+            self._warned = True
+            log.warning("commfold: the draft-to-target vocab map is not strictly increasing "
+                        "within the target vocab; the draft pick gathers the full logits")
+        return None
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        targets = self.targets()
+        if targets is None:
+            return self.fallback(hidden).argmax(dim=-1)
+        value, index = self.pick(hidden)
+        token = targets[index]
+        return torch.where(value == float("-inf"), torch.zeros_like(token), token)
+
+
+def draft_top_tokens(model, config: Config | None = None) -> Callable:
+    """The greedy draft pick of a vLLM drafter, as target-vocab ids: ``compute_logits
+    -> argmax`` compiled with commfold, or for a drafter with a smaller draft vocab
+    (``draft_id_to_target_id``) the local pick over its own logits plus the remap."""
+    d2t = getattr(model, "draft_id_to_target_id", None)
+    if d2t is None:
+        return top_tokens_fn(model.compute_logits, config)
+    lp, head = model.logits_processor, model.lm_head
+    pick = top_tokens_fn(lambda h: lp(head, h), config, values=True)
+    return RemappedPick(d2t, int(model.config.vocab_size), pick, model.compute_logits)
+
+
 def install_get_top_tokens(model, config: Config | None = None) -> bool:
-    """Give `model` a ``get_top_tokens(hidden)`` built from its ``compute_logits`` if it
-    has none; True when one was installed. The model's class is not modified."""
+    """Give `model` a ``get_top_tokens(hidden)`` (``draft_top_tokens``) if it has none;
+    True when one was installed. The model's class is not modified."""
     if callable(getattr(model, "get_top_tokens", None)):
         return False
     if not callable(getattr(model, "compute_logits", None)):
         raise TypeError(f"commfold: {type(model).__name__} has no compute_logits() "
                         "to build get_top_tokens from")
-    model.get_top_tokens = top_tokens_fn(model.compute_logits, config)
+    model.get_top_tokens = draft_top_tokens(model, config)
     return True

@@ -3,8 +3,9 @@
 commfold on by either route (named in compilation_config, or the plugin's
 COMMFOLD_VLLM=1).
 
-Each case starts the engine twice, without and then with commfold, sharing vLLM's
-and Inductor's cache directories (fresh per case): greedy tokens must be identical;
+Each case starts the engine twice in one subprocess, without and then with commfold,
+sharing vLLM's and Inductor's cache directories (fresh per case): greedy tokens must
+be identical;
 each rank's report (written by the worker processes to COMMFOLD_REPORT_DIR) must show
 the all-reduce+RMSNorm fusions - per layer, o_proj's all-reduce into the
 post-attention norm and down_proj's into the next input norm (the last one into the
@@ -13,8 +14,10 @@ or 2 x layers when the embedding is replicated (no all-reduce left) - and the sa
 decisions on both ranks, and the spelling each fusion was found in (vLLM's IR ops,
 or bf16's f32 sum of two upcasts). The commfold run's reports also show that the
 cache did not serve the graph compiled without commfold. Engine start-up dominates
-(about 1-2 min per start on 2 cores), so the cases are few (COMMFOLD_VLLM_ALL_CASES=1
-adds plain fp32 and bf16 with IR ops).
+(about 1-2 min per start on 2 cores), so the default suite has one case, Llama bf16
+through the plugin, which also carries the target pick's batches (#18);
+COMMFOLD_VLLM_ALL_CASES=1 adds Qwen3 fp32 through the named pass, with and without
+vLLM's IR ops.
 """
 from __future__ import annotations
 
@@ -41,10 +44,6 @@ VOCAB_SHARD = 512  # vocab 1000, padded to a multiple of 64 x TP: 1024 rows, 512
 
 # id: (arch, dtype, route, ir_enable_torch_wrap, COMMFOLD_REPLICATE_MAX_BYTES)
 CASES = {
-    # vLLM's IR ops (vllm_ir.rms_norm, auto_functionalized(fused_add_rms_norm)); the
-    # embedding (1024 padded rows x 128 x 4 B = 512 KiB) under the default 64 MiB
-    # rule: replicated, no all-reduce left for the first input norm
-    "qwen3-fp32-torchwrap-named": ("qwen3", "float32", "named", True, None),
     # the decomposed bf16 norm (f32 sum of two upcasts, new residual cast back); a
     # 1 KiB rule: the embedding stays sharded (a near-miss says why) and its
     # all-reduce is fused into the first input norm
@@ -54,39 +53,49 @@ CASES = {
 # temperature sampling + a penalty; greedy with logprobs=5 and prompt_logprobs=3):
 # commfold's target pick (#18) takes the steps that qualify, vLLM the others.
 SAMPLING_CASES = {"llama-bf16-plugin"}
-# Engine starts cost 1-2 min each: the other forms are opt-in (the plain fp32 graph
-# is the hand-written f32 form of the rank tests; bf16 IR ops are tested on ranks
-# with vLLM's own ops in test_fuse_vllm_spellings).
+# Engine starts cost 1-2 min each, the suite's dearest seconds: the other forms are
+# opt-in. In the default suite the replicated embedding (2L fusions) and the bf16
+# plugin route are test_vllm_spec_decode's (its target and drafters); vLLM's IR ops
+# are tested on ranks with vLLM's own ops (test_fuse_vllm_spellings), the named
+# route by test_vllm_registration (and examples/vllm_greedy.py, runnable).
 if os.environ.get("COMMFOLD_VLLM_ALL_CASES"):
+    # vLLM's IR ops (vllm_ir.rms_norm, auto_functionalized(fused_add_rms_norm)); the
+    # embedding (1024 padded rows x 128 x 4 B = 512 KiB) under the default 64 MiB
+    # rule: replicated, no all-reduce left for the first input norm
+    CASES["qwen3-fp32-torchwrap-named"] = ("qwen3", "float32", "named", True, None)
     CASES["qwen3-fp32-named"] = ("qwen3", "float32", "named", False, None)
     CASES["qwen3-bf16-torchwrap"] = ("qwen3", "bfloat16", "named", True, None)
 
 
-def _engine(tmp: Path, model: Path, dtype: str, route: str | None, torch_wrap: bool,
-            replicate_max: str | None, batches: bool = False):
-    """Greedy tokens (or {"greedy": tokens, batch: outputs} with batches), the
-    per-rank commfold reports and the per-rank engine step collective logs of one
-    engine run."""
-    reports = tmp / f"reports-{route or 'off'}"
-    comm_log = tmp / f"comm-log-{route or 'off'}"
+def _engine_pair(tmp: Path, model: Path, dtype: str, route: str, torch_wrap: bool,
+                 replicate_max: str | None, batches: bool = False) -> list[dict]:
+    """Two engine runs in one subprocess (vLLM's imports paid once), commfold off,
+    then on by `route`, sharing vLLM's and Inductor's cache directories: per run its
+    greedy tokens (or {"greedy": tokens, batch: outputs} with batches), per-rank
+    commfold reports and per-rank engine step collective logs."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMMFOLD_")}
     env.update(ENGINE_ENV, VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),
-               TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor-cache"),
-               COMMFOLD_REPORT_DIR=str(reports), COMMFOLD_COMM_LOG_DIR=str(comm_log))
-    if route == "plugin":
-        env["COMMFOLD_VLLM"] = "1"
-    if replicate_max is not None:
-        env["COMMFOLD_REPLICATE_MAX_BYTES"] = replicate_max
-    kwargs = dict(model=str(model), dtype=dtype, torch_wrap=torch_wrap,
-                  commfold_route=route if route == "named" else None,
-                  sampling_batches=batches)
-    proc = subprocess.run([sys.executable, RUNNER, json.dumps(kwargs)], env=env,
+               TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor-cache"))
+    runs, dirs = [], []
+    for r in (None, route):
+        name = r or "off"
+        dirs.append((tmp / f"reports-{name}", tmp / f"comm-log-{name}"))
+        run_env = {"COMMFOLD_REPORT_DIR": str(dirs[-1][0]),
+                   "COMMFOLD_COMM_LOG_DIR": str(dirs[-1][1]),
+                   "COMMFOLD_VLLM": "1" if r == "plugin" else "",
+                   "COMMFOLD_REPLICATE_MAX_BYTES": replicate_max if r and replicate_max else ""}
+        runs.append({"env": run_env, "kwargs": dict(
+            model=str(model), dtype=dtype, torch_wrap=torch_wrap,
+            commfold_route=r if r == "named" else None, sampling_batches=batches)})
+    proc = subprocess.run([sys.executable, RUNNER, json.dumps(runs)], env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith(TOKENS_MARK)]
-    tokens = json.loads(line[len(TOKENS_MARK):])
-    found = [json.loads(Path(f).read_text()) for f in sorted(glob.glob(f"{reports}/*.json"))]
-    return tokens, found, read_step_logs(comm_log)
+    out = []
+    for tokens, (reports, comm_log) in zip(json.loads(line[len(TOKENS_MARK):]), dirs):
+        found = [json.loads(Path(f).read_text()) for f in sorted(glob.glob(f"{reports}/*.json"))]
+        out.append((tokens, found, read_step_logs(comm_log)))
+    return out
 
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
@@ -95,12 +104,11 @@ def engine_case(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(request.param)
     model = write_model(tmp / "model", arch)
     batches = request.param in SAMPLING_CASES
-    base, base_reports, base_steps = _engine(tmp, model, dtype, None, torch_wrap,
-                                             replicate_max, batches)
-    out, reports, steps = _engine(tmp, model, dtype, route, torch_wrap, replicate_max, batches)
+    (base, base_reports, base_steps), (out, reports, steps) = _engine_pair(
+        tmp, model, dtype, route, torch_wrap, replicate_max, batches)
     return dict(base_tokens=base["greedy"] if batches else base, base_reports=base_reports,
                 tokens=out["greedy"] if batches else out, reports=reports, dtype=dtype,
-                replicate=replicate_max is None, torch_wrap=torch_wrap,
+                replicate=replicate_max is None, torch_wrap=torch_wrap, route=route,
                 base_steps=base_steps, steps=steps,
                 base_batches=base if batches else None, batches=out if batches else None)
 
@@ -180,7 +188,9 @@ def test_step_log_shows_each_steps_collectives(engine_case):
                 assert sampling.calls() == sampling.calls("all_gather") == \
                     (1 if pick == "greedy" else 2), (run, s)
             else:
-                assert run == "base_steps" or pick.startswith("vLLM ("), (run, s)
+                # the plugin's hook notes why vLLM's path ran; no hook, no note
+                hooked = run == "steps" and engine_case["route"] == "plugin"
+                assert pick.startswith("vLLM (") if hooked else pick == "vLLM", (run, s)
                 (gather,) = s.in_phase("logits").vocab_gathers(VOCAB_SHARD)
                 assert gather.shapes == ((s.info["requests"], VOCAB_SHARD),), (run, s)
                 assert sampling.calls() == 0, (run, s)

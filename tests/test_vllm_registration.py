@@ -67,7 +67,8 @@ _ROUTES = """
         "plugin": [type(plain).__name__, type(u).__name__,
                    getattr(getattr(getattr(u, "then", None), "callable", None), "__name__", None),
                    list(getattr(getattr(u, "config", None), "passes", []))],
-        "drafter_hook": getattr(SpecDecodeBaseProposer._get_model, "_commfold", False)}}))
+        "drafter_hook": [getattr(SpecDecodeBaseProposer._get_model, "_commfold", False),
+                         getattr(SpecDecodeBaseProposer._greedy_sample, "_commfold", False)]}}))
 """
 
 
@@ -79,19 +80,20 @@ def test_named_pass_in_either_import_order_and_plugin_off():
     assert out == {"named": ["VllmCommfoldPass", "VllmCommfoldPass", True,
                              list(commfold.ALL_PASSES)],
                    "plugin": ["NoneType", "CallableInductorPass", None, []],
-                   "drafter_hook": False}
+                   "drafter_hook": [False, False]}
 
 
 def test_commfold_imported_first_and_plugin_on():
     """commfold imported before vLLM: vLLM wraps the named pass, the plugin unwraps it.
     COMMFOLD_VLLM=1 adds the pass (options from COMMFOLD_PASSES), after a user's own
-    post-grad pass is kept (runs after commfold's), and hooks draft-model loading."""
+    post-grad pass is kept (runs after commfold's), and hooks draft-model loading and
+    the draft pick."""
     out = _python(_ROUTES.format(first="import commfold"),
                   COMMFOLD_VLLM="1", COMMFOLD_PASSES="local_argmax")
     assert out == {"named": ["CallableInductorPass", "VllmCommfoldPass", True, ["local_argmax"]],
                    "plugin": ["VllmCommfoldPass", "VllmCommfoldPass", "user_pass",
                               ["local_argmax"]],
-                   "drafter_hook": True}
+                   "drafter_hook": [True, True]}
 
 
 def _vllm_keys(pass_):

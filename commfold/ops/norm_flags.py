@@ -17,7 +17,7 @@ TWO_SHOT_SHIFT = 8          # flags >> 8: two-shot from this many bytes + 1 (0: 
 # TP=2, T in 1..2048, H in 1024/4096): gloo's reduce_scatter costs about as much as
 # its all_reduce, so reduce_scatter + all_gather is slower than all_reduce + local
 # norm at every size (0.15-0.55x of unfused: docs/passes.md, fuse_allreduce_rmsnorm;
-# rerun: python benchmarks/bench_allreduce_rmsnorm.py --two-shot). Off by default.
+# rerun: python -m benchmarks.bench_allreduce_rmsnorm --two-shot). Off by default.
 TWO_SHOT_DEFAULT_MIN_BYTES = -1
 
 

