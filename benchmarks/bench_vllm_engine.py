@@ -188,7 +188,7 @@ def table_rows(results: dict) -> list[dict]:
         for row in r.get("rows", []):
             c = row["concurrency"]
 
-            def tps(v):
+            def tps(v, method=method, c=c):
                 other = runs.get(f"{method}/{v}", {}).get("rows", [])
                 return next((x["tokens_per_s"] for x in other if x["concurrency"] == c), None)
 

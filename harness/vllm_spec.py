@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
