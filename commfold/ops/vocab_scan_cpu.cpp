@@ -147,8 +147,9 @@ at::Tensor all_gather(const Comm& c, at::Tensor send) {
   if (c.pg) {
     c.pg->all_gather_single(out, send)->wait();
   } else {  // shm_all_gather takes f32/bf16/f16: 8-byte elements travel as two f32
-    static auto op = shm_gather_op()->typed<void(int64_t, at::Tensor&, at::Tensor&)>();
-    at::Tensor s = send.view(at::kFloat), o = out.view(at::kFloat);
+    static auto op = shm_gather_op()->typed<void(int64_t, const at::Tensor&, at::Tensor&)>();
+    const at::Tensor s = send.view(at::kFloat);
+    at::Tensor o = out.view(at::kFloat);
     op.call(c.handle, s, o);
   }
   return out;
