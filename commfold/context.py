@@ -6,8 +6,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from .config import Config
-from .graph import source_location
-from .report import Comm, NearMiss, Report, Rewrite
+from .report import Comm, NearMiss, Report, Rewrite, source_location
 
 
 @dataclass

@@ -96,11 +96,11 @@ def _quiet_stderr():
 
 
 def _fmt_comm(comm: dict) -> str:
-    from commfold.report import _fmt_bytes
+    from commfold.report import format_bytes
 
     if not comm:
         return "none"
-    return ", ".join(f"{name} x{calls} ({_fmt_bytes(nbytes)})" for name, (calls, nbytes) in comm.items())
+    return ", ".join(f"{name} x{calls} ({format_bytes(nbytes)})" for name, (calls, nbytes) in comm.items())
 
 
 def run(opts: dict, echo=print) -> int:

@@ -15,7 +15,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .config import Config
 from .context import PassContext
-from .graph import Checkpoint, restore, snapshot
+from .checkpoint import Checkpoint, restore, snapshot
 from .report import PassError, Report, publish
 
 log = logging.getLogger("commfold")
@@ -30,17 +30,25 @@ def _registry() -> dict:
 @lru_cache(maxsize=1)
 def code_hash() -> str:
     """Hash of every source file of the installed package (core, passes, patterns)."""
-    import commfold
     import commfold.passes
     import commfold.patterns
 
     h = hashlib.sha256()
-    roots = {Path(m.__file__).parent for m in (commfold, commfold.passes, commfold.patterns)}
+    roots = {Path(__file__).parent,  # the core package: this module's folder
+             *(Path(m.__file__).parent for m in (commfold.passes, commfold.patterns))}
     for root in sorted(roots):
         for f in sorted(root.rglob("*.py")):
             h.update(str(f.relative_to(root)).encode())
             h.update(f.read_bytes())
     return h.hexdigest()
+
+
+def _pass_functions(names) -> str:
+    """Which function runs each pass: a pass swapped at run time (a plugin, a test's
+    fault injection) must not be served the cached graph of the one it replaced."""
+    registry = _registry()
+    return ",".join(f"{n}={getattr(registry.get(n), '__module__', '?')}."
+                    f"{getattr(registry.get(n), '__qualname__', '?')}" for n in names)
 
 
 # Observation hook (used by `commfold diff`): while `observing(...)` is active, every
@@ -145,7 +153,7 @@ class CommfoldPass(CustomGraphPass):
     def uuid(self):
         if _observer is not None:
             return None  # observed: always run the pass (a cache hit would skip it)
-        parts = [code_hash(), self.config.key()]
+        parts = [code_hash(), self.config.key(), _pass_functions(self.config.passes)]
         if self.then is not None:
             then_uuid = self.then.uuid() if hasattr(self.then, "uuid") else None
             if then_uuid is None:

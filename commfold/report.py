@@ -9,8 +9,9 @@ import hashlib
 import json
 import logging
 import os
+import re
 import threading
-from dataclasses import dataclass, field, asdict
+from dataclasses import asdict, dataclass, field
 
 log = logging.getLogger("commfold")
 
@@ -23,7 +24,7 @@ class Comm:
     calls: int = 0
 
     def __str__(self) -> str:
-        return f"{_fmt_bytes(self.bytes)} in {self.calls} call{'s' if self.calls != 1 else ''}"
+        return f"{format_bytes(self.bytes)} in {self.calls} call{'s' if self.calls != 1 else ''}"
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ class Report:
             for r in self.rewrites:
                 rows.append((r.pass_name, r.pattern, r.location,
                              f"{r.comm_before} -> {r.comm_after}",
-                             _fmt_bytes(r.extra_memory_bytes)))
+                             format_bytes(r.extra_memory_bytes)))
             lines += _table(rows)
         for m in self.near_misses:
             lines.append(f"  near-miss [{m.pass_name}/{m.pattern}] at {m.location}: {m.reason}")
@@ -124,7 +125,8 @@ def _table(rows) -> list[str]:
     return ["  " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows]
 
 
-def _fmt_bytes(n) -> str:
+def format_bytes(n) -> str:
+    """Bytes for people: 512 B, 1.5 KiB, 64.0 MiB; a symbolic count (text) as is."""
     if isinstance(n, str):
         return n + " B"
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -132,6 +134,20 @@ def _fmt_bytes(n) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return str(n)
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+def source_location(node) -> str:
+    """`file:line (function)` of the user code that produced node, from its stack trace."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = _FRAME.findall(trace)
+    if not frames:
+        return f"<graph node {node.name}>"
+    path, line, fn = frames[-1]
+    short = "/".join(path.split("/")[-2:])
+    return f"{short}:{line} ({fn})"
 
 
 _lock = threading.Lock()

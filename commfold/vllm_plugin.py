@@ -11,7 +11,9 @@
 Options come from the environment, read where the pass is built (vLLM pickles the
 built pass into its worker processes): COMMFOLD_PASSES (comma-separated pass names),
 COMMFOLD_REPLICATE_MAX_BYTES. COMMFOLD_REPORT_DIR makes every process (each rank)
-write its reports there as JSON.
+write its reports there as JSON; COMMFOLD_COMM_LOG_DIR makes every worker rank log
+the collectives of each engine step (commfold.vllm_comm_log; with or without
+COMMFOLD_VLLM).
 
 Caches: vLLM keys its compile cache and Inductor its FX graph cache on the pass's
 ``uuid()`` (commfold's code hash + config) only if vLLM takes the pass as its own
@@ -27,6 +29,7 @@ import copy
 import os
 import sys
 
+from . import vllm_comm_log, vllm_target_pick
 from .config import Config
 from .manager import CommfoldPass
 
@@ -94,8 +97,10 @@ def register() -> None:
     importlib.import_module(_INDUCTOR_PASS_MODULE)
     register_inductor_pass()
     _hook_vllm_config()
+    vllm_comm_log.install()  # only with COMMFOLD_COMM_LOG_DIR set
     if enabled():
         _hook_draft_models()
+        vllm_target_pick.install()  # COMMFOLD_TARGET_PICK=0 leaves it off
 
 
 def _hook_vllm_config() -> None:

@@ -36,11 +36,13 @@ from torch._inductor import config as inductor_config
 from torch._inductor.fx_utils import get_node_storage
 
 from commfold.context import PassContext
-from commfold.graph import erase_if_dead, insert_call, nbytes, tensor_val
+from commfold.graph import nbytes, tensor_val
+from commfold.graph_edit import erase_if_dead, insert_call
 from commfold.ops.allreduce_rmsnorm import (SUPPORTED_DTYPES, TWO_SHOT_DEFAULT_MIN_BYTES,
                                            pack_flags)
 from commfold.patterns.allreduce import AllReduce, allreduce_candidates, match_allreduce
-from commfold.patterns.rmsnorm import RMSNorm, match_rmsnorm
+from commfold.patterns.rmsnorm import match_rmsnorm
+from commfold.patterns.rmsnorm_match import RMSNorm
 from commfold.report import Comm
 
 PATTERN = "all_reduce->rmsnorm"

@@ -29,7 +29,8 @@ import operator
 import torch
 
 from commfold.context import PassContext
-from commfold.graph import erase_if_dead, insert_call, nbytes, numel, replay, tensor_val
+from commfold.graph import nbytes, numel_times, tensor_val
+from commfold.graph_edit import erase_if_dead, insert_call, replace_items, replay
 from commfold.ops import scan_chain
 from commfold.ops.local_argmax import SUPPORTED_DTYPES
 from commfold.patterns.gather import gather_candidates, match_vocab_gather
@@ -70,12 +71,10 @@ def rewrite_pick(ctx: PassContext, m: GreedyPick, before: Comm | None = None) ->
     if m.kind == "argmax":
         m.pick.replace_all_uses_with(index)
     else:
-        for user in list(m.pick.users):
-            user.replace_all_uses_with(value if user.args[1] == 0 else index)
-            graph.erase_node(user)
+        replace_items(m.pick, (value, index))
     erase_if_dead(m.pick, also=m.gather.comm_nodes)
-    rows = tensor_val(index)
-    pair_bytes = _pair_bytes(rows, m.gather.world_size)
+    # one int64 (value bits, index) pair per row per rank, as the collective outputs
+    pair_bytes = numel_times(tensor_val(index), 16 * m.gather.world_size)
     ctx.rewrote(PATTERN, m.pick, before, Comm(pair_bytes, 1),
                 detail=f"{m.kind}, world {m.gather.world_size}, "
                        f"{'no padding' if m.valid_vocab is None else 'padding sliced off'}")
@@ -92,9 +91,3 @@ def shard_and_chain(graph, shard, ops, memo=None) -> tuple:
     if chain is not None:
         return shard, (chain,)
     return replay(graph, shard, ops, memo), ()
-
-
-def _pair_bytes(index_val, world: int):
-    """One int64 (value bits, index) pair per row per rank, as the collective outputs."""
-    n = numel(index_val)
-    return n * 16 * world if isinstance(n, int) else f"{n}*{16 * world}"

@@ -37,8 +37,9 @@ import torch.fx as fx
 from torch._inductor.pattern_matcher import stable_topological_sort
 
 from commfold.context import PassContext
-from commfold.graph import erase_if_dead, insert_call, nbytes, numel, tensor_val
-from commfold.patterns.common import aten, is_call
+from commfold.graph import arg, is_call, nbytes, numel_times, tensor_val
+from commfold.graph_edit import erase_if_dead, insert_call, replace_items
+from commfold.patterns.common import FLOAT_DTYPES, aten
 from commfold.patterns.gather import gather_candidates, match_vocab_gather
 from commfold.patterns.greedy import GreedyPick
 from commfold.patterns.softmax_stats import (Greedy, RowReads, SoftmaxStats, exact_widening,
@@ -48,13 +49,12 @@ from commfold.report import Comm
 from .local_argmax import rewrite_pick, shard_and_chain
 
 PATTERN = "all_gather->softmax_stats"
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def run(ctx: PassContext) -> None:
     changed = False
     for reads in ctx.matches(PATTERN, gather_candidates(ctx.graph), _row_reads):
-        bad = [s for s in reads.stats if tensor_val(s.base).dtype not in _DTYPES]
+        bad = [s for s in reads.stats if tensor_val(s.base).dtype not in FLOAT_DTYPES]
         if bad:
             ctx.skipped(PATTERN, bad[0].amax, "softmax over non-floating logits")
             continue
@@ -82,21 +82,22 @@ def _rewrite(ctx: PassContext, m: RowReads) -> None:
         sent += _rewrite_stats(graph, m, s, argmax, replayed)
     for gr in m.greedy:
         if gr.pick not in fused:  # its own (value, index) exchange
-            keep = bool(gr.pick.args[2] if len(gr.pick.args) > 2
-                        else gr.pick.kwargs.get("keepdim", False))
+            keep = bool(arg(gr.pick, "keepdim"))
             kind = "argmax" if gr.pick.target is aten.argmax.default else "max"
             rewrite_pick(ctx, GreedyPick(m.gather, m.valid_vocab, gr.chain, gr.pick, kind, keep),
                          before=Comm(0, 0))
     erase_if_dead(m.gather.gathered, also=m.gather.comm_nodes)
     rows = tensor_val(m.stats[0].sum)
-    ctx.rewrote(PATTERN, m.stats[0].amax, before, Comm(_bytes(rows, sent, m.gather.world_size), len(m.stats)),
-                detail=_detail(m, fused))
+    # `sent` float64 values per row per rank
+    after = Comm(numel_times(rows, 8 * sent * m.gather.world_size), len(m.stats))
+    ctx.rewrote(PATTERN, m.stats[0].amax, before, after, detail=_detail(m, fused))
 
 
 def _rewrite_stats(graph, m: RowReads, s: SoftmaxStats, argmax: Greedy | None,
                    replayed) -> int:
     """Rewrite one structure; returns float64 values sent per row per rank."""
-    picks = [p for p in s.picks if not (argmax is not None and _is_index_of(p.args[2], argmax.pick))]
+    picks = [p for p in s.picks
+             if not (argmax is not None and _is_index_of(p.args[2], argmax.pick))]
     with graph.inserting_before(s.amax):
         x, chain = shard_and_chain(graph, m.gather.shard, s.chain, replayed)
         index = None
@@ -107,13 +108,13 @@ def _rewrite_stats(graph, m: RowReads, s: SoftmaxStats, argmax: Greedy | None,
         out = insert_call(graph, torch.ops.commfold.softmax_stats.default,
                           (x, index, m.valid_vocab, m.gather.comm, s.finite_shift is not None,
                            argmax is not None or bool(s.softmax_max), *chain), like=s.amax)
-        big_m, big_s, first, picked = (insert_call(graph, operator.getitem, (out, i), like=s.amax)
-                                       for i in range(4))
+        big_m, big_s, first, picked = (
+            insert_call(graph, operator.getitem, (out, i), like=s.amax) for i in range(4))
     s.amax.replace_all_uses_with(big_m)
     shift = s.finite_shift if s.finite_shift is not None else big_m
-    keep = bool(s.sum.args[2] if len(s.sum.args) > 2 else s.sum.kwargs.get("keepdim", False))
     with graph.inserting_before(s.sum):
-        total = big_s if keep else insert_call(graph, aten.squeeze.dim, (big_s, -1), like=s.sum)
+        total = big_s if arg(s.sum, "keepdim") else insert_call(
+            graph, aten.squeeze.dim, (big_s, -1), like=s.sum)
     s.sum.replace_all_uses_with(total)
     offset = 0
     for p in s.picks:  # gather(D - L, -1, idx) == (x[idx] - shift) - L, elementwise
@@ -131,10 +132,8 @@ def _rewrite_stats(graph, m: RowReads, s: SoftmaxStats, argmax: Greedy | None,
         _rewrite_softmax_max(graph, mx, big_m, shift, big_s, first, s)
     if argmax is not None:
         with graph.inserting_before(argmax.pick):
-            keepdim = bool(argmax.pick.args[2] if len(argmax.pick.args) > 2
-                           else argmax.pick.kwargs.get("keepdim", False))
             idx = insert_call(graph, aten.unsqueeze.default, (first, -1), like=argmax.pick) \
-                if keepdim else first
+                if arg(argmax.pick, "keepdim") else first
         argmax.pick.replace_all_uses_with(idx)
     for dead in (*s.picks, *s.softmax_max, argmax.pick if argmax else None, s.sum, s.amax):
         if dead is not None and not dead._erased:
@@ -146,22 +145,20 @@ def _rewrite_stats(graph, m: RowReads, s: SoftmaxStats, argmax: Greedy | None,
 def _rewrite_softmax_max(graph, mx, big_m, shift, big_s, first, s) -> None:
     """max(E / S, -1) (or argmax): value exp(M - shift) / S at the first maximum; index
     0 when the value is NaN (then the whole softmax row is NaN)."""
-    keep = bool(mx.args[2] if len(mx.args) > 2 else mx.kwargs.get("keepdim", False))
     with graph.inserting_before(mx):
-        top = insert_call(graph, aten.div.Tensor, (insert_call(graph, aten.exp.default, (
-            insert_call(graph, aten.sub.Tensor, (big_m, shift), like=mx),), like=mx), big_s), like=mx)
+        exp = insert_call(graph, aten.exp.default, (
+            insert_call(graph, aten.sub.Tensor, (big_m, shift), like=mx),), like=mx)
+        top = insert_call(graph, aten.div.Tensor, (exp, big_s), like=mx)
         nan = insert_call(graph, aten.isnan.default, (top,), like=mx)
         index = insert_call(graph, aten.where.ScalarSelf, (
             nan, 0, insert_call(graph, aten.unsqueeze.default, (first, -1), like=mx)), like=mx)
-        if not keep:
+        if not arg(mx, "keepdim"):
             top = insert_call(graph, aten.squeeze.dim, (top, -1), like=mx)
             index = insert_call(graph, aten.squeeze.dim, (index, -1), like=mx)
     if mx.target is aten.argmax.default:
         mx.replace_all_uses_with(index)
-        return
-    for user in list(mx.users):
-        user.replace_all_uses_with(top if user.args[1] == 0 else index)
-        graph.erase_node(user)
+    else:
+        replace_items(mx, (top, index))
 
 
 def _fusable_argmax(s: SoftmaxStats, greedy, taken) -> Greedy | None:
@@ -179,15 +176,10 @@ def _fusable_argmax(s: SoftmaxStats, greedy, taken) -> Greedy | None:
 def _is_index_of(idx, pick: fx.Node) -> bool:
     """idx is argmax(..., keepdim=True) or argmax(...).unsqueeze(-1)."""
     if idx is pick:
-        return bool(pick.args[2] if len(pick.args) > 2 else pick.kwargs.get("keepdim", False))
+        return bool(arg(pick, "keepdim"))
     if not is_call(idx, aten.unsqueeze.default) or idx.args[0] is not pick:
         return False
     return idx.args[1] in (-1, tensor_val(pick).dim())
-
-
-def _bytes(rows_val, per_row: int, world: int):
-    n = numel(rows_val)
-    return n * 8 * per_row * world if isinstance(n, int) else f"{n}*{8 * per_row * world}"
 
 
 def _detail(m: RowReads, fused) -> str:

@@ -29,7 +29,8 @@ import operator
 import torch
 
 from commfold.context import PassContext
-from commfold.graph import erase_if_dead, insert_call, nbytes, numel, tensor_val
+from commfold.graph import nbytes, numel_times, tensor_val
+from commfold.graph_edit import erase_if_dead, insert_call, replay
 from commfold.ops.local_topk import SUPPORTED_DTYPES
 from commfold.patterns.gather import gather_candidates, match_vocab_gather
 from commfold.patterns.topk import TopK, match_topk
@@ -65,13 +66,8 @@ def _rewrite(ctx: PassContext, m: TopK) -> None:
     for old, which in m.outputs:
         old.replace_all_uses_with(new[which])
         erase_if_dead(old, also=m.gather.comm_nodes)  # transitively: up to the gather
-    ctx.rewrote(PATTERN, m.reader, before,
-                Comm(_pair_bytes(tensor_val(new[1]), m.gather.world_size), 1),
+    # k int64 (key, value) pairs per row per rank, as the collective outputs
+    pairs = numel_times(tensor_val(new[1]), 16 * m.gather.world_size)
+    ctx.rewrote(PATTERN, m.reader, before, Comm(pairs, 1),
                 detail=f"{m.kind} k={m.k}, world {m.gather.world_size}, "
                        f"{'no padding' if m.valid_vocab is None else 'padding sliced off'}")
-
-
-def _pair_bytes(indices_val, world: int):
-    """k int64 (key, value) pairs per row per rank, as the collective outputs."""
-    n = numel(indices_val)
-    return n * 16 * world if isinstance(n, int) else f"{n}*{16 * world}"

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.fx as fx
 
-from .common import Miss, c10d, is_call, is_getitem, waits_of
+from commfold.graph import is_call, is_getitem
+
+from .common import Miss, c10d, functional_kwargs, is_functionalized, optional_op, waits_of
 
 
 @dataclass(frozen=True)
@@ -35,28 +36,12 @@ class AllReduce:
     comm_nodes: tuple[fx.Node, ...]  # the collective and its waits: erased with it
 
 
-def _op(namespace: str, name: str):
-    try:
-        return getattr(getattr(getattr(torch.ops, namespace), name), "default")
-    except (AttributeError, RuntimeError):
-        return None
-
-
-def _auto_functionalized():
-    from torch._higher_order_ops.auto_functionalize import (auto_functionalized,
-                                                            auto_functionalized_v2)
-
-    return auto_functionalized, auto_functionalized_v2
-
-
 def allreduce_candidates(graph: fx.Graph) -> list[fx.Node]:
     """Collective nodes that all-reduce, in graph order."""
-    vllm_ar, shm_ar = _op("vllm", "all_reduce"), _op("_C", "shm_allreduce")
+    vllm_ar, shm_ar = optional_op("vllm", "all_reduce"), optional_op("_C", "shm_allreduce")
     targets = {c10d.all_reduce.default} | ({vllm_ar} if vllm_ar else set())
-    af = _auto_functionalized()
     return [n for n in graph.nodes if n.op == "call_function" and (
-        n.target in targets
-        or (shm_ar is not None and n.target in af and n.args and n.args[0] is shm_ar))]
+        n.target in targets or is_functionalized(n, shm_ar))]
 
 
 def match_allreduce(coll: fx.Node) -> AllReduce | Miss:
@@ -65,34 +50,23 @@ def match_allreduce(coll: fx.Node) -> AllReduce | Miss:
         waits = waits_of(coll)
         if not waits:
             return Miss("all-reduce without a wait_tensor", coll)
-        return AllReduce(x, waits[-1], str(op), f"c10d:{group}", coll, (coll, *waits))
-    vllm_ar = _op("vllm", "all_reduce")
+        return AllReduce(x, waits[-1], str(op), f"c10d:{group}", coll,
+                         (coll, *waits))
+    vllm_ar = optional_op("vllm", "all_reduce")
     if vllm_ar is not None and is_call(coll, vllm_ar):
         x, group = coll.args[:2]
         return AllReduce(x, coll, "sum", f"vllm:{group}", coll, (coll,))
-    shm_ar = _op("_C", "shm_allreduce")
-    if shm_ar is not None and coll.target in _auto_functionalized():
+    if is_functionalized(coll, optional_op("_C", "shm_allreduce")):
         outs = [u for u in coll.users if is_getitem(u, 1)]
         if len(outs) != 1 or len(coll.users) != 1:
             return Miss("shm all-reduce result read other than through one getitem", coll)
         handle = coll.kwargs.get("handle")
         if not isinstance(handle, int):
             return Miss("shm all-reduce handle is not a constant", coll)
-        data = _shm_data(coll)
+        data = (functional_kwargs(coll) or {}).get("data")
         if data is None:
             return Miss("shm all-reduce on a view of a larger tensor (auto_functionalized_v2)",
                         coll)
-        return AllReduce(data, outs[0], "sum", f"vllm_shm:{handle}", coll, (coll, outs[0]))
+        return AllReduce(data, outs[0], "sum", f"vllm_shm:{handle}", coll,
+                         (coll, outs[0]))
     return Miss("not an all-reduce", coll)
-
-
-def _shm_data(coll: fx.Node) -> fx.Node | None:
-    """The tensor the shm all-reduce reduces in place: v1's ``data``; v2's only base
-    when ``data`` is that base itself (no view arguments), else None."""
-    if "data" in coll.kwargs:
-        return coll.kwargs["data"]
-    bases = coll.kwargs.get("_all_bases")
-    views = [k for k in coll.kwargs if k.startswith("_data_") and k != "_data_base_index"]
-    if coll.kwargs.get("_data_base_index") == 0 and bases and len(bases) == 1 and not views:
-        return bases[0]
-    return None

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.fx as fx
 
-from .common import (Miss, aten, c10d, is_call, is_getitem, ndim, norm_dim, only_user,
-                     same_shape, waits_of)
+from commfold.graph import (arg, is_call, is_getitem, ndim, norm_dim, only_user, same_shape,
+                            tensor_val)
+
+from .common import Miss, aten, c10d, is_functionalized, optional_op, waits_of
 
 
 @dataclass(frozen=True)
@@ -41,35 +42,21 @@ class VocabGather:
         return (self.collective, *self.waits)
 
 
-def _vllm_all_gather():
-    try:
-        return torch.ops.vllm.all_gather.default
-    except (AttributeError, RuntimeError):
-        return None
-
-
-def _is_shm_gather(node) -> bool:
-    """auto_functionalized(_v2)(_C.shm_all_gather.default, ...) (vLLM CPU's default)."""
-    hops = (torch.ops.higher_order.auto_functionalized, torch.ops.higher_order.auto_functionalized_v2)
-    op = node.args[0] if is_call(node, *hops) and node.args else None
-    return getattr(op, "_name", None) == "_C::shm_all_gather"
-
-
 def gather_candidates(graph: fx.Graph) -> list[fx.Node]:
     """Collective nodes that gather tensors (any dim)."""
-    vllm_ag = _vllm_all_gather()
+    vllm_ag, shm_ag = optional_op("vllm", "all_gather"), optional_op("_C", "shm_all_gather")
     targets = {c10d.all_gather_into_tensor.default} | ({vllm_ag} if vllm_ag else set())
-    return [n for n in graph.nodes
-            if n.op == "call_function" and (n.target in targets or _is_shm_gather(n))]
+    return [n for n in graph.nodes if n.op == "call_function" and (
+        n.target in targets or is_functionalized(n, shm_ag))]
 
 
 def match_vocab_gather(coll: fx.Node) -> VocabGather | Miss:
     if is_call(coll, c10d.all_gather_into_tensor.default):
         return _match_c10d(coll)
-    vllm_ag = _vllm_all_gather()
+    vllm_ag = optional_op("vllm", "all_gather")
     if vllm_ag is not None and is_call(coll, vllm_ag):
         return _match_vllm(coll)
-    if _is_shm_gather(coll):
+    if is_functionalized(coll, optional_op("_C", "shm_all_gather")):
         return _match_shm(coll)
     return Miss("not an all-gather", coll)
 
@@ -131,7 +118,7 @@ def _one_row(shape) -> bool:
 
 
 def _match_split_cat(coll, waits, shard, split, world, comm, rank) -> VocabGather | Miss:
-    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    dim = arg(split, "dim")
     getitems = list(split.users)
     if len(getitems) != world or not all(is_getitem(g) for g in getitems):
         return Miss("not every rank's chunk is used", coll)
@@ -141,7 +128,7 @@ def _match_split_cat(coll, waits, shard, split, world, comm, rank) -> VocabGathe
     if cat is None or not is_call(cat, aten.cat.default):
         return Miss("per-rank chunks are not concatenated", coll)
     parts = cat.args[0]
-    cat_dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+    cat_dim = arg(cat, "dim")
     if len(parts) != world or any(not is_getitem(p, i) or p.args[0] is not split
                                   for i, p in enumerate(parts)):
         return Miss("per-rank chunks concatenated out of rank order", coll)
@@ -153,7 +140,7 @@ def _match_split_cat(coll, waits, shard, split, world, comm, rank) -> VocabGathe
 
 
 def _match_reshape_permute(coll, waits, shard, view, world, comm, rank) -> VocabGather | Miss:
-    shape = list(shard.meta["val"].shape)
+    shape = list(tensor_val(shard).shape)
     if _one_row(shape) and same_shape(view, shape[:-1] + [world * shape[-1]]):
         return VocabGather(shard, view, world, comm, coll, tuple(waits))  # 1 row: a plain view
     if not same_shape(view, [world] + shape):
@@ -165,7 +152,8 @@ def _match_reshape_permute(coll, waits, shard, view, world, comm, rank) -> Vocab
     nxt = only_user(perm)
     if nxt is not None and is_call(nxt, aten.clone.default):
         nxt = only_user(nxt)
-    if nxt is None or not is_call(nxt, aten.reshape.default, aten.view.default, aten._unsafe_view.default):
+    if nxt is None or not is_call(nxt, aten.reshape.default, aten.view.default,
+                                  aten._unsafe_view.default):
         return Miss("rank and vocab dims are not merged", coll)
     if not same_shape(nxt, shape[:-1] + [world * shape[-1]]):
         return Miss("rank and vocab dims are not merged into one vocab dim", coll)

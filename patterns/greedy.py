@@ -9,8 +9,12 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from .common import Miss, aten, is_call, is_getitem, norm_dim, only_user, prims
+from commfold.graph import arg, is_call, is_getitem, is_number, norm_dim, only_user, tensor_val
+
+from .common import (FLOAT_DTYPES, Miss, aten, op_name, prims, reader_within,
+                     vocab_slice_end)
 from .gather import VocabGather
+
 
 
 @dataclass(frozen=True)
@@ -24,12 +28,11 @@ class GreedyPick:
 
 
 _PICKS = {aten.argmax.default: "argmax", aten.max.dim: "max", aten.topk.default: "topk"}
-_FLOAT = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def _positive_number(x) -> bool | None:
     """True/False for a Python number's sign; None when x is a tensor (sign unknown)."""
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
+    if not is_number(x):
         return None
     return x > 0 and not math.isnan(x)
 
@@ -56,9 +59,10 @@ def monotone_step(node: fx.Node, x: fx.Node) -> str | None:
             "a tensor is added (may vary along the vocab dim)"
     if t in (aten.tanh.default,):
         return None
-    if t in (prims.convert_element_type.default,) and a[1] in _FLOAT:
+    if t in (prims.convert_element_type.default,) and a[1] in FLOAT_DTYPES:
         return None
-    if t is aten._to_copy.default and node.kwargs.get("dtype") in _FLOAT and len(node.kwargs) <= 2:
+    if t is aten._to_copy.default and node.kwargs.get("dtype") in FLOAT_DTYPES \
+            and len(node.kwargs) <= 2:
         return None
     if t in (aten.neg.default,):
         return "negation (order-reversing)"
@@ -81,7 +85,7 @@ def walk_to_reader(g: VocabGather, readers) -> RowWalk | Miss | None:
     an op whose target is in `readers`; a Miss says why the path breaks (only when a
     reader is a few ops downstream), None when no reader reads g at all."""
     node, valid, chain = g.gathered, None, []
-    rank = g.shard.meta["val"].dim()
+    rank = tensor_val(g.shard).dim()
     while True:
         user = only_user(node)
         if user is None:
@@ -117,50 +121,17 @@ def match_greedy(g: VocabGather) -> GreedyPick | Miss | None:
     if pick.target is aten.topk.default and pick.args[1] != 1:
         return None
     return _match_pick(g, pick, walk.valid_vocab, list(walk.elementwise),
-                       g.shard.meta["val"].dim())
-
-
-def vocab_slice_end(node: fx.Node, rank: int) -> "tuple | Miss":
-    """(end,) when slice node keeps the vocab dim's [0:end] (end an int, a SymInt
-    node, or None), else a Miss saying why. The ops given `end` apply slice's own
-    clamping at run time (end may be symbolic)."""
-    given = list(node.args[1:])
-    dim, start, end, step = given + [0, None, None, 1][len(given):]
-    if norm_dim(dim, rank) != rank - 1:
-        return Miss("slice on a dim other than vocab", node)
-    if start not in (0, None) or step != 1 or not _int_like(end):
-        return Miss("slice of the vocab dim other than [0:V]", node)
-    if isinstance(end, int) and end <= 0:
-        return Miss("slice of the vocab dim with a non-positive end", node)
-    return (end,)
-
-
-def _int_like(x) -> bool:
-    """None, an int, or a node computing a SymInt (a symbolic vocab size)."""
-    if x is None or (isinstance(x, int) and not isinstance(x, bool)):
-        return True
-    return isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.SymInt)
+                       tensor_val(g.shard).dim())
 
 
 def _near(node: fx.Node, reason: str | None, readers):
     """A Miss if a reader op is at most a few ops downstream of node (on any path),
     else None: a gather nobody reads that way is not a near-miss."""
-    frontier, seen = [node], set()
-    for _ in range(6):
-        nxt = []
-        for n in frontier:
-            if n.target in readers:
-                return Miss(reason or "an unsupported op between the gather and the "
-                                      f"{_name(n.target)}", n)
-            if n not in seen:
-                seen.add(n)
-                nxt.extend(n.users)
-        frontier = nxt
-    return None
-
-
-def _name(target) -> str:
-    return getattr(target, "__name__", str(target)).split(".")[0]
+    reader = reader_within(node, lambda n: n.target in readers)
+    if reader is None:
+        return None
+    return Miss(reason or f"an unsupported op between the gather and the {op_name(reader)}",
+                reader)
 
 
 def is_elementwise(node: fx.Node) -> bool:
@@ -171,23 +142,20 @@ def is_elementwise(node: fx.Node) -> bool:
 
 def _match_pick(g, pick, valid, chain, rank) -> GreedyPick | Miss:
     kind = _PICKS[pick.target]
-    val = pick.args[0].meta["val"]
-    if val.dtype not in _FLOAT:
-        return Miss(f"{kind} over {val.dtype} logits (floating point only)", pick)
+    dtype = tensor_val(pick.args[0]).dtype
+    if dtype not in FLOAT_DTYPES:
+        return Miss(f"{kind} over {dtype} logits (floating point only)", pick)
+    dim = arg(pick, "dim")
     if kind == "argmax":
-        dim = pick.args[1] if len(pick.args) > 1 else pick.kwargs.get("dim")
-        keepdim = bool(pick.args[2] if len(pick.args) > 2 else pick.kwargs.get("keepdim", False))
+        keepdim = bool(arg(pick, "keepdim"))
         if dim is None:
             return Miss("argmax over the flattened tensor", pick)
     elif kind == "max":
-        dim = pick.args[1]
-        keepdim = bool(pick.args[2] if len(pick.args) > 2 else pick.kwargs.get("keepdim", False))
+        keepdim = bool(arg(pick, "keepdim"))
         if not all(is_getitem(u) for u in pick.users):
             return Miss("max() result used as a tuple", pick)
     else:
-        dim = pick.args[2] if len(pick.args) > 2 else pick.kwargs.get("dim", -1)
-        largest = pick.args[3] if len(pick.args) > 3 else pick.kwargs.get("largest", True)
-        if not largest:
+        if not arg(pick, "largest"):
             return Miss("topk(largest=False)", pick)
         if not all(is_getitem(u) for u in pick.users):
             return Miss("topk() result used as a tuple", pick)

@@ -21,41 +21,17 @@ vllm_ir.fused_add_rms_norm) are recognized by patterns.rmsnorm_vllm.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.fx as fx
 
-from .common import Miss, aten, is_call, ndim, prims, same_shape
+from commfold.graph import (arg, dtype_of, is_call, is_number, ndim, only_user, same_shape,
+                            tensor_val)
 
+from .common import Miss, aten, prims
+from .rmsnorm_match import RMSNorm
+from .rmsnorm_vllm import match_ir_norm
 
-@dataclass(frozen=True)
-class RMSNorm:
-    x: fx.Node  # the value normed (before the residual add)
-    residual: fx.Node | None
-    h: fx.Node | None  # x + residual (or x): the new residual; None when not computed
-    weight: fx.Node | None  # the raw weight ([hidden]); offset applied by the kernel
-    eps: float
-    offset: float  # Gemma: out * (offset + w)
-    offset_in_weight_dtype: bool  # the offset sum is rounded to the weight's dtype
-    round_before_weight: bool  # n is cast to h's dtype before the weight multiply
-    out_dtype: torch.dtype
-    output: fx.Node  # the normed value
-    inner: tuple[fx.Node, ...]  # nodes between h and output, read only by the norm
-    sum_in_f32: bool = False  # the norm reads the exact f32 sum, h is rounded apart
-    eager: bool = False  # an eager op: every cast rounds (not fused by Inductor)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.x.meta["val"].dtype
-
-
-_UPCAST = (prims.convert_element_type.default,)
-
-
-def _dtype(node) -> torch.dtype | None:
-    v = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return v.dtype if isinstance(v, torch.Tensor) else None
+__all__ = ["RMSNorm", "match_rmsnorm"]  # RMSNorm: the match type, re-exported
 
 
 def _cast_to(node: fx.Node, dtype=None) -> bool:
@@ -77,16 +53,10 @@ def _other(node: fx.Node, x: fx.Node):
     return None
 
 
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 def match_rmsnorm(x: fx.Node) -> RMSNorm | Miss | None:
     """The residual add + RMSNorm reading x; a Miss when one almost matches; None when
     no RMSNorm reads x. A norm reading x itself wins over one reading x + residual
     (then x is also the new residual, read by a later add)."""
-    from .rmsnorm_vllm import match_ir_norm  # imports this module: import when used
-
     ir = match_ir_norm(x)
     if ir is not None:
         return ir
@@ -98,12 +68,12 @@ def match_rmsnorm(x: fx.Node) -> RMSNorm | Miss | None:
         if is_call(user, aten.add.Tensor) and len(user.args) == 2 and not user.kwargs:
             residual = _other(user, x)
             if isinstance(residual, fx.Node) and same_shape(residual, x) \
-                    and _dtype(residual) == _dtype(x) == _dtype(user):
+                    and dtype_of(residual) == dtype_of(x) == dtype_of(user):
                 m = _match_norm(x, residual, user)
                 if m:
                     return m
                 found = found or m
-    if _dtype(x) in (torch.bfloat16, torch.float16):
+    if dtype_of(x) in (torch.bfloat16, torch.float16):
         for up in [u for u in x.users if _cast_to(u, torch.float32)]:
             for s in [u for u in up.users if is_call(u, aten.add.Tensor) and len(u.args) == 2
                       and not u.kwargs]:
@@ -120,12 +90,12 @@ def _match_f32_sum(x, up, s) -> RMSNorm | Miss | None:
     if not (isinstance(cr, fx.Node) and _cast_to(cr, torch.float32)):
         return None
     residual = cr.args[0]
-    if not (isinstance(residual, fx.Node) and _dtype(residual) == _dtype(x)
+    if not (isinstance(residual, fx.Node) and dtype_of(residual) == dtype_of(x)
             and same_shape(residual, x)):
         return None
     if len(up.users) != 1:
         return Miss("the upcast reduced value is read outside the norm", up)
-    downs = [u for u in s.users if _cast_to(u, _dtype(x))]
+    downs = [u for u in s.users if _cast_to(u, dtype_of(x))]
     if len(downs) > 1:
         return Miss("the f32 sum is cast back more than once", s)
     h = downs[0] if downs else None
@@ -133,7 +103,7 @@ def _match_f32_sum(x, up, s) -> RMSNorm | Miss | None:
 
 
 def _match_norm(x, residual, h, hf=None, pre=()) -> RMSNorm | Miss | None:
-    dtype = _dtype(x)
+    dtype = dtype_of(x)
     if hf is None:
         hf = h
         if dtype not in (torch.float32, torch.float64):  # low precision: upcast first
@@ -146,26 +116,25 @@ def _match_norm(x, residual, h, hf=None, pre=()) -> RMSNorm | Miss | None:
     sq = next((u for u in hf.users if _is_square(u, hf)), None)
     if sq is None:
         return None
-    mean = _sole(sq)
+    mean = only_user(sq)
     if not is_call(mean, aten.mean.dim):
         return None
     rank = ndim(x)
-    dims = mean.args[1] if len(mean.args) > 1 else mean.kwargs.get("dim")
-    keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
-    if mean.kwargs.get("dtype") not in (None, torch.float32):
+    dims, keepdim = arg(mean, "dim"), arg(mean, "keepdim")
+    if arg(mean, "dtype") not in (None, torch.float32):
         return Miss("mean of squares in a dtype other than float32", mean)
     if list(dims) != [rank - 1] and list(dims) != [-1] or not keepdim:
         return Miss(f"norm over dims {list(dims)}, not the last (hidden) dim", mean)
-    add_eps = _sole(mean)
+    add_eps = only_user(mean)
     if not is_call(add_eps, aten.add.Tensor, aten.add.Scalar) or add_eps.kwargs:
         return Miss("mean of squares not followed by + eps", mean)
     eps = _other(add_eps, mean)
-    if not _is_number(eps):
+    if not is_number(eps):
         return Miss("eps is not a number", add_eps)
-    rsqrt = _sole(add_eps)
+    rsqrt = only_user(add_eps)
     if not is_call(rsqrt, aten.rsqrt.default):
         return Miss("variance + eps not followed by rsqrt", add_eps)
-    normed = _sole(rsqrt)
+    normed = only_user(rsqrt)
     if not is_call(normed, aten.mul.Tensor) or _other(normed, rsqrt) is not hf:
         return Miss("rsqrt does not scale the norm's input", rsqrt)
     if hf is not h and not set(hf.users) <= {sq, normed, h}:
@@ -178,10 +147,10 @@ def _match_tail(x, residual, h, eps, normed, inner, dtype, sum_in_f32=False) -> 
     """After n = hf * rsqrt(...): the optional cast back and weight multiply."""
     cur, round_before = normed, False
     weight, offset, off_in_w = None, 0.0, False
-    nxt = _sole(cur)
+    nxt = only_user(cur)
     if dtype not in (torch.float32, torch.float64) and nxt is not None and _cast_to(nxt, dtype):
         inner.append(cur)
-        cur, round_before, nxt = nxt, True, _sole(nxt)  # hand-written: cast back first
+        cur, round_before, nxt = nxt, True, only_user(nxt)  # hand-written: cast back first
     if nxt is not None and is_call(nxt, aten.mul.Tensor) and len(nxt.args) == 2:
         parsed = _weight(_other(nxt, cur), x)
         if isinstance(parsed, Miss):
@@ -189,14 +158,14 @@ def _match_tail(x, residual, h, eps, normed, inner, dtype, sum_in_f32=False) -> 
         if parsed is not None:
             weight, offset, off_in_w = parsed
             inner.append(cur)
-            cur, nxt = nxt, _sole(nxt)
+            cur, nxt = nxt, only_user(nxt)
             if not round_before and nxt is not None and _cast_to(nxt, dtype) \
-                    and _dtype(cur) == torch.float32:
+                    and dtype_of(cur) == torch.float32:
                 inner.append(cur)  # F.rms_norm / Gemma: weight in f32, cast last
                 cur = nxt
     if weight is None:
         round_before = False
-    out_dtype = _dtype(cur)
+    out_dtype = dtype_of(cur)
     if out_dtype not in (torch.float32, dtype):
         return Miss(f"norm output in {out_dtype} (neither f32 nor the input dtype)", cur)
     for n in inner:  # the norm's intermediates must not be read elsewhere
@@ -214,16 +183,16 @@ def _weight(w, x) -> tuple | Miss | None:
     offset, off_in_w = 0.0, False
     if is_call(w, aten.add.Tensor) and len(w.args) == 2 and not w.kwargs:
         a, b = w.args
-        num, base = (a, b) if _is_number(a) else (b, a)
-        if not _is_number(num) or not isinstance(base, fx.Node):
+        num, base = (a, b) if is_number(a) else (b, a)
+        if not is_number(num) or not isinstance(base, fx.Node):
             return None
         offset, w = float(num), base
         off_in_w = True
     if _cast_to(w, torch.float32):
         w, off_in_w = w.args[0], False
-    v = w.meta.get("val") if isinstance(w, fx.Node) else None
-    hidden = x.meta["val"].shape[-1]
-    if not isinstance(v, torch.Tensor) or v.dim() != 1 or not same_shape(v.shape, [hidden]):
+    v = tensor_val(w) if isinstance(w, fx.Node) else None
+    hidden = tensor_val(x).shape[-1]
+    if v is None or v.dim() != 1 or not same_shape(v.shape, [hidden]):
         return Miss("norm weight is not a [hidden] vector", w)
     if v.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return Miss(f"norm weight in unsupported dtype {v.dtype}", w)
@@ -234,7 +203,3 @@ def _is_square(node, x) -> bool:
     if is_call(node, aten.pow.Tensor_Scalar):
         return node.args[0] is x and node.args[1] == 2
     return is_call(node, aten.mul.Tensor) and node.args[0] is x and node.args[1] is x
-
-
-def _sole(node):
-    return next(iter(node.users)) if node is not None and len(node.users) == 1 else None

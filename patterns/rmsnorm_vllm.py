@@ -21,76 +21,38 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .common import Miss, is_call, is_getitem, same_shape
-from .rmsnorm import RMSNorm
+from commfold.graph import arg, dtype_of, is_call, is_getitem, is_number, same_shape, tensor_val
 
+from .common import Miss, functional_kwargs, is_functionalized, optional_op
+from .rmsnorm_match import RMSNorm
 
-def _ir_op(name: str, overload: str):
-    try:
-        return getattr(getattr(torch.ops.vllm_ir, name), overload)
-    except (AttributeError, RuntimeError):
-        return None
-
-
-def _dtype(node):
-    v = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return v.dtype if isinstance(v, torch.Tensor) else None
+_ARGS = ("x", "weight", "epsilon", "variance_size")
 
 
 def match_ir_norm(x: fx.Node):
     """The vllm_ir norm reading x (as its x, or as the residual of a fused add): an
     RMSNorm, a Miss, or None when no vllm_ir norm reads x."""
-    rms = _ir_op("rms_norm", "default")
-    fused = _ir_op("fused_add_rms_norm", "maybe_inplace")
+    rms = optional_op("vllm_ir", "rms_norm")
+    fused = optional_op("vllm_ir", "fused_add_rms_norm", "maybe_inplace")
     if rms is None and fused is None:
         return None
-    from torch._higher_order_ops.auto_functionalize import (auto_functionalized,
-                                                            auto_functionalized_v2)
-
     for user in x.users:
         if rms is not None and is_call(user, rms):
             return _rms_norm(x, user)
-        if fused is not None and is_call(user, auto_functionalized, auto_functionalized_v2) \
-                and user.args and user.args[0] is fused:
+        if is_functionalized(user, fused):
             return _fused_add(x, user)
     return None
 
 
-def _functional_kwargs(af: fx.Node) -> dict | None:
-    """The op's kwargs of an auto_functionalized(_v2) node; None when a mutated
-    argument is a view of a base (v2), which the fused op does not model."""
-    kw = dict(af.kwargs)
-    bases = kw.pop("_all_bases", None)
-    if bases is None:
-        return kw
-    out = {}
-    for k, v in kw.items():
-        if k.startswith("_") and k.endswith("_base_index"):
-            name = k[1:-len("_base_index")]
-            if any(f"_{name}_{x}" in kw for x in ("size", "stride", "storage_offset")) \
-                    or any(key.startswith(f"_{name}_slice") for key in kw):
-                return None
-            out[name] = bases[v]
-        elif not k.startswith("_"):
-            out[k] = v
-    return out
-
-
-def _args(node: fx.Node, names: tuple[str, ...]) -> dict:
-    out = dict(zip(names, node.args))
-    out.update(node.kwargs)
-    return out
-
-
 def _rms_norm(x, node):
-    a = _args(node, ("x", "weight", "epsilon", "variance_size"))
+    a = {name: arg(node, name) for name in _ARGS}
     if a.get("x") is not x:
         return None
     return _build(x, None, node, a, out=node, h=x, inner=())  # h: x is the residual
 
 
 def _fused_add(x, af):
-    a = _functional_kwargs(af)
+    a = functional_kwargs(af)
     if a is None:
         return Miss("vllm_ir.fused_add_rms_norm on a view of a mutated base", af)
     if a.get("x") is x:
@@ -100,7 +62,7 @@ def _fused_add(x, af):
     else:
         return None
     if not isinstance(residual, fx.Node) or residual is x or not same_shape(residual, x) \
-            or _dtype(residual) != _dtype(x):
+            or dtype_of(residual) != dtype_of(x):
         return Miss("vllm_ir.fused_add_rms_norm operands differ in shape or dtype", af)
     outs = {}
     for u in af.users:
@@ -119,14 +81,13 @@ def _build(x, residual, node, a, out, h, inner):
     eps, weight = a.get("epsilon"), a.get("weight")
     if a.get("variance_size") is not None:
         return Miss("vllm_ir norm with variance_size (a partial-row variance)", node)
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
+    if not is_number(eps):
         return Miss("vllm_ir norm eps is not a number", node)
-    dtype = _dtype(x)
+    dtype = dtype_of(x)
     round_before = False
     if weight is not None:
-        v = weight.meta.get("val") if isinstance(weight, fx.Node) else None
-        if not isinstance(v, torch.Tensor) or v.dim() != 1 \
-                or not same_shape(v.shape, [x.meta["val"].shape[-1]]):
+        v = tensor_val(weight)
+        if v is None or v.dim() != 1 or not same_shape(v.shape, [tensor_val(x).shape[-1]]):
             return Miss("norm weight is not a [hidden] vector", node)
         if v.dtype not in (torch.float32, dtype):
             return Miss(f"vllm_ir norm weight in {v.dtype}, input in {dtype}", node)

@@ -16,15 +16,17 @@ all the rewrite needs; row-sized nodes are left dead.
 from __future__ import annotations
 
 import math
-import operator
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
-from .common import Miss, aten, is_call, is_getitem, norm_dim, only_user, prims, same_shape
+from commfold.graph import (arg, is_call, is_getitem, norm_dim, only_user, same_shape,
+                            tensor_val)
+
+from .common import Miss, aten, op_name, prims, reader_within, vocab_slice_end
 from .gather import VocabGather
-from .greedy import is_elementwise, monotone_step, vocab_slice_end
+from .greedy import is_elementwise, monotone_step
 
 _GREEDY = (aten.argmax.default, aten.max.dim)
 
@@ -68,20 +70,20 @@ def match_row_reads(g: VocabGather) -> RowReads | Miss | None:
     """The softmax statistics (and greedy picks) that are the only readers of g's
     row; None when no amax reads the row (nothing of this pattern here)."""
     start, valid = g.gathered, None
-    rank = g.shard.meta["val"].dim()
+    rank = tensor_val(g.shard).dim()
     first = only_user(start)
     if first is not None and is_call(first, aten.slice.Tensor):
         cut = vocab_slice_end(first, rank)
         if cut:
             start, valid = first, cut[0]
     stats, greedy, todo = [], [], [(start, ())]
-    near = _has_amax(g.gathered)
+    near = reader_within(g.gathered, lambda n: is_call(n, aten.amax.default)) is not None
     while todo:
         row, chain = todo.pop()
         claimed: set[fx.Node] = set()
         for user in list(row.users):  # structures first: they claim their D = X - A
-            if is_call(user, aten.amax.default) and _over_last(user.args[1], rank) \
-                    and _keepdim(user, 2):
+            if is_call(user, aten.amax.default) and _over_last(arg(user, "dim"), rank) \
+                    and arg(user, "keepdim"):
                 s = _match_stats(row, chain, user, rank)
                 if not s:
                     return s
@@ -100,7 +102,7 @@ def match_row_reads(g: VocabGather) -> RowReads | Miss | None:
                 todo.append((user, chain + (user,)))
             else:
                 return _miss(near, user, "the gathered row has a consumer that needs "
-                                         f"the full row ({_name(user)})")
+                                         f"the full row ({op_name(user)})")
     if not stats:
         return None
     return RowReads(g, valid, tuple(stats), tuple(greedy))
@@ -126,7 +128,7 @@ def _match_stats(row, chain, amax, rank) -> SoftmaxStats | Miss:
                         "(where(all finite, (x - max x) * c, ...)): not supported yet", d)
         return Miss("shifted row is not exponentiated", d)
     sums = [u for u in exp.users if is_call(u, aten.sum.dim_IntList)]
-    if len(sums) != 1 or not _over_last(sums[0].args[1], rank):
+    if len(sums) != 1 or not _over_last(arg(sums[0], "dim"), rank):
         return Miss("exp of the shifted row is not summed over the vocab dim", exp)
     total = sums[0]
     log = next((u for u in total.users if is_call(u, aten.log.default)), None)
@@ -136,7 +138,7 @@ def _match_stats(row, chain, amax, rank) -> SoftmaxStats | Miss:
             continue
         if not (is_call(u, aten.sub.Tensor) and u.args[0] is d and log is not None
                 and u.args[1] is log and len(u.args) == 2 and not u.kwargs):
-            return Miss(f"the shifted row feeds {_name(u)}, which needs the full row", u)
+            return Miss(f"the shifted row feeds {op_name(u)}, which needs the full row", u)
         for r in u.users:
             why = _pick_problem(r, u, rank)
             if why:
@@ -146,11 +148,11 @@ def _match_stats(row, chain, amax, rank) -> SoftmaxStats | Miss:
         if u is total:
             continue
         if not (is_call(u, aten.div.Tensor) and u.args[0] is exp and u.args[1] is total):
-            return Miss(f"exp of the shifted row feeds {_name(u)}, which needs the full row", u)
+            return Miss(f"exp of the shifted row feeds {op_name(u)}, which needs the full row", u)
         for r in u.users:
             if not (is_call(r, *_GREEDY) and _greedy_dim_ok(r, rank) and (
                     r.target is aten.argmax.default or all(is_getitem(x) for x in r.users))):
-                return Miss(f"softmax row feeds {_name(r)}, which needs the full row", r)
+                return Miss(f"softmax row feeds {op_name(r)}, which needs the full row", r)
             maxes.append(r)
     return SoftmaxStats(row, chain, amax, finite, d, exp, total, log,
                         tuple(picks), tuple(maxes))
@@ -158,11 +160,11 @@ def _match_stats(row, chain, amax, rank) -> SoftmaxStats | Miss:
 
 def _pick_problem(r: fx.Node, lp: fx.Node, rank: int) -> str | None:
     if not is_call(r, aten.gather.default) or r.args[0] is not lp:
-        return f"log_softmax row feeds {_name(r)}, which needs the full row"
-    if norm_dim(r.args[1], rank) != rank - 1 or r.kwargs.get("sparse_grad") or len(r.args) > 3:
+        return f"log_softmax row feeds {op_name(r)}, which needs the full row"
+    if norm_dim(r.args[1], rank) != rank - 1 or arg(r, "sparse_grad") or len(r.args) > 3:
         return "gather from the log_softmax row on a dim other than vocab"
     idx = r.args[2]
-    iv, lv = idx.meta.get("val"), lp.meta.get("val")
+    iv, lv = tensor_val(idx), tensor_val(lp)
     if not isinstance(idx, fx.Node) or iv is None or iv.dim() != rank:
         return "gather index of another rank"
     if rank != 2 and not same_shape(list(iv.shape[:-1]), list(lv.shape[:-1])):
@@ -192,40 +194,13 @@ def _over_last(dims, rank) -> bool:
     return len(dims) == 1 and norm_dim(dims[0], rank) == rank - 1
 
 
-def _keepdim(node, pos) -> bool:
-    return bool(node.args[pos] if len(node.args) > pos else node.kwargs.get("keepdim", False))
-
-
 def _greedy_dim_ok(node, rank) -> bool:
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    dim = arg(node, "dim")
     return dim is not None and norm_dim(dim, rank) == rank - 1
-
-
-def _has_amax(node: fx.Node) -> bool:
-    """An amax within a few ops downstream (then an unmatched shape is a near-miss)."""
-    frontier, seen = [node], set()
-    for _ in range(6):
-        nxt = []
-        for n in frontier:
-            if is_call(n, aten.amax.default):
-                return True
-            if n not in seen:
-                seen.add(n)
-                nxt.extend(n.users)
-        frontier = nxt
-    return False
 
 
 def _miss(near: bool, node, reason):
     return Miss(reason, node) if near else None
-
-
-def _name(node: fx.Node) -> str:
-    t = node.target
-    if t is operator.getitem:
-        return "getitem"
-    return getattr(t, "__name__", str(t)).split(".")[0] if node.op == "call_function" \
-        else node.op
 
 
 EXACT_WIDENING = {torch.bfloat16: torch.float32, torch.float16: torch.float32,
@@ -239,7 +214,7 @@ def exact_widening(node: fx.Node) -> bool:
         return True
     if not is_call(node, prims.convert_element_type.default):
         return False
-    src = node.args[0].meta["val"].dtype
+    src = tensor_val(node.args[0]).dtype
     dst = node.args[1]
     while src in EXACT_WIDENING and src != dst:
         src = EXACT_WIDENING[src]

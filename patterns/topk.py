@@ -14,16 +14,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.fx as fx
 
-from .common import Miss, aten, is_call, is_getitem, norm_dim
+from commfold.graph import arg, is_call, is_getitem, norm_dim, tensor_val
+
+from .common import FLOAT_DTYPES, Miss, aten, vocab_slice_end
 from .gather import VocabGather
 from .greedy import walk_to_reader
 
 MAX_K = 64
 _READERS = {aten.topk.default, aten.sort.default, aten.sort.stable}
-_FLOAT = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 @dataclass(frozen=True)
@@ -48,9 +48,9 @@ def match_topk(g: VocabGather) -> TopK | Miss | None:
     if not walk:
         return walk
     node = walk.reader
-    rank = g.shard.meta["val"].dim()
-    dtype = node.args[0].meta["val"].dtype
-    if dtype not in _FLOAT:
+    rank = tensor_val(g.shard).dim()
+    dtype = tensor_val(node.args[0]).dtype
+    if dtype not in FLOAT_DTYPES:
         return Miss(f"top-k over {dtype} logits (floating point only)", node)
     if node.target is aten.topk.default:
         m = _match_topk(node, rank)
@@ -60,10 +60,6 @@ def match_topk(g: VocabGather) -> TopK | Miss | None:
         return m
     kind, k, outputs = m
     return TopK(g, walk.valid_vocab, walk.elementwise, node, kind, k, outputs)
-
-
-def _arg(node, i, name, default):
-    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
 
 
 def _check_k(k, node) -> Miss | None:
@@ -81,9 +77,9 @@ def _match_topk(node, rank):
     miss = _check_k(k, node)
     if miss is not None:  # a Miss is falsy
         return miss
-    if norm_dim(_arg(node, 2, "dim", -1), rank) != rank - 1:
+    if norm_dim(arg(node, "dim"), rank) != rank - 1:
         return Miss("topk over a dim other than vocab", node)
-    if not _arg(node, 3, "largest", True):
+    if not arg(node, "largest"):
         return Miss("topk(largest=False) (smallest k: not supported)", node)
     if not all(is_getitem(u) for u in node.users):
         return Miss("topk() result used as a tuple", node)
@@ -91,10 +87,7 @@ def _match_topk(node, rank):
 
 
 def _match_sort(node, rank):
-    if node.target is aten.sort.default:
-        dim, descending = _arg(node, 1, "dim", -1), _arg(node, 2, "descending", False)
-    else:
-        dim, descending = node.kwargs.get("dim", -1), node.kwargs.get("descending", False)
+    dim, descending = arg(node, "dim"), arg(node, "descending")
     if norm_dim(dim, rank) != rank - 1:
         return Miss("sort over a dim other than vocab", node)
     if not descending:
@@ -132,7 +125,7 @@ def _match_sort(node, rank):
 
 
 def _static_width(node) -> int | None:
-    width = node.meta["val"].shape[-1]
+    width = tensor_val(node).shape[-1]
     return width if isinstance(width, int) else None
 
 
@@ -143,11 +136,8 @@ def _first_k(s, rank) -> int | None:
 
     if not is_call(s, aten.slice.Tensor):
         return None
-    given = list(s.args[1:])
-    dim, start, end, step = given + [0, None, None, 1][len(given):]
-    if norm_dim(dim, rank) != rank - 1 or start not in (0, None) or step != 1:
+    cut = vocab_slice_end(s, rank)
+    end = cut[0] if cut else None
+    if not isinstance(end, int) or isinstance(end, bool):
         return None
-    if not isinstance(end, int) or isinstance(end, bool) or end <= 0:
-        return None
-    width = s.meta["val"].shape[-1]
-    return end if statically_known_true(width == end) else None
+    return end if statically_known_true(tensor_val(s).shape[-1] == end) else None

@@ -22,8 +22,10 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from commfold.graph import is_call, is_number, ndim, only_user, val
+
 from .allreduce import allreduce_candidates, match_allreduce
-from .common import Miss, aten, is_call, norm_dim, only_user, prims
+from .common import Miss, aten, prims, vocab_slice_end
 from .gather import VocabGather
 
 MAX_WINDOW = 1 << 23  # ids analysed densely per side (evaluated in 1M-id chunks)
@@ -89,10 +91,10 @@ def match_embedding(lookup: fx.Node) -> VocabParallelEmbedding | Miss | None:
     if ar.reduce_op != "sum":
         return Miss(f"all-reduce with op {ar.reduce_op!r}, not a sum", reduce)
     output, comm, comm_nodes = ar.reduced, ar.comm, ar.comm_nodes
-    if not isinstance(shard, fx.Node) or _ndim(shard) != 2:
+    if not isinstance(shard, fx.Node) or ndim(shard) != 2:
         return Miss("embedding weight is not a 2-D tensor", lookup)
-    mask = cond.args[0] if is_call(cond, aten.unsqueeze.default) and cond.args[1] in (-1, _ndim(cond) - 1) \
-        else None
+    unsqueezed = is_call(cond, aten.unsqueeze.default) and cond.args[1] in (-1, ndim(cond) - 1)
+    mask = cond.args[0] if unsqueezed else None
     if mask is None:
         return Miss("rows are zeroed by something other than a per-id mask", zero)
     leaf_i, why_i = _leaf(idx)
@@ -101,7 +103,7 @@ def match_embedding(lookup: fx.Node) -> VocabParallelEmbedding | Miss | None:
         return Miss(why_i or why_m, lookup)
     if leaf_i is None or leaf_i is not leaf_m:
         return Miss("index and mask are not computed from the same ids", lookup)
-    ranges = _served_ranges(leaf_i, idx, mask, keep_when, int(_val(shard).shape[0]))
+    ranges = _served_ranges(leaf_i, idx, mask, keep_when, int(val(shard).shape[0]))
     if isinstance(ranges, str):
         return Miss(ranges, lookup)
     return VocabParallelEmbedding(leaf_i, shard, ranges, output, comm, comm_nodes, lookup)
@@ -120,17 +122,8 @@ _INT_DTYPES = (torch.bool, torch.int8, torch.uint8, torch.int16, torch.int32, to
 _ALLOWED = _CMP | _ARITH | _CAST | {aten.full.default, aten.scalar_tensor.default}
 
 
-def _val(node):
-    return node.meta.get("val") if isinstance(node, fx.Node) else node
-
-
-def _ndim(node):
-    v = _val(node)
-    return v.dim() if isinstance(v, torch.Tensor) else None
-
-
 def _is_zero(x) -> bool:
-    if isinstance(x, (int, float)) and not isinstance(x, bool):
+    if is_number(x):
         return x == 0
     if is_call(x, aten.full.default) and list(x.args[0]) == []:
         return x.args[1] == 0
@@ -148,7 +141,7 @@ def _leaf(root: fx.Node):
         if n in seen:
             continue
         seen.add(n)
-        v = _val(n)
+        v = val(n)
         if isinstance(v, torch.SymInt):
             return None, "shard bounds are run-time symbols (ints made dynamic), not constants"
         if not isinstance(v, torch.Tensor) or v.dtype not in _INT_DTYPES:
@@ -184,7 +177,7 @@ def _constants(root: fx.Node, leaf: fx.Node) -> int:
             continue
         seen.add(n)
         for a in list(n.args) + list(n.kwargs.values()):
-            if isinstance(a, (int, float)) and not isinstance(a, bool):
+            if is_number(a):
                 total += abs(int(a))
         stack.extend(n.all_input_nodes)
     return total
@@ -206,7 +199,7 @@ def _evaluate(root: fx.Node, leaf: fx.Node, x: torch.Tensor, memo: dict) -> torc
 
 def _served_ranges(leaf, idx, mask, keep_when: bool, shard_rows: int):
     """This rank's served ids as IdRanges, or why they are not a range mask."""
-    dtype = _val(leaf).dtype
+    dtype = val(leaf).dtype
     if dtype not in (torch.int32, torch.int64):
         return "ids are not int32/int64"
     span = _constants(idx, leaf) + _constants(mask, leaf) + 2
@@ -263,18 +256,16 @@ def match_lm_head(g: VocabGather) -> VocabParallelLMHead | Miss | None:
             and not is_call(wt, aten.t.default):
         return Miss("LM head weight is not used transposed ([vocab, hidden] layout)", logits)
     shard = wt.args[0]
-    if _ndim(shard) != 2 or _val(shard).dtype != _val(hidden).dtype:
+    if ndim(shard) != 2 or val(shard).dtype != val(hidden).dtype:
         return Miss("LM head weight is not a 2-D tensor of the hidden dtype", logits)
-    if reshape is not None and _val(g.shard).shape[-1] != _val(logits).shape[-1]:
+    if reshape is not None and val(g.shard).shape[-1] != val(logits).shape[-1]:
         return Miss("logits reshaped other than by their leading dims", logits)
     output, valid = g.gathered, 0
-    width = g.world_size * _val(g.shard).shape[-1]
+    width = g.world_size * val(g.shard).shape[-1]
     user = only_user(g.gathered)
     if is_call(user, aten.slice.Tensor):
-        given = list(user.args[1:])
-        dim, start, end, step = given + [0, None, None, 1][len(given):]
-        rank = _ndim(user)
-        if norm_dim(dim, rank) == rank - 1 and start in (0, None) and step == 1 \
-                and isinstance(end, int) and 0 < end < width:
+        cut = vocab_slice_end(user, ndim(user))
+        end = cut[0] if cut else None
+        if isinstance(end, int) and not isinstance(end, bool) and end < width:
             output, valid = user, end
     return VocabParallelLMHead(hidden, shard, g, reshape, valid, output)

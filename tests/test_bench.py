@@ -175,7 +175,8 @@ def test_insert_call_fake_values_equal_fake_dispatch(monkeypatch):
     from torch._higher_order_ops.auto_functionalize import auto_functionalized
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    import commfold.graph as cg
+    import commfold.fake_values as fv
+    from commfold.graph_edit import insert_call
     importlib.import_module("commfold.ops")  # registers the ops
     from commfold.ops.allreduce_rmsnorm import pack_flags
 
@@ -209,13 +210,13 @@ def test_insert_call_fake_values_equal_fake_dispatch(monkeypatch):
                        flags=0, comm="c10d:0"))]
         out = []
         for target, args, *kwargs in calls * 2:  # the second round hits the remembered metadata
-            v = cg.insert_call(g, target, args, *kwargs).meta["val"]
+            v = insert_call(g, target, args, *kwargs).meta["val"]
             out.append([(type(t).__name__, tuple(t.shape), t.stride(), t.dtype, t.device,
                          t.fake_mode is mode) for t in (v if isinstance(v, tuple) else (v,))])
         return out
 
     fast = values()
-    monkeypatch.setattr(cg, "_fake_kernel", lambda target, args=(): None)  # plain fake dispatch
+    monkeypatch.setattr(fv, "_fake_kernel", lambda target, args=(): None)  # plain fake dispatch
     assert fast == values()
     assert fast[0][0][3] == torch.float32 and fast[1][0][3] == torch.bfloat16  # the flags
     assert fast[2][0][1] == (3, 1)

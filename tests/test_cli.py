@@ -9,7 +9,7 @@ from pathlib import Path
 
 import commfold
 from commfold import cli
-from commfold.report import _fmt_bytes
+from commfold.report import format_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 FUNCOL = ROOT / "examples" / "tp_decoder_funcol.py"
@@ -61,8 +61,8 @@ def test_diff_funcol_example_two_ranks(tmp_path):
     assert len(rows) == 2, text
     cfg = ex.CONFIG
     padded_vocab = -(-cfg.vocab // 2) * 2
-    before = f"{_fmt_bytes(ex.BATCH * padded_vocab * 4)} in 1 call"
-    after = f"{_fmt_bytes(ex.BATCH * 16 * 2)} in 1 call"  # (value, index) int64 pair per row per rank
+    before = f"{format_bytes(ex.BATCH * padded_vocab * 4)} in 1 call"
+    after = f"{format_bytes(ex.BATCH * 16 * 2)} in 1 call"  # (value, index) int64 pair per row per rank
     for graph, row in enumerate(rows):
         cells = [c.strip() for c in row.split("|")]
         assert cells[:3] == [str(graph), "local_argmax", "all_gather->argmax"], row
@@ -201,7 +201,7 @@ def test_observing_hook_sees_every_pass_and_forces_the_pass_list():
     import torch.fx as fx
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from commfold.diff import render
+    from commfold.diff.render import render
     from commfold.manager import CommfoldPass, observing
 
     gm = make_fx(lambda x: torch.relu(x * 2).sum(-1))(torch.randn(2, 3))

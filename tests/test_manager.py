@@ -59,3 +59,16 @@ def test_failing_pass_leaves_graph_unchanged(ranks2):
 
 def test_strict_raises(ranks2):
     assert ranks2.run(failing_pass_program, True) == [{"raised": True}] * 2
+
+
+def test_a_swapped_pass_is_not_served_the_cached_graph(monkeypatch):
+    """The cache key names the function behind each pass: a pass replaced at run time
+    (here, as test_bench and the test above do) gets its own Inductor cache entry."""
+    import commfold.passes as passes
+    from commfold.manager import CommfoldPass
+
+    before = CommfoldPass().uuid()
+    monkeypatch.setitem(passes.PASSES, "local_argmax", lambda ctx: None)
+    assert CommfoldPass().uuid() != before
+    monkeypatch.undo()
+    assert CommfoldPass().uuid() == before

@@ -32,9 +32,12 @@ from vllm_models import ENGINE_ENV, SIZES, TOKENS_MARK, require_vllm, write_mode
 require_vllm()
 
 from commfold.report import Report  # noqa: E402
+from commfold.testing.comm_log import read_step_logs, target_pick_problems  # noqa: E402
 
 RUNNER = str(Path(__file__).with_name("vllm_models.py"))
 LAYERS = SIZES["num_hidden_layers"]
+HIDDEN = SIZES["hidden_size"]
+VOCAB_SHARD = 512  # vocab 1000, padded to a multiple of 64 x TP: 1024 rows, 512 a rank
 
 # id: (arch, dtype, route, ir_enable_torch_wrap, COMMFOLD_REPLICATE_MAX_BYTES)
 CASES = {
@@ -47,6 +50,10 @@ CASES = {
     # all-reduce is fused into the first input norm
     "llama-bf16-plugin": ("llama", "bfloat16", "plugin", False, "1024"),
 }
+# Cases whose runs also generate SAMPLING_BATCHES (a mixed batch: greedy + seeded
+# temperature sampling + a penalty; greedy with logprobs=5 and prompt_logprobs=3):
+# commfold's target pick (#18) takes the steps that qualify, vLLM the others.
+SAMPLING_CASES = {"llama-bf16-plugin"}
 # Engine starts cost 1-2 min each: the other forms are opt-in (the plain fp32 graph
 # is the hand-written f32 form of the rank tests; bf16 IR ops are tested on ranks
 # with vLLM's own ops in test_fuse_vllm_spellings).
@@ -56,26 +63,30 @@ if os.environ.get("COMMFOLD_VLLM_ALL_CASES"):
 
 
 def _engine(tmp: Path, model: Path, dtype: str, route: str | None, torch_wrap: bool,
-            replicate_max: str | None):
-    """Greedy tokens and the per-rank commfold reports of one engine run."""
+            replicate_max: str | None, batches: bool = False):
+    """Greedy tokens (or {"greedy": tokens, batch: outputs} with batches), the
+    per-rank commfold reports and the per-rank engine step collective logs of one
+    engine run."""
     reports = tmp / f"reports-{route or 'off'}"
+    comm_log = tmp / f"comm-log-{route or 'off'}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMMFOLD_")}
     env.update(ENGINE_ENV, VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),
                TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor-cache"),
-               COMMFOLD_REPORT_DIR=str(reports))
+               COMMFOLD_REPORT_DIR=str(reports), COMMFOLD_COMM_LOG_DIR=str(comm_log))
     if route == "plugin":
         env["COMMFOLD_VLLM"] = "1"
     if replicate_max is not None:
         env["COMMFOLD_REPLICATE_MAX_BYTES"] = replicate_max
     kwargs = dict(model=str(model), dtype=dtype, torch_wrap=torch_wrap,
-                  commfold_route=route if route == "named" else None)
+                  commfold_route=route if route == "named" else None,
+                  sampling_batches=batches)
     proc = subprocess.run([sys.executable, RUNNER, json.dumps(kwargs)], env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith(TOKENS_MARK)]
     tokens = json.loads(line[len(TOKENS_MARK):])
     found = [json.loads(Path(f).read_text()) for f in sorted(glob.glob(f"{reports}/*.json"))]
-    return tokens, found
+    return tokens, found, read_step_logs(comm_log)
 
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
@@ -83,11 +94,15 @@ def engine_case(request, tmp_path_factory):
     arch, dtype, route, torch_wrap, replicate_max = CASES[request.param]
     tmp = tmp_path_factory.mktemp(request.param)
     model = write_model(tmp / "model", arch)
-    base_tokens, base_reports = _engine(tmp, model, dtype, None, torch_wrap, replicate_max)
-    tokens, reports = _engine(tmp, model, dtype, route, torch_wrap, replicate_max)
-    return dict(base_tokens=base_tokens, base_reports=base_reports, tokens=tokens,
-                reports=reports, dtype=dtype, replicate=replicate_max is None,
-                torch_wrap=torch_wrap)
+    batches = request.param in SAMPLING_CASES
+    base, base_reports, base_steps = _engine(tmp, model, dtype, None, torch_wrap,
+                                             replicate_max, batches)
+    out, reports, steps = _engine(tmp, model, dtype, route, torch_wrap, replicate_max, batches)
+    return dict(base_tokens=base["greedy"] if batches else base, base_reports=base_reports,
+                tokens=out["greedy"] if batches else out, reports=reports, dtype=dtype,
+                replicate=replicate_max is None, torch_wrap=torch_wrap,
+                base_steps=base_steps, steps=steps,
+                base_batches=base if batches else None, batches=out if batches else None)
 
 
 def test_greedy_tokens_identical_with_commfold(engine_case):
@@ -133,3 +148,88 @@ def test_embedding_decision_under_the_size_rule(engine_case):
             assert 0 < done[0].extra_memory_bytes <= 64 * 2**20
         else:
             assert not done and len(declined) == 1, rep.summary()
+
+
+def test_step_log_shows_each_steps_collectives(engine_case):
+    """Every worker rank logs each engine step (COMMFOLD_COMM_LOG_DIR): the forward's
+    all-reduces of [tokens, hidden] - 2 per layer + the embedding's, which a
+    replicated embedding no longer runs; commfold's fused ops call vLLM's all-reduce
+    from C++ and are seen, once each - and the target's logits gather of
+    [rows, vocab shard] in the steps vLLM samples; both ranks the same. Steps the
+    target pick takes (noted "greedy" / "logprobs") run no vocab-wide gather at all:
+    one (value, index) pair exchange (greedy) or two small all-gathers (logprobs)."""
+    for run in ("base_steps", "steps"):
+        by_rank = engine_case[run]
+        assert sorted(by_rank) == [0, 1], (run, list(by_rank))
+        r0, r1 = by_rank[0], by_rank[1]
+        assert len(r0) == len(r1) >= 12, (run, len(r0), len(r1))
+        assert [s.info for s in r0] == [s.info for s in r1], run
+        assert [s.events for s in r0] == [s.events for s in r1], run
+        replicated = run == "steps" and engine_case["replicate"]
+        for s in r0:
+            if not s.info["tokens"]:
+                continue
+            forward = s.in_phase("forward")
+            assert forward.calls() == forward.calls("all_reduce") == \
+                2 * LAYERS + (0 if replicated else 1), (run, s)
+            assert {e.shapes for e in forward.events} == {((s.info["tokens"], HIDDEN),)}
+            pick = s.info.get("target_pick", "vLLM")
+            sampling = s.in_phase("sampling")
+            if pick in ("greedy", "logprobs"):
+                assert s.vocab_gathers(VOCAB_SHARD) == [], (run, s)
+                assert sampling.calls() == sampling.calls("all_gather") == \
+                    (1 if pick == "greedy" else 2), (run, s)
+            else:
+                assert run == "base_steps" or pick.startswith("vLLM ("), (run, s)
+                (gather,) = s.in_phase("logits").vocab_gathers(VOCAB_SHARD)
+                assert gather.shapes == ((s.info["requests"], VOCAB_SHARD),), (run, s)
+                assert sampling.calls() == 0, (run, s)
+            prompt = s.in_phase("prompt_logprobs")
+            if s.info.get("prompt_logprobs") == "logprobs":  # commfold's, per request
+                assert prompt.calls() % 2 == 0 and not prompt.vocab_gathers(VOCAB_SHARD)
+            else:  # vLLM's: one gather of the prompt's logits per request
+                assert prompt.calls() == len(prompt.vocab_gathers(VOCAB_SHARD)), (run, s)
+            assert s.in_phase("other", "drafting").calls() == 0, (run, s)
+
+
+def test_target_pick_takes_the_steps_that_qualify(engine_case):
+    """Where the plugin is on (COMMFOLD_VLLM=1) the target pick took the greedy and
+    the logprobs=5 steps and the prompt logprobs, and left the mixed batch's steps
+    (temperature sampling, a penalty) to vLLM; without commfold nothing is noted."""
+    assert not any("target_pick" in s.info for s in engine_case["base_steps"][0])
+    picks = [s.info.get("target_pick") for s in engine_case["steps"][0] if s.info["tokens"]]
+    if engine_case["batches"] is None:  # the named route: no plugin, no hook
+        assert set(picks) == {None}
+        return
+    assert {"greedy", "logprobs", "vLLM (sampling (temperature > 0))"} <= set(picks), picks
+    assert None not in picks
+    assert any(s.info.get("prompt_logprobs") == "logprobs" for s in engine_case["steps"][0])
+    # the check helper engine runs with spec decoding use (commfold.testing.comm_log)
+    assert target_pick_problems(engine_case["steps"], VOCAB_SHARD) == []
+    assert target_pick_problems(engine_case["base_steps"], VOCAB_SHARD) == [
+        "no step was picked locally (COMMFOLD_VLLM=1 set? COMMFOLD_TARGET_PICK=0?)"]
+
+
+def test_sampling_batches_equal_with_commfold(engine_case):
+    """Mixed batch: tokens identical (vLLM's path both times, seeded sampling).
+    logprobs=5: tokens, logprob token ids in vLLM's order and ranks identical,
+    logprobs within float32 rounding of vLLM's (vLLM sums the row in float32);
+    prompt_logprobs likewise."""
+    if engine_case["batches"] is None:
+        pytest.skip("this case generates greedy tokens only")
+    base, ours = engine_case["base_batches"], engine_case["batches"]
+    assert [r["tokens"] for r in ours["mixed"]] == [r["tokens"] for r in base["mixed"]]
+    for b, o in zip(base["logprobs"], ours["logprobs"]):
+        assert o["tokens"] == b["tokens"]
+        for key in ("logprobs", "prompt_logprobs"):
+            assert (o[key] is None) == (b[key] is None), key
+            for pb, po in zip(b[key] or [], o[key] or []):
+                if pb is None:
+                    assert po is None
+                    continue
+                assert [(t, r) for t, _, r in po] == [(t, r) for t, _, r in pb], key
+                assert all(abs(x - y) <= 2e-5 for (_, x, _), (_, y, _) in zip(po, pb)), key
+    first = base["logprobs"][0]["logprobs"][0]
+    assert 5 <= len(first) <= 6  # top 5 + the sampled token when outside them
+    prompt = base["logprobs"][1]["prompt_logprobs"]
+    assert prompt[0] is None and len(prompt) >= 3 and all(3 <= len(p) <= 4 for p in prompt[1:])

@@ -63,10 +63,13 @@ PROMPTS = ["the quick brown fox", "tensor parallel inference", "hello world, com
 
 
 def engine_greedy_tokens(model: str, dtype: str, commfold_route: str | None,
-                         torch_wrap: bool = False, max_tokens: int = 12) -> list[list[int]]:
+                         torch_wrap: bool = False, max_tokens: int = 12,
+                         sampling_batches: bool = False):
     """Greedy tokens of PROMPTS from vLLM's engine at TP=2 (dummy weights: the same
     seeded values in every run). commfold_route: None (off), "named" (the pass named
-    in compilation_config) or "plugin" (COMMFOLD_VLLM=1 set by the caller)."""
+    in compilation_config) or "plugin" (COMMFOLD_VLLM=1 set by the caller).
+    sampling_batches: also run SAMPLING_BATCHES and return {"greedy": tokens, name:
+    their outputs} (see sampling_outputs)."""
     from vllm import LLM, SamplingParams
 
     compilation = {}
@@ -79,7 +82,46 @@ def engine_greedy_tokens(model: str, dtype: str, commfold_route: str | None,
               max_num_batched_tokens=128, seed=0, compilation_config=compilation)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                                 ignore_eos=True))
-    return [list(o.outputs[0].token_ids) for o in outs]
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    if not sampling_batches:
+        return tokens
+    return dict(greedy=tokens, **sampling_outputs(llm, max_tokens))
+
+
+# Batches whose steps take vLLM's sampler path or commfold's target pick (#18), each
+# generated in one call so its requests share every step: (prompt, sampling params).
+SAMPLING_BATCHES = {
+    # greedy + seeded temperature sampling + a repetition penalty: the whole row needed
+    "mixed": [(0, dict(temperature=0.0)), (1, dict(temperature=0.8, seed=7)),
+              (2, dict(temperature=0.0, repetition_penalty=1.3))],
+    # all greedy, logprobs=5 (and prompt_logprobs=3 on one request)
+    "logprobs": [(0, dict(temperature=0.0, logprobs=5)),
+                 (1, dict(temperature=0.0, logprobs=5, prompt_logprobs=3)),
+                 (2, dict(temperature=0.0))],
+}
+
+
+def _logprobs(entries):
+    """vLLM's per-position {token: Logprob} dicts as [[token, logprob, rank], ...]
+    (None where vLLM gives None: a prompt's first position)."""
+    if entries is None:
+        return None
+    return [None if d is None else [[t, lp.logprob, lp.rank] for t, lp in d.items()]
+            for d in entries]
+
+
+def sampling_outputs(llm, max_tokens: int) -> dict:
+    """Tokens, logprobs and prompt logprobs of each SAMPLING_BATCHES batch."""
+    from vllm import SamplingParams
+
+    out = {}
+    for name, batch in SAMPLING_BATCHES.items():
+        params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw) for _, kw in batch]
+        results = llm.generate([PROMPTS[i] for i, _ in batch], params)
+        out[name] = [dict(tokens=list(r.outputs[0].token_ids),
+                          logprobs=_logprobs(r.outputs[0].logprobs),
+                          prompt_logprobs=_logprobs(r.prompt_logprobs)) for r in results]
+    return out
 
 
 TOKENS_MARK = "COMMFOLD_TOKENS "

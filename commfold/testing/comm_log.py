@@ -1,21 +1,35 @@
-"""Which collectives ran, with their sizes: read from torch.profiler's backend-level
-events ("gloo:all_gather", "nccl:all_reduce", ...), so compiled code, eager code and
-commfold's own ops are all seen the same way."""
+"""Which collectives ran, with their sizes: read from torch.profiler's events - the
+backends' own ("gloo:all_gather", "nccl:all_reduce", ...) and vLLM CPU's
+shared-memory ops (``_C::shm_allreduce`` / ``shm_all_gather`` / ``shm_gather``, which
+never reach a c10d backend) - so compiled code, eager code and commfold's own ops
+(which call the same leaves) are all seen once, the same way.
+
+``record_collectives()`` logs one block of code. Inside vLLM's engine,
+COMMFOLD_COMM_LOG_DIR makes every worker rank write one JSON line per engine step
+(``commfold.vllm_comm_log``); ``read_step_logs(dir)`` reads them back.
+"""
 from __future__ import annotations
 
+import json
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 _ITEMSIZE = {"float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8,
              "int": 4, "short int": 2, "signed char": 1, "unsigned char": 1, "bool": 1}
 _BACKENDS = ("gloo:", "nccl:", "mpi:", "ucc:")
+# vLLM CPU's shared-memory collectives: (handle, data, ...) - data is this rank's part
+_SHM_OPS = {"_C::shm_allreduce": "all_reduce", "_C::shm_all_gather": "all_gather",
+            "_C::shm_gather": "gather"}
+GATHERS = ("all_gather", "gather")
 
 
 @dataclass(frozen=True)
 class CommEvent:
     name: str  # e.g. "all_gather"
-    shapes: tuple  # input shapes the backend saw
+    shapes: tuple  # shapes of what this rank sends
     dtype: str
+    phase: str | None = None  # engine step logs: where in the step it ran
 
     @property
     def elements(self) -> int:
@@ -30,6 +44,14 @@ class CommEvent:
     @property
     def bytes(self) -> int:
         return self.elements * _ITEMSIZE.get(self.dtype, 4)
+
+    def to_json(self) -> dict:
+        return dict(kind=self.name, shapes=[list(s) for s in self.shapes], dtype=self.dtype,
+                    elements=self.elements, bytes=self.bytes, phase=self.phase)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "CommEvent":
+        return cls(d["kind"], tuple(tuple(s) for s in d["shapes"]), d["dtype"], d.get("phase"))
 
 
 @dataclass
@@ -48,8 +70,32 @@ class CommLog:
     def bytes(self, name: str | None = None) -> int:
         return sum(e.bytes for e in self.of(name))
 
+    def in_phase(self, *phases: str) -> "CommLog":
+        return CommLog([e for e in self.events if e.phase in phases])
+
+    def vocab_gathers(self, vocab_shard: int) -> list[CommEvent]:
+        """(all-)gathers whose rows are at least `vocab_shard` wide: gathered logits
+        (the pair / top-k / statistics exchanges send a few values per row)."""
+        return [e for e in self.events if e.name in GATHERS
+                and any(s and s[-1] >= vocab_shard for s in e.shapes)]
+
     def __repr__(self) -> str:
         return "CommLog(" + ", ".join(f"{e.name}{list(e.shapes)}:{e.dtype}" for e in self.events) + ")"
+
+
+def collective_event(e, phase: str | None = None) -> CommEvent | None:
+    """The CommEvent of one kineto event, or None if it is not a leaf collective."""
+    name = e.name()
+    if name.startswith(_BACKENDS):
+        shapes = tuple(tuple(s) for s in e.shapes() if s)
+        dtypes = [d for d in e.dtypes() if d]
+        return CommEvent(name.split(":", 1)[1], shapes, dtypes[0] if dtypes else "?", phase)
+    kind = _SHM_OPS.get(name)
+    if kind is not None:
+        shapes, dtypes = e.shapes(), e.dtypes()
+        data = tuple(shapes[1]) if len(shapes) > 1 else ()
+        return CommEvent(kind, (data,), dtypes[1] if len(dtypes) > 1 else "?", phase)
+    return None
 
 
 @contextmanager
@@ -61,8 +107,63 @@ def record_collectives():
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         yield log
     for e in prof.profiler.kineto_results.events():
-        name = e.name()
-        if name.startswith(_BACKENDS):
-            shapes = tuple(tuple(s) for s in e.shapes() if s)
-            dtypes = [d for d in e.dtypes() if d]
-            log.events.append(CommEvent(name.split(":", 1)[1], shapes, dtypes[0] if dtypes else "?"))
+        event = collective_event(e)
+        if event is not None:
+            log.events.append(event)
+
+
+# --- per engine step logs written inside vLLM's workers ---------------------------
+
+@dataclass
+class StepLog(CommLog):
+    """The collectives one worker rank ran in one engine step, with what the step
+    was (``info``: tokens, requests, spec_tokens, and notes added by commfold's
+    hooks, e.g. ``target_pick``)."""
+    rank: int = 0
+    step: int = 0
+    info: dict = field(default_factory=dict)
+    pid: int | None = None  # the worker process (engine runs in one directory)
+
+
+def read_step_logs(directory: str | Path) -> dict[int, list[StepLog]]:
+    """rank -> its steps in order, from the rank<r>.jsonl files of a
+    COMMFOLD_COMM_LOG_DIR."""
+    out: dict[int, list[StepLog]] = {}
+    for path in sorted(Path(directory).glob("rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            if not line.strip():
+                continue
+            d = json.loads(line)
+            events = [CommEvent.from_json(x) for x in d.pop("events")]
+            rank, step, pid = d.pop("rank"), d.pop("step"), d.pop("pid", None)
+            out.setdefault(rank, []).append(StepLog(events, rank=rank, step=step, info=d,
+                                                    pid=pid))
+    return out
+
+
+LOCAL_PICKS = ("greedy", "verify", "logprobs")
+
+
+def target_pick_problems(by_rank: dict[int, list[StepLog]], vocab_shard: int,
+                         phases: tuple[str, ...] = ("logits", "sampling")) -> list[str]:
+    """What contradicts commfold's target pick (#18) in an engine run's step logs
+    (empty when all is well): a spec-decode step (spec_tokens > 0) not verified
+    locally ("verify"), or a step the pick took ("greedy" / "verify" / "logprobs")
+    that still gathered rows `vocab_shard` wide in `phases`; also no local step at
+    all. vocab_shard: the target's padded vocab / TP."""
+    problems, local = [], 0
+    for rank, steps in sorted(by_rank.items()):
+        for s in steps:
+            pick = s.info.get("target_pick")
+            if s.info.get("spec_tokens") and pick != "verify":
+                problems.append(f"rank {rank} step {s.step}: spec decode step picked by {pick}")
+            if pick in LOCAL_PICKS:
+                local += 1
+                wide = s.in_phase(*phases).vocab_gathers(vocab_shard)
+                if wide:
+                    problems.append(f"rank {rank} step {s.step} ({pick}): vocab-wide "
+                                    f"gathers {[(e.name, e.shapes, e.phase) for e in wide]}")
+    if not local:
+        problems.append("no step was picked locally (COMMFOLD_VLLM=1 set? "
+                        "COMMFOLD_TARGET_PICK=0?)")
+    return problems

@@ -22,12 +22,18 @@ def shm_supported() -> bool:
     return hasattr(torch.ops._C, "init_shm_manager")
 
 
-def init_vllm_tp(world_size: int, shm: bool = True):
+def init_vllm_tp(world_size: int, shm: bool = True, reuse: bool = False):
     """In a rank-pool process (default gloo group already up): vLLM's world and TP
     groups. shm=True gives vLLM CPU's default shared-memory communicator (all ranks
     share one VLLM_DIST_IDENT; RuntimeError where this CPU's vLLM build has none);
     shm=False makes the idents differ, so vLLM falls back to torch.distributed
-    (gloo). Re-initializes if called again."""
+    (gloo). Re-initializes if called again, unless reuse=True and the current group
+    already has the asked communicator (tests that call this per example).
+
+    vLLM's shared-memory gather (``tp.gather``, which vLLM CPU itself never uses for
+    TP: its logits go through all-gather) returns at once on the ranks that send: a
+    collective right after it can run two steps ahead of a slow peer, which then
+    waits forever in the collective before. Put a barrier after such a gather."""
     import torch.distributed as dist
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state as ps
@@ -37,6 +43,10 @@ def init_vllm_tp(world_size: int, shm: bool = True):
             "vLLM's kernel build for this CPU has no shared-memory communicator (only its "
             "AVX-512 builds do): vLLM runs TP over gloo here; use shm=False")
     global _config_ctx
+    if reuse and ps.model_parallel_is_initialized():
+        tp = ps.get_tp_group()
+        if tp.world_size == world_size and _has_shm(tp) == shm:
+            return tp
     rank = dist.get_rank()
     ident = f"commfold-test-{os.environ['MASTER_PORT']}"
     os.environ["VLLM_DIST_IDENT"] = ident if shm else f"{ident}-rank{rank}"
@@ -49,6 +59,11 @@ def init_vllm_tp(world_size: int, shm: bool = True):
                                     backend="gloo")
     ps.initialize_model_parallel(world_size)
     return ps.get_tp_group()
+
+
+def _has_shm(tp) -> bool:
+    return getattr(getattr(tp.device_communicator, "dist_module", None), "handle",
+                   None) is not None
 
 
 def shm_handle(tp) -> int:

@@ -1,0 +1,117 @@
+"""The target model's logits + token pick of one engine step, vLLM's way vs commfold's
+target pick (#18), at TP=2 inside vLLM's own TP group (its CPU shared-memory
+communicator, or --gloo for its torch.distributed fallback), on vLLM's real
+ParallelLMHead + LogitsProcessor (V=151936, hidden 1024, bf16 by default) and its
+real Sampler:
+
+- vLLM: compute_logits (LM-head matmul + all-gather of the logits) + Sampler;
+- commfold: compute_logits on this rank's shard + commfold.vllm_target_pick's pick
+  (greedy: one (value, index) pair per row per rank; logprobs=k: two small
+  all-gathers);
+- greedy also: vLLM's hand-written get_top_tokens (what vLLM uses for drafters,
+  not for the target), the strongest alternative in vLLM itself.
+
+    python benchmarks/bench_target_pick.py                 # B = 1 8 64, greedy / logprobs=5 / 20
+    python benchmarks/bench_target_pick.py --batch 64 --modes greedy --gloo
+
+Prints rank 0's median ms per step (LM-head matmul included: it is the same work
+both ways), the speed-up, whether the outputs agree (tokens exactly; logprob ids
+and ranks exactly, values within 2e-5), and the bytes each rank put into
+collectives per step. Engine throughput is bench_vllm_engine.py's (helper
+"engine"'s) job; this isolates the step's pick.
+"""
+from __future__ import annotations
+
+import argparse
+from types import SimpleNamespace
+
+import torch
+
+from commfold.testing import run_on_ranks
+from commfold.testing.bench import comm_of_variants, time_side_by_side
+
+MODES = {"greedy": None, "logprobs=5": 5, "logprobs=20": 20}
+
+
+def measure(batches, modes, vocab, hidden, dtype, iters, shm):
+    from vllm.platforms import current_platform
+
+    from commfold.testing import vllm_step as vs
+    from commfold.testing.vllm_tp import init_vllm_tp
+    from commfold.vllm_target_pick import _Picker
+
+    current_platform.register_triton_kernel_overrides()
+    init_vllm_tp(2, shm=shm)
+    dt = getattr(torch, dtype)
+    model = vs.TinyLM(vocab, dt, seed=0, ties=False, hidden=hidden)
+    runner = vs.runner(model, None)
+    picker = _Picker.build(runner)
+    runner._commfold_picker = picker
+    picker.scheduler_output = SimpleNamespace(scheduled_spec_decode_tokens={},
+                                                 has_structured_output_requests=False)
+    rows = []
+    for b in batches:
+        h = vs.hidden(b, dt, seed=b, ties=False, width=hidden)
+        for mode in modes:
+            md = vs.metadata(b, MODES[mode], vocab)
+            runner.input_batch.sampling_metadata = md
+
+            def vllm_step(x, md=md):
+                return runner.sampler(logits=model.compute_logits(x), sampling_metadata=md)
+
+            def commfold_step(x):
+                picker.in_execute = True
+                model.compute_logits(x)
+                pending, picker.pending = picker.pending, None
+                return picker.sample(pending, None)
+
+            variants = {"vllm": vllm_step, "commfold": commfold_step}
+            if mode == "greedy":
+                variants["get_top_tokens"] = lambda x: model.logits_processor.get_top_tokens(
+                    model.lm_head, x)
+            same = _same(commfold_step(h), vllm_step(h))
+            t = time_side_by_side(variants, (h,), iters)
+            comm = comm_of_variants(variants, (h,))
+            rows.append(dict(B=b, mode=mode, same=same, t=t, comm=comm))
+    return rows
+
+
+def _same(a, b) -> bool:
+    if not torch.equal(a.sampled_token_ids, b.sampled_token_ids):
+        return False
+    x, y = a.logprobs_tensors, b.logprobs_tensors
+    if x is None or y is None:
+        return x is None and y is None
+    return (torch.equal(x.logprob_token_ids, y.logprob_token_ids)
+            and torch.equal(x.selected_token_ranks, y.selected_token_ranks)
+            and torch.allclose(x.logprobs, y.logprobs, rtol=0, atol=2e-5))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--iters", type=int, default=15)
+    p.add_argument("--gloo", action="store_true", help="vLLM's torch.distributed fallback")
+    a = p.parse_args(argv)
+    rows = run_on_ranks(measure, 2, a.batch, a.modes, a.vocab, a.hidden, a.dtype, a.iters,
+                        not a.gloo, timeout=3600)[0]
+    comm = "gloo" if a.gloo else "vLLM shm"
+    print(f"target logits + pick, TP=2 ({comm}), V={a.vocab}, hidden {a.hidden}, {a.dtype}, "
+          f"median of {a.iters} (rank 0)")
+    print("| mode | B | vLLM (ms) | commfold (ms) | speed-up | same | bytes/rank/step: vLLM "
+          "| commfold | vLLM get_top_tokens (ms) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        t, c = r["t"], r["comm"]
+        top = f"{t['get_top_tokens'] * 1e3:.2f}" if "get_top_tokens" in t else ""
+        print(f"| {r['mode']} | {r['B']} | {t['vllm'] * 1e3:.2f} | {t['commfold'] * 1e3:.2f} | "
+              f"{t['vllm'] / t['commfold']:.2f}x | {r['same']} | {c['vllm']['bytes']} | "
+              f"{c['commfold']['bytes']} | {top} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Logprobs as vLLM's sampler returns them - the top-k of log_softmax, the chosen
+token's logprob and its rank - over vocab-sharded logits, without gathering them.
+
+vLLM (``Sampler.gather_logprobs`` over ``log_softmax(logits, dtype=float32)``) takes
+``torch.topk(logprobs, k)``, the logprob at the chosen token, and as its rank the
+number of logprobs >= that one. Here each rank keeps its shard and the ranks
+exchange, in two all-gathers of a few float64 per row:
+
+1. per rank: its max m and first argmax, its row's log-sum-exp (float32, as vLLM's
+   sum is), x at the target token if it owns it, and how many top-k candidates it has
+   (commfold.ops.logprob_scan). Every rank then knows M, S, L = log S (as
+   float32), the token (the target, or the first maximum: torch.argmax's rule, NaN
+   included) and its logprob lp_t = (x_t - M) - L, computed in float32 as torch's
+   CPU log_softmax computes it.
+2. per rank: how many of its columns have (x - M) - L >= lp_t (the rank's part of
+   vLLM's rank), and its candidates (float32 value and global index in one int64). Their logprobs, in rank
+   order, go through torch.topk itself (``heap_topk``): the same top-k and the same
+   order among equal logprobs as torch.topk over the full row (torch.topk's CPU
+   order among ties is its heap's, neither index order nor stable).
+
+Logprob values differ from vLLM's only by L: vLLM's float32 sum over the whole row
+rounds differently from the ranks' float32 sums combined in float64 (a few float32
+ulps of the logprob at V=151936). Rows whose maximum is not finite
+(NaN, +-inf: vLLM's log_softmax gives NaN rows there) are gathered whole and handed
+to ``fallback`` - vLLM's own code - so they come out exactly as vLLM's; all ranks see
+the same maxima, so all gather the same rows.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from ..collectives import communicator
+from .logprob_scan import candidates, count_logprob_ge, heap_topk
+
+Fallback = Callable[[torch.Tensor, torch.Tensor, int],
+                    tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def local_logprobs(shard: torch.Tensor, valid_vocab: int, comm: str, k: int,
+                   fallback: Fallback, targets: torch.Tensor | None = None):
+    """shard [R, Vs]: this rank's logits, the ranks' shards concatenated in rank
+    order giving [R, world * Vs], of which the first valid_vocab columns are the
+    vocab. targets [R] (int64): the tokens to score (prompt logprobs); None scores the
+    greedy token. fallback(full_logits [n, valid_vocab], tokens [n], k) -> vLLM's
+    (token ids [n, k + 1], logprobs [n, k + 1], ranks [n]) for rows done whole.
+
+    Returns (tokens [R] int64, token ids [R, k + 1] int64 - the token, then the top
+    k -, logprobs [R, k + 1] float32, ranks [R] int64)."""
+    c = communicator(comm)
+    world, rank = c.world_size(), c.rank()
+    rows, vs = shard.shape
+    n_local = max(0, min(vs, valid_vocab - rank * vs))
+    if rank == 0 and n_local < k:  # the row's first k entries are rank 0's
+        raise ValueError(f"commfold.local_logprobs: rank 0 holds {n_local} < k = {k} columns")
+    x = shard[:, :n_local]
+    first = rank * vs
+
+    # round 1: (m, log-sum-exp, first argmax, x at the target, candidate count)
+    if n_local:
+        m, arg = x.max(-1)  # first max / first NaN, as torch.argmax
+        m, arg = m.float(), arg + first
+        lse = torch.logsumexp(x.float(), -1)  # float32, as vLLM sums its row
+    else:  # only padding here: never the maximum
+        m = torch.full((rows,), -math.inf)
+        arg = torch.zeros(rows, dtype=torch.long)
+        lse = torch.full((rows,), -math.inf)
+    xt = torch.zeros(rows, dtype=torch.float64)
+    if targets is not None and n_local:
+        local_t = targets - first
+        mine = (local_t >= 0) & (local_t < n_local)
+        got_t = x.gather(1, local_t.clamp(0, n_local - 1)[:, None])[:, 0].double()
+        xt = torch.where(mine, got_t, xt)
+    idx, count = candidates(shard, n_local, k) if k else (
+        torch.empty(rows, 0, dtype=torch.long), torch.zeros(rows, dtype=torch.long))
+    one = torch.stack([m.double(), lse.double(), arg.double(), xt, count.double()], -1)
+    every = c.all_gather(one).view(world, rows, 5)
+
+    ms = every[..., 0]
+    big_m = ms.amax(0)
+    winner = ms.argmax(0, keepdim=True)  # first max / first NaN over ranks
+    tokens = every[..., 2].gather(0, winner)[0].long() if targets is None else targets.long()
+    lses = every[..., 1]  # -inf: a rank holding nothing (or only -inf)
+    part = torch.where(lses == -math.inf, torch.zeros_like(lses), torch.exp(lses - big_m))
+    log_s = part.sum(0).log().float()
+    big_m32 = big_m.float()
+    if targets is None:
+        x_t = big_m32
+    else:  # the owner's value (-0.0 and NaN bits as the logits hold them)
+        owner = (targets // max(vs, 1)).clamp(0, world - 1)
+        x_t = every[..., 3].gather(0, owner[None])[0].float()
+    lp_t = (x_t - big_m32) - log_s
+    whole = ~big_m.isfinite()
+
+    # round 2: this rank's part of the rank count, its candidates as int64
+    # (float32 value bits << 32 | global index)
+    width = int(every[..., 4].max())
+    ge = count_logprob_ge(shard, n_local, big_m32, log_s, lp_t)
+    two = torch.full((rows, 1 + width), int(_pack(-math.inf, 0)), dtype=torch.long)
+    two[:, 0] = ge
+    if idx.shape[1]:  # this rank's candidates, in the first columns of the width
+        vals = torch.where(idx >= 0, x.gather(1, idx.clamp(min=0)).float(), -math.inf)
+        two[:, 1:1 + idx.shape[1]] = _pack(vals, idx.clamp(min=0) + first)
+    got = c.all_gather(two).view(world, rows, 1 + width)
+    ranks = got[..., 0].sum(0)
+    ids = tokens[:, None]
+    lps = lp_t[:, None]
+    if k:
+        packed = got[..., 1:].permute(1, 0, 2).reshape(rows, world * width)
+        proxy_x = ((packed >> 32) & _LOW).to(torch.int32).view(torch.float32)
+        proxy = (proxy_x - big_m32[:, None]) - log_s[:, None]
+        top, where = heap_topk(torch.where(proxy_x == -math.inf, -math.inf, proxy), k)
+        ids = torch.cat([ids, (packed & _LOW).gather(1, where)], 1)
+        lps = torch.cat([lps, top], 1)
+
+    if bool(whole.any()):  # every rank computes the same mask: all gather these rows
+        sel = whole.nonzero()[:, 0]
+        full = c.all_gather(shard[sel].contiguous()).view(world, len(sel), vs)
+        full = full.permute(1, 0, 2).reshape(len(sel), world * vs)[:, :valid_vocab]
+        f_ids, f_lps, f_ranks = fallback(full, tokens[sel], k)
+        ids, lps, ranks = ids.clone(), lps.clone(), ranks.clone()
+        ids[sel], lps[sel], ranks[sel] = f_ids.long(), f_lps.float(), f_ranks.long()
+    return tokens, ids, lps, ranks
+
+
+_LOW = (1 << 32) - 1
+
+
+def _pack(values, index):
+    """int64: float32 value bits in the high half, a (non-negative) index in the low."""
+    v = torch.as_tensor(values, dtype=torch.float32)
+    bits = v.view(torch.int32).to(torch.int64) & _LOW
+    return (bits << 32) | torch.as_tensor(index, dtype=torch.int64)

@@ -1,0 +1,176 @@
+"""Per engine step collective log inside vLLM's worker processes.
+
+With COMMFOLD_COMM_LOG_DIR=dir, the vLLM plugin (``register()``, which vLLM calls in
+every process it starts) installs this: each worker rank appends one JSON line per
+engine step to ``dir/rank<r>.jsonl`` - the collectives that really ran (kind, shapes,
+dtype, elements, bytes) and the phase of the step each ran in. An engine step is one
+``execute_model`` (the model forward, the target's logits) and the ``sample_tokens``
+after it (sampling or spec-decode verification, prompt logprobs, draft proposals).
+
+Collectives are read from torch.profiler's events, which see every dispatcher call
+(compiled graphs, eager code, C++ ops calling other ops): vLLM CPU's shared-memory
+ops and the c10d backends' own events (gloo fallback; commfold's ops on c10d groups).
+Only those leaves are counted, so a collective reached through a wrapper (vLLM's
+custom ops, c10d's dispatcher ops, commfold's ops) is counted once.
+
+Phases (the outermost one that applies): ``forward`` (the runner's model forward),
+``logits`` (a LogitsProcessor call outside the two below: the target's logits),
+``sampling`` (the sampler, or the rejection sampler under spec decoding),
+``prompt_logprobs``, ``drafting`` (the drafter's proposals, its own forward and
+logits included), ``other`` (the rest of the step). Hooks add facts about a step
+with ``note(key, value)`` (e.g. the target-pick decision).
+
+Cost when on: a profiler around every step (~10-30 ms a step on 2 cores; kineto
+prints two "USDT ... profiler_start/stop" lines to stderr per step). Nothing is
+installed when the variable is unset. Read the files with
+``commfold.testing.comm_log.read_step_logs``.
+"""
+from __future__ import annotations
+
+import json
+import os
+from contextlib import nullcontext
+from functools import wraps
+from pathlib import Path
+
+ENV_DIR = "COMMFOLD_COMM_LOG_DIR"
+_PHASE = "commfold.phase:"
+# runner method -> phase; LogitsProcessor methods are "logits" (see _LOGITS)
+_RUNNER_PHASES = {"_model_forward": "forward", "_sample": "sampling",
+                  "_get_prompt_logprobs_dict": "prompt_logprobs",
+                  "propose_draft_token_ids": "drafting"}
+_LOGITS = ("forward", "get_top_tokens", "get_top_k_tokens")
+
+_recorder: "_StepRecorder | None" = None
+
+
+def note(key: str, value) -> None:
+    """Add a fact to the current step's line (no-op when the log is off)."""
+    if _recorder is not None and _recorder.prof is not None:
+        _recorder.info[key] = value
+
+
+def phase(name: str):
+    """Context manager marking a phase of the current step (no-op when off)."""
+    if _recorder is None or _recorder.prof is None:
+        return nullcontext()
+    import torch
+
+    return torch.autograd.profiler.record_function(_PHASE + name)
+
+
+class _StepRecorder:
+    def __init__(self, directory: str):
+        self.directory = Path(directory)
+        self.step = 0
+        self.prof = None
+        self.info: dict = {}
+
+    def begin(self, scheduler_output) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        if self.prof is not None:  # the last step had no sample_tokens
+            self.end()
+        spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
+        self.info = dict(tokens=getattr(scheduler_output, "total_num_scheduled_tokens", None),
+                         requests=len(getattr(scheduler_output, "num_scheduled_tokens", {})),
+                         spec_tokens=sum(len(v) for v in spec.values()))
+        self.prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+        self.prof.__enter__()
+        self.outer = phase("other")
+        self.outer.__enter__()
+
+    def end(self) -> None:
+        import torch.distributed as dist
+
+        from .testing.comm_log import collective_event
+
+        prof, self.prof = self.prof, None
+        if prof is None:
+            return
+        self.outer.__exit__(None, None, None)
+        prof.__exit__(None, None, None)
+        events = list(prof.profiler.kineto_results.events())
+        spans = sorted(((e.start_ns(), e.start_ns() + e.duration_ns(), e.name()[len(_PHASE):])
+                        for e in events if e.name().startswith(_PHASE)), key=lambda s: s[0])
+        found = []
+        for e in events:
+            c = collective_event(e, _phase_at(spans, e.start_ns()))
+            if c is not None:
+                found.append(c.to_json())
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        line = dict(rank=rank, pid=os.getpid(), step=self.step, **self.info, events=found)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with open(self.directory / f"rank{rank}.jsonl", "a") as f:
+            f.write(json.dumps(line) + "\n")
+        self.step += 1
+
+
+def _phase_at(spans, t: int) -> str:
+    """The outermost named phase whose span holds t ("other" spans the whole step)."""
+    for start, stop, name in spans:
+        if start > t:
+            break
+        if t <= stop and name != "other":
+            return name  # sorted by start: the first span holding t is the outermost
+    return "other"
+
+
+def install(environ=os.environ) -> bool:
+    """Install the step log when COMMFOLD_COMM_LOG_DIR is set; True if installed."""
+    global _recorder
+    directory = environ.get(ENV_DIR, "").strip()
+    if not directory or _recorder is not None:
+        return _recorder is not None
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    _recorder = _StepRecorder(directory)
+    _wrap(GPUModelRunner, "execute_model", _step_start)
+    _wrap(GPUModelRunner, "sample_tokens", _step_finish)
+    for method, name in _RUNNER_PHASES.items():
+        _wrap(GPUModelRunner, method, _in_phase(name))
+    for method in _LOGITS:
+        _wrap(LogitsProcessor, method, _in_phase("logits"))
+    return True
+
+
+def _wrap(cls, method: str, make) -> None:
+    original = cls.__dict__.get(method)
+    if original is None or getattr(original, "_commfold_comm_log", False):
+        return
+    wrapped = wraps(original)(make(original))
+    wrapped._commfold_comm_log = True
+    setattr(cls, method, wrapped)
+
+
+def _in_phase(name: str):
+    def make(original):
+        def run(*args, **kwargs):
+            with phase(name):
+                return original(*args, **kwargs)
+        return run
+    return make
+
+
+def _step_start(original):
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        _recorder.begin(scheduler_output)
+        try:
+            out = original(self, scheduler_output, *args, **kwargs)
+        except BaseException:
+            _recorder.end()
+            raise
+        if getattr(self, "execute_model_state", None) is None:  # no sample_tokens follows
+            _recorder.end()
+        return out
+    return execute_model
+
+
+def _step_finish(original):
+    def sample_tokens(self, *args, **kwargs):
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _recorder.end()
+    return sample_tokens

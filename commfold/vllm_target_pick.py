@@ -1,0 +1,477 @@
+"""The target model's token pick inside vLLM without the full-vocab gather.
+
+vLLM computes the target's logits eagerly after its compiled forward
+(``execute_model``: ``self.model.compute_logits(sample_hidden_states)``), all-gathers
+the whole vocabulary, then samples (``_sample``: the Sampler, or the
+RejectionSampler under speculative decoding) - for every request, greedy or not.
+With COMMFOLD_VLLM=1 this hook decides per engine step, from the batch's sampling
+parameters only (every rank holds the same, so every rank decides the same):
+
+- ``greedy``: every request greedy, nothing needing the whole row (penalties, bad
+  words, allowed-token lists, active logits processors - min_tokens, logit_bias,
+  custom ones -, thinking budgets, structured output, logprob_token_ids): the token
+  per row is commfold.ops.local_argmax over the vocab shards (one (value, index)
+  pair per row per rank), bit-identical to vLLM's greedy pick (first maximum, NaN
+  included);
+- ``verify``: the same under speculative decoding: the target's argmax at every
+  draft position and the bonus token, then vLLM's own accept/reject
+  (``_rejection_greedy_sample``);
+- ``logprobs``: greedy with logprobs=k (0 <= k <= 20, k * 64 <= vocab, logprobs_mode
+  raw_logprobs or processed_logprobs, no spec decoding): commfold.ops.local_logprobs
+  (two all-gathers of a few float64 and k candidates per row per rank), vLLM's top-k
+  order among ties included;
+- otherwise vLLM's own path, unchanged, for that step.
+
+prompt_logprobs (k <= 20, k * 64 <= vocab, logprobs_mode raw/processed_logprobs)
+go through local_logprobs too, per request, as vLLM computes them.
+
+How: ``execute_model`` marks the step; the runner model's ``compute_logits`` (its
+own code, with the logits processor's gather turned into the identity) returns this
+rank's shard of the logits [rows, vocab shard] when the step qualifies; ``_sample``
+recognizes that shard and picks locally. The hook checks vLLM's code at install
+(the calls it relies on, by their source text) and stays off with one log line if
+anything moved. COMMFOLD_TARGET_PICK=0 turns only this hook off. Decisions are
+noted in the per-step collective log (COMMFOLD_COMM_LOG_DIR) as ``target_pick``.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from . import vllm_comm_log
+from .ops import logprob_scan
+
+log = logging.getLogger("commfold")
+
+ENV = "COMMFOLD_TARGET_PICK"
+MAX_LOGPROBS = 20
+LOGPROB_MODES = ("raw_logprobs", "processed_logprobs")
+# what vLLM's code must still say for the hook to be right (module attr, text)
+HOOK_POINTS = (
+    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner.execute_model",
+     "logits = self.model.compute_logits(sample_hidden_states)"),
+    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens",
+     "sampler_output = self._sample(logits, spec_decode_metadata)"),
+    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample",
+     "self.input_batch.update_async_output_token_ids()"),
+    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._get_prompt_logprobs_dict",
+     "logits = self.model.compute_logits(prompt_hidden_states)"),
+    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._get_prompt_logprobs_dict",
+     "scores = self.sampler.compute_logprobs(logits)"),
+    ("vllm.model_executor.layers.logits_processor:LogitsProcessor._get_logits",
+     "logits = self._gather_logits(logits)"),
+    ("vllm.v1.sample.sampler:Sampler.forward", "raw_logprobs = self.compute_logprobs(logits)"),
+    ("vllm.v1.sample.sampler:Sampler.sample", "greedy_sampled = self.greedy_sample(logits)"),
+    ("vllm.v1.sample.sampler:Sampler.compute_logprobs",
+     "logits.log_softmax(dim=-1, dtype=torch.float32)"),
+    ("vllm.v1.sample.sampler:Sampler.gather_logprobs",
+     "torch.topk(logprobs, num_logprobs, dim=-1)"),
+    ("vllm.v1.sample.ops.logprobs:batched_count_greater_than", "(x >= values).sum(-1)"),
+    ("vllm.v1.sample.rejection_sampler:rejection_sample",
+     "target_argmax = target_logits.argmax(dim=-1)"),
+    ("vllm.v1.sample.rejection_sampler:rejection_sample", "_rejection_greedy_sample(\n"
+     "            output_token_ids,\n            cu_num_draft_tokens,\n"
+     "            draft_token_ids,\n            target_argmax,\n"
+     "            bonus_token_ids,\n            is_greedy,\n            max_spec_len,\n"
+     "            uniform_probs,\n            synthetic_conditional_rates,\n        )"),
+)
+
+
+def enabled(environ=os.environ) -> bool:
+    return environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+# --- the decision: sampling parameters only -------------------------------------
+
+def decide(md, *, spec: bool, structured: bool, logprobs_mode: str, vocab: int,
+           nan_check: bool = False, synthetic: bool = False) -> tuple[str | None, str]:
+    """(mode, reason): mode "greedy" / "verify" / "logprobs", or None with why not.
+    md is vLLM's SamplingMetadata of the step; nan_check: VLLM_COMPUTE_NANS_IN_LOGITS
+    (vLLM counts NaNs over the whole row); synthetic: synthetic rejection sampling."""
+    if structured:
+        return None, "structured output"
+    if nan_check:
+        return None, "VLLM_COMPUTE_NANS_IN_LOGITS"
+    if spec and synthetic:
+        return None, "synthetic rejection sampling"
+    if not md.all_greedy:
+        return None, "sampling (temperature > 0)"
+    if not md.no_penalties:
+        return None, "penalties"
+    if md.bad_words_token_ids:
+        return None, "bad words"
+    if md.allowed_token_ids_mask is not None:
+        return None, "allowed token ids"
+    active = active_processors(md)
+    if active:
+        return None, "logits processors: " + ", ".join(active)
+    holder = md.thinking_budget_state_holder
+    if holder is not None and holder.has_tracked_requests():
+        return None, "thinking budget"
+    if md.logprob_token_ids:
+        return None, "logprob_token_ids"
+    k = md.max_num_logprobs
+    if k is None:
+        return ("verify" if spec else "greedy"), "all greedy"
+    return logprobs_mode_ok(k, logprobs_mode, vocab, spec)
+
+
+def logprobs_mode_ok(k: int, logprobs_mode: str, vocab: int, spec: bool = False):
+    if spec:
+        return None, "logprobs under spec decoding"
+    if not 0 <= k <= MAX_LOGPROBS:
+        return None, f"logprobs={k} (local up to {MAX_LOGPROBS})"
+    if 64 * k > vocab:  # torch.topk takes nth_element there: order not reproducible
+        return None, f"logprobs={k} with vocab {vocab} < 64 k"
+    if logprobs_mode not in LOGPROB_MODES:
+        return None, f"logprobs_mode {logprobs_mode}"
+    return "logprobs", f"greedy, logprobs={k}"
+
+
+def active_processors(md) -> list[str]:
+    """Logits processors that would change greedy logits in this batch. vLLM's
+    min_tokens and logit_bias processors are always loaded and act only while a
+    request uses them; any other (a plugin, a per-request adapter) counts as active."""
+    from vllm.v1.sample.logits_processor.builtin import (LogitBiasLogitsProcessor,
+                                                         MinTokensLogitsProcessor)
+
+    active = []
+    for p in md.logitsprocs.non_argmax_invariant:
+        if isinstance(p, MinTokensLogitsProcessor):
+            if p.min_toks:
+                active.append("min_tokens")
+        elif isinstance(p, LogitBiasLogitsProcessor):
+            if p.biases:
+                active.append("logit_bias")
+        else:
+            active.append(type(p).__name__)
+    return active
+
+
+# --- one runner's picker -----------------------------------------------------------
+
+@dataclass
+class _Pending:
+    shard: torch.Tensor
+    mode: str
+
+
+class _Picker:
+    """The runner model's vocab layout and TP communicator, and the step's state."""
+
+    def __init__(self, runner, model, processor, comm: str, vocab: int, shard: int):
+        self.runner, self.model, self.processor = runner, model, processor
+        self.comm, self.vocab, self.shard = comm, vocab, shard
+        self.in_execute = False  # inside execute_model, before its compute_logits
+        self.scheduler_output = None
+        self.pending: _Pending | None = None
+        self.prompt_k: int | None = None  # inside _get_prompt_logprobs_dict, qualified
+        self.prompt_shards: dict[int, torch.Tensor] = {}
+        original = model.compute_logits
+        model.compute_logits = lambda hidden, *a, **kw: self._compute_logits(
+            original, hidden, *a, **kw)
+
+    @staticmethod
+    def build(runner):
+        """The runner's picker, or None (logged once) when its model or setup does not
+        fit: everything checked here is the same on every rank."""
+        from vllm.distributed import get_tp_group
+        from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+        model = getattr(runner, "model", None)
+        why = None
+        tp = get_tp_group()
+        processors = [m for m in model.modules() if isinstance(m, LogitsProcessor)] \
+            if isinstance(model, torch.nn.Module) else []
+        head = getattr(model, "lm_head", None)
+        idx = getattr(head, "shard_indices", None)
+        if tp.world_size < 2:
+            why = "TP=1 (nothing to gather)"
+        elif len(processors) != 1 or idx is None or not callable(
+                getattr(model, "compute_logits", None)):
+            why = f"{type(model).__name__}: no single LogitsProcessor + vocab-parallel lm_head"
+        elif processors[0].logits_as_input or not processors[0].use_all_gather:
+            why = "logits processor without all-gather"
+        elif getattr(runner, "lora_config", None) or idx.num_added_elements:
+            why = "LoRA / added vocab"
+        elif runner.parallel_config.pipeline_parallel_size > 1 or runner.broadcast_pp_output:
+            why = "pipeline parallel"
+        if why is None:
+            shard = head.weight.shape[0]
+            vocab = processors[0].org_vocab_size
+            if idx.org_vocab_start_index != tp.rank_in_group * shard or shard > vocab:
+                why = f"vocab layout (shard {shard}, vocab {vocab})"
+        if why is not None:
+            log.info("commfold: target pick off for this model: %s", why)
+            return None
+        # logprobs steps use a C++ scan: load it now (built once per machine, ~30 s;
+        # not in a background thread: one killed inside torch's build lock leaves the
+        # lock behind, and every later load waits on it)
+        logprob_scan.module()
+        return _Picker(runner, model, processors[0], _comm_spec(tp), vocab, shard)
+
+    # compute_logits: the shard when the step qualifies
+    def _compute_logits(self, original, hidden, *args, **kwargs):
+        if self.in_execute and not args and not kwargs:
+            self.in_execute = False
+            mode, reason = self._decide()
+            vllm_comm_log.note("target_pick", mode or f"vLLM ({reason})")
+            shard = self.local_logits(original, hidden) if mode is not None else None
+            if shard is not None:
+                self.pending = _Pending(shard, mode)
+                return shard
+        elif self.prompt_k is not None and not args and not kwargs:
+            shard = self.local_logits(original, hidden)
+            if shard is not None:
+                self.prompt_shards[id(shard)] = shard
+                return shard
+        return original(hidden, *args, **kwargs)
+
+    def local_logits(self, original, hidden):
+        """The model's own compute_logits with the processor's gather as the identity:
+        this rank's [rows, shard] columns (soft cap and scale included); None (and
+        the hook off for this runner) if the model's code gives something else."""
+        self.processor._gather_logits = _identity
+        try:
+            out = original(hidden)
+        finally:
+            del self.processor._gather_logits
+        if isinstance(out, torch.Tensor) and tuple(out.shape) == (hidden.shape[0], self.shard):
+            return out
+        log.warning("commfold: target pick off: %s.compute_logits gave %s without its "  # same
+                    "gather, not this rank's [rows, %d] shard", type(self.model).__name__,
+                    getattr(out, "shape", type(out).__name__), self.shard)  # on every rank
+        self.runner._commfold_picker = None
+        return None
+
+    def _decide(self):
+        from vllm import envs
+
+        r, so = self.runner, self.scheduler_output
+        return decide(r.input_batch.sampling_metadata,
+                      spec=bool(getattr(so, "scheduled_spec_decode_tokens", None)),
+                      structured=bool(getattr(so, "has_structured_output_requests", False)),
+                      logprobs_mode=r.sampler.logprobs_mode, vocab=self.vocab,
+                      nan_check=bool(envs.VLLM_COMPUTE_NANS_IN_LOGITS),
+                      synthetic=getattr(getattr(r, "rejection_sampler", None),
+                                        "synthetic_mode", False))
+
+    def gather(self, shard):
+        """vLLM's gather of the logits (for a step that turns out to need them)."""
+        from vllm.distributed import tensor_model_parallel_all_gather
+
+        return tensor_model_parallel_all_gather(shard)[..., :self.vocab]
+
+    # the step's pick
+    def sample(self, pending: _Pending, spec_metadata):
+        """vLLM's SamplerOutput for the step, picked from this rank's shard."""
+        from vllm.v1.outputs import LogprobsTensors, SamplerOutput
+
+        from .ops.local_argmax import local_argmax
+
+        if spec_metadata is not None:  # greedy verification (logprobs never get here)
+            return self._verify(pending.shard, spec_metadata)
+        if pending.mode != "logprobs":
+            tokens = local_argmax(pending.shard, self.vocab, self.comm)[1]
+            return SamplerOutput(sampled_token_ids=tokens.to(torch.int32).unsqueeze(-1),
+                                 logprobs_tensors=None)
+        k = self.runner.input_batch.sampling_metadata.max_num_logprobs
+        tokens, ids, lps, ranks = self.logprobs(pending.shard, k)
+        return SamplerOutput(sampled_token_ids=tokens.to(torch.int32).unsqueeze(-1),
+                             logprobs_tensors=LogprobsTensors(ids.to(torch.int32), lps, ranks))
+
+    def logprobs(self, shard, k, targets=None):
+        from .ops.local_logprobs import local_logprobs
+
+        return local_logprobs(shard, self.vocab, self.comm, k, _vllm_logprobs, targets)
+
+    def _verify(self, shard, meta):
+        from vllm.v1.outputs import SamplerOutput
+        from vllm.v1.sample import rejection_sampler as rs
+
+        from .ops.local_argmax import local_argmax
+
+        argmax = local_argmax(shard, self.vocab, self.comm)[1]
+        bonus = argmax[meta.bonus_logits_indices].to(torch.int32).unsqueeze(-1)
+        out = torch.full((len(meta.num_draft_tokens), meta.max_spec_len + 1),
+                         rs.PLACEHOLDER_TOKEN_ID, dtype=torch.int32, device=shard.device)
+        rs._rejection_greedy_sample(out, meta.cu_num_draft_tokens, meta.draft_token_ids,
+                                    argmax[meta.target_logits_indices], bonus, None,
+                                    meta.max_spec_len, None, None)
+        return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None)
+
+
+def _identity(logits):
+    return logits
+
+
+def _vllm_logprobs(full, tokens, k):
+    """vLLM's own logprobs of whole rows (rows local_logprobs does not do locally)."""
+    from vllm.v1.sample.sampler import Sampler
+
+    t = Sampler.gather_logprobs(Sampler.compute_logprobs(full), k, tokens.long())
+    return t.logprob_token_ids, t.logprobs, t.selected_token_ranks
+
+
+def _comm_spec(tp) -> str:
+    """commfold's name for the communicator vLLM's TP group gathers logits with: its
+    CPU shared-memory one, torch.distributed on a CPU group, else vLLM's custom ops."""
+    shm = getattr(getattr(tp, "device_communicator", None), "dist_module", None)
+    if getattr(shm, "handle", None) is not None:
+        return f"vllm_shm:{shm.handle}"
+    if tp.device.type == "cpu":
+        return f"c10d:{tp.device_group.group_name}"
+    return f"vllm:{tp.unique_name}"
+
+
+# --- install -------------------------------------------------------------------------
+
+def hook_points_missing() -> list[str]:
+    """The hook points (see HOOK_POINTS) this vLLM no longer has, as 'where: text'."""
+    import importlib
+
+    missing = []
+    for where, text in HOOK_POINTS:
+        module, _, attr = where.partition(":")
+        try:
+            obj = importlib.import_module(module)
+            for part in attr.split("."):
+                obj = getattr(obj, part)
+            obj = inspect.unwrap(obj)  # commfold's own wrappers (comm log, this hook)
+            source = inspect.getsource(obj)
+        except Exception as e:  # moved, renamed, no source
+            missing.append(f"{where} ({type(e).__name__})")
+            continue
+        if text not in source:
+            missing.append(f"{where}: {text.splitlines()[0].strip()}")
+    return missing
+
+
+_installed = False
+
+
+def install(environ=os.environ) -> bool:
+    """Hook vLLM's model runner (once per process); False, with one log line, when
+    COMMFOLD_TARGET_PICK=0 or vLLM's code moved under the hook."""
+    global _installed
+    if _installed or not enabled(environ):
+        return _installed
+    import vllm
+
+    missing = hook_points_missing()
+    if missing:
+        log.warning("commfold: target pick left off: vLLM %s moved what it hooks (%s); "
+                    "tested with vLLM 0.32.0", vllm.__version__, "; ".join(missing))
+        return False
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    _wrap(GPUModelRunner, "execute_model", _execute_model)
+    _wrap(GPUModelRunner, "sample_tokens", _sample_tokens)
+    _wrap(GPUModelRunner, "_sample", _sample)
+    _wrap(GPUModelRunner, "_get_prompt_logprobs_dict", _prompt_logprobs)
+    _installed = True
+    return True
+
+
+def _wrap(cls, name, make):
+    original = cls.__dict__[name]
+    if getattr(original, "_commfold_target_pick", False):
+        return
+    wrapped = make(original)
+    wrapped.__wrapped__, wrapped.__name__ = original, name
+    wrapped._commfold_target_pick = True
+    setattr(cls, name, wrapped)
+
+
+def _picker(runner) -> _Picker | None:
+    if "_commfold_picker" not in runner.__dict__:
+        runner._commfold_picker = _Picker.build(runner)
+    return runner._commfold_picker
+
+
+def _execute_model(original):
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        picker = _picker(self) if getattr(self, "model", None) is not None else None
+        if picker is None:
+            return original(self, scheduler_output, *args, **kwargs)
+        picker.pending, picker.scheduler_output, picker.in_execute = None, scheduler_output, True
+        try:
+            return original(self, scheduler_output, *args, **kwargs)
+        finally:
+            picker.in_execute = False
+    return execute_model
+
+
+def _sample_tokens(original):
+    def sample_tokens(self, grammar_output, *args, **kwargs):
+        picker = self.__dict__.get("_commfold_picker")
+        state = self.execute_model_state
+        if picker is not None and picker.pending is not None and state is not None \
+                and grammar_output is not None:  # never expected: structured steps stay
+            self.execute_model_state = state._replace(  # on vLLM's path
+                logits=picker.gather(picker.pending.shard))
+            picker.pending = None
+        return original(self, grammar_output, *args, **kwargs)
+    return sample_tokens
+
+
+def _sample(original):
+    def _sample(self, logits, spec_decode_metadata):
+        picker = self.__dict__.get("_commfold_picker")
+        pending = picker.pending if picker is not None else None
+        if pending is None or logits is not pending.shard:
+            return original(self, logits, spec_decode_metadata)
+        picker.pending = None
+        if pending.mode == "logprobs" and spec_decode_metadata is not None:  # not expected
+            return original(self, picker.gather(logits), spec_decode_metadata)
+        # what vLLM's _sample does before sampling (async scheduling bookkeeping)
+        self.input_batch.update_async_output_token_ids()
+        if spec_decode_metadata is not None and self.use_async_scheduling \
+                and self._draft_token_req_ids is not None:
+            draft_token_ids_cpu, _ = self._get_draft_token_ids_cpu()
+            self.input_batch.update_async_spec_token_ids(draft_token_ids_cpu)
+        with vllm_comm_log.phase("sampling"):  # the log's own wrapper sits inside this one
+            return picker.sample(pending, spec_decode_metadata)
+    return _sample
+
+
+def _prompt_logprobs(original):
+    def _get_prompt_logprobs_dict(self, hidden_states, num_scheduled_tokens):
+        picker = self.__dict__.get("_commfold_picker")
+        wanted = getattr(self, "num_prompt_logprobs", None)
+        if picker is None or not wanted:
+            return original(self, hidden_states, num_scheduled_tokens)
+        k = max(wanted.values())
+        mode, reason = logprobs_mode_ok(k, self.model_config.logprobs_mode, picker.vocab)
+        if min(wanted.values()) < 0:
+            mode, reason = None, "prompt_logprobs=-1"
+        vllm_comm_log.note("prompt_logprobs", mode or f"vLLM ({reason})")
+        if mode is None:
+            return original(self, hidden_states, num_scheduled_tokens)
+        sampler = self.sampler
+        picker.prompt_k = k
+        sampler.compute_logprobs = lambda logits: logits  # scores = the shard, marked
+        sampler.gather_logprobs = lambda scores, n, token_ids: _prompt_gather(
+            picker, scores, n, token_ids)
+        try:
+            return original(self, hidden_states, num_scheduled_tokens)
+        finally:
+            picker.prompt_k = None
+            picker.prompt_shards.clear()
+            del sampler.compute_logprobs, sampler.gather_logprobs
+    return _get_prompt_logprobs_dict
+
+
+def _prompt_gather(picker, scores, num_logprobs, token_ids):
+    from vllm.v1.outputs import LogprobsTensors
+    from vllm.v1.sample.sampler import Sampler
+
+    if picker.prompt_shards.pop(id(scores), None) is not scores:
+        return Sampler.gather_logprobs(Sampler.compute_logprobs(scores), num_logprobs,
+                                       token_ids)
+    _, ids, lps, ranks = picker.logprobs(scores, num_logprobs, token_ids.long())
+    return LogprobsTensors(ids.to(torch.int32), lps, ranks)
