@@ -187,11 +187,13 @@ inline int64_t index_of_key(int64_t key) {
 // keys: the min(k, hi - lo) best keys of row[lo, hi), sorted best first. A vector
 // compare per W logits against the k-th best so far; the few that beat it go into
 // the sorted list (binary search, a short move): about k * ln(n / k) of them in a
-// random row, at most n in any order.
+// random row, at most n in any order. `entered` (if given) gets, in column order, the
+// columns that entered the list: the first k, then each one above the k-th best of
+// the columns before it - the entries a heap top-k (torch.topk on CPU) takes in.
 constexpr int kMaxK = 64;
 template <int DT, bool CH, int OUT>
 void topk_run(const void* row, int64_t lo, int64_t hi, int k, const Chain& ch,
-              std::vector<int64_t>& keys) {
+              std::vector<int64_t>& keys, std::vector<int64_t>* entered = nullptr) {
   alignas(64) int64_t top[kMaxK + 8];  // the best `size` keys so far, best first
   int size = 0;
   alignas(64) float vals[W];
@@ -209,6 +211,7 @@ void topk_run(const void* row, int64_t lo, int64_t hi, int k, const Chain& ch,
       const int last = size < k ? size : k - 1;
       std::memmove(top + pos + 1, top + pos, (size_t)(last - pos) * sizeof(int64_t));
       top[pos] = key;
+      if (entered) entered->push_back(i + j);
       size = last + 1;
       moved = true;
     }
@@ -469,6 +472,24 @@ void topk_rows(const Rows& x, int k, const Chain& ch, int64_t* index, int64_t* v
       value_bits[r * k + j] = !ch.n ? raw_bits(x.row(r), i, x.dt) : chained_bits(x, r, i, ch, out);
     }
   }
+}
+
+// each row's columns a heap top-k takes in (topk_run's `entered`), in column order;
+// a row split into runs gives each run's (a superset: every run starts a new heap)
+void candidate_rows(const Rows& x, int k, std::vector<std::vector<int64_t>>& out) {
+  std::vector<std::vector<int64_t>> parts(x.rows * std::max<int64_t>(1, at::get_num_threads()));
+  const int64_t runs = DISPATCH_DT(x.dt, [&] {
+    return for_runs(x.rows, x.n, [&](int64_t t, int64_t r, int64_t lo, int64_t hi) {
+      std::vector<int64_t> keys;
+      parts[t].clear();
+      const int kk = (int)std::min<int64_t>(k, hi - lo);
+      if (kk > 0) topk_run<DT, false, F32>(x.row(r), lo, hi, kk, Chain{}, keys, &parts[t]);
+    });
+  });
+  out.assign(x.rows, {});
+  for (int64_t r = 0; r < x.rows; ++r)
+    for (int64_t c = 0; c < runs; ++c)
+      out[r].insert(out[r].end(), parts[r * runs + c].begin(), parts[r * runs + c].end());
 }
 
 // each row's (m, s, first); m in the compared (f32) domain

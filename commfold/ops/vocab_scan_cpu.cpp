@@ -93,6 +93,52 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> py_softmax(const at::Tensor& x, i
   return {m, s, first};
 }
 
+// a heap top-k's candidates of x[:, :n] (candidate_rows): (indices [rows, most] int64
+// in column order, -1 past each row's count; counts [rows])
+std::tuple<at::Tensor, at::Tensor> py_candidates(const at::Tensor& x, int64_t n, int64_t k) {
+  const Rows rows = checked_rows(x, n);
+  TORCH_CHECK(k > 0 && k <= kMaxK, "commfold: candidates need 0 < k <= 64");
+  std::vector<std::vector<int64_t>> found;
+  candidate_rows(rows, (int)k, found);
+  int64_t most = 0;
+  for (const auto& f : found) most = std::max<int64_t>(most, (int64_t)f.size());
+  at::Tensor idx = at::full({x.size(0), most}, -1, at::kLong);
+  at::Tensor counts = at::empty({x.size(0)}, at::kLong);
+  int64_t *ip = idx.data_ptr<int64_t>(), *cp = counts.data_ptr<int64_t>();
+  for (size_t r = 0; r < found.size(); ++r) {
+    std::copy(found[r].begin(), found[r].end(), ip + r * most);
+    cp[r] = (int64_t)found[r].size();
+  }
+  return {idx, counts};
+}
+
+// per row, how many of x[:, :n] have (x - M) - L >= t in float32 (vLLM's rank of a
+// token whose logprob is t), rounded at each step as torch's float32 ops round (no
+// -ffast-math, no multiply for the compiler to contract into an FMA); M, L, t float32
+at::Tensor py_count_logprob_ge(const at::Tensor& x, int64_t n, const at::Tensor& M,
+                               const at::Tensor& L, const at::Tensor& t) {
+  const Rows rows = checked_rows(x, n);
+  for (const auto* v : {&M, &L, &t})
+    TORCH_CHECK(v->scalar_type() == at::kFloat && v->is_contiguous() &&
+                v->numel() == x.size(0), "commfold: M, L, t float32 [rows]");
+  at::Tensor out = at::empty({x.size(0)}, at::kLong);
+  const float *pm = M.data_ptr<float>(), *pl = L.data_ptr<float>(), *pt = t.data_ptr<float>();
+  int64_t* po = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows.rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      int64_t count = 0;
+      const void* row = rows.row(r);
+      for (int64_t j = 0; j < n; ++j) {
+        const float d = float_of_bits(raw_bits(row, j, rows.dt), rows.dt) - pm[r];
+        const float lp = d - pl[r];
+        count += lp >= pt[r];
+      }
+      po[r] = count;
+    }
+  });
+  return out;
+}
+
 // ---------------------------------------------------------------------------------
 // The ops' CPU kernels: c10d groups and vLLM CPU's shared-memory communicator in C++;
 // anything else (vLLM's custom-op collectives, float64, empty input, the fallback
@@ -479,6 +525,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &py_argmax, "(value, index) of the first max of x[:, :n]");
   m.def("topk_rows", &py_topk, "(values, indices) of the top k of x[:, :n]");
   m.def("softmax_rows", &py_softmax, "(max, f64 sum of exp(x - max), first max) of x[:, :n]");
+  m.def("candidates", &py_candidates, "columns of x[:, :n] a heap top-k takes in");
+  m.def("count_logprob_ge", &py_count_logprob_ge, "entries whose f32 logprob is >= t");
   m.def("chain_values", &py_chain_values, "a chain's f32 values of x (rounded: to its dtype)");
   m.def("set_enabled", [](bool on) { g_enabled = on; }, "C++ kernels on (else the fallback)");
   m.def("enabled", []() { return g_enabled.load(); });
