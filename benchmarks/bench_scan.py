@@ -3,7 +3,7 @@ vocab shard (argmax, top-k, softmax statistics) against one read of the shard
 (``x.sum()``) and against the best Inductor-compiled kernels of the same reduction,
 one thread, side by side in one run.
 
-    python benchmarks/bench_scan.py                       # [64, 75968] f32 and bf16
+    python benchmarks/bench_scan.py              # B 1/8/64 x 75968, f32, bf16, fp16
     python benchmarks/bench_scan.py --rows 1 64 --cols 75968 --dtypes float32
 
 The shard [B, V/TP] is what each rank scans at B=64, V=151936, TP=2. Targets (issue
@@ -71,9 +71,9 @@ def table(rows) -> str:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", type=int, nargs="+", default=[64])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--cols", type=int, default=75968)
-    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "float16"])
     p.add_argument("--iters", type=int, default=25)
     a = p.parse_args(argv)
     rows = measure(a.rows, a.cols, a.dtypes, a.iters)

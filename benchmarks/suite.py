@@ -65,7 +65,7 @@ FIGURES = {f.name: f for f in (
     Figure("compile_cost", "commfold's own time inside Inductor compiles",
            bench_compile_cost.measure, full=([8, 32, 128],), quick=([1, 2],)),
     Figure("scan", "A rank's local scan vs one read of its shard (1 thread)",
-           bench_scan.measure, full=([64], V // 2, ["float32", "bfloat16"], 25),
+           bench_scan.measure, full=([1, 8, 64], V // 2, ["float32", "bfloat16", "float16"], 25),
            quick=([4], 1000, ["float32"], 5), worlds=(1,)),
     # last of the TP=2 figures: it leaves vLLM's groups initialized in the pool's ranks
     Figure("vllm_lm_head", "Greedy pick over vLLM's real LM head (TP=2): vLLM's "

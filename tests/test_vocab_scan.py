@@ -16,12 +16,12 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from commfold.ops import scan_chain as sc
 from commfold.ops import vocab_scan
+from logit_cases import DTYPES, with_special
 
 mod = vocab_scan.module()
 pytestmark = pytest.mark.skipif(mod is None, reason="no C++ toolchain here (the torch "
                                                      "implementation serves every call)")
 
-DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 KINDS = ("normal", "ties", "nan", "inf", "neginf_rows", "signed_zero", "ascending",
          "lane_ties")
 CHAINS = {
@@ -37,19 +37,10 @@ _INT = {2: torch.int16, 4: torch.int32}
 def make_rows(rows, n, pad, dtype, kind, seed):
     """[rows, n + pad] logits; the pad columns hold NaN / +inf bait (never read)."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, n + pad, generator=g, dtype=torch.float64) * 4
-    if kind == "ties":
-        x = torch.randint(-2, 3, x.shape, generator=g).double()
-    elif kind == "nan":
-        x[torch.rand(x.shape, generator=g) < 0.05] = math.nan
-    elif kind == "inf":
-        x[torch.rand(x.shape, generator=g) < 0.05] = math.inf
-        x[torch.rand(x.shape, generator=g) < 0.05] = -math.inf
-    elif kind == "neginf_rows":
+    x = with_special(torch.randn(rows, n + pad, generator=g, dtype=torch.float64) * 4,
+                     kind, g)
+    if kind == "neginf_rows":
         x[::2] = -math.inf
-    elif kind == "signed_zero":
-        x = torch.randint(-1, 2, x.shape, generator=g).double() * 0.0
-        x[:, ::3] = -0.0
     elif kind == "ascending":
         x = x.sort(dim=-1).values
     elif kind == "lane_ties":  # the maximum at positions one lane, 16 lanes, a run apart

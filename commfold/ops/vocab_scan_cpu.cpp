@@ -206,6 +206,11 @@ int64_t slice_end(std::optional<int64_t> end, int64_t width) {
   const int64_t e = *end >= 0 ? *end : width + *end;
   return std::max<int64_t>(0, std::min<int64_t>(width, e));
 }
+// how many of this rank's vs columns are vocab (vocab_slice.local_width's rule)
+int64_t local_cols(std::optional<int64_t> valid_vocab, const Comm& c, int64_t vs) {
+  const int64_t total = slice_end(valid_vocab, c.world * vs);
+  return std::max<int64_t>(0, std::min<int64_t>(vs, total - c.rank * vs));
+}
 
 // value bits b (sign-extended) of dtype `dt` into element i of out's storage
 inline void store_bits(char* out, int64_t i, int64_t b, int dt) {
@@ -242,8 +247,7 @@ std::tuple<at::Tensor, at::Tensor> local_argmax_cpu(
   at::AutoDispatchBelowADInplaceOrView no_autograd;
   const Chain ch = parse_chain(chain);
   const int out = ch.out >= 0 ? ch.out : dt;
-  const int64_t total = slice_end(valid_vocab, c.world * vs);
-  const int64_t n_local = std::max<int64_t>(0, std::min<int64_t>(vs, total - c.rank * vs));
+  const int64_t n_local = local_cols(valid_vocab, c, vs);
   at::Tensor pair = at::detail::empty_cpu({rows, 2}, at::kLong, false, std::nullopt);
   int64_t* p = pair.data_ptr<int64_t>();
   if (n_local > 0) {
@@ -316,8 +320,7 @@ std::tuple<at::Tensor, at::Tensor> local_topk_cpu(
   at::AutoDispatchBelowADInplaceOrView no_autograd;
   const Chain ch = parse_chain(chain);
   const int out = ch.out >= 0 ? ch.out : dt;
-  const int64_t total = slice_end(valid_vocab, c.world * vs);
-  const int64_t n_local = std::max<int64_t>(0, std::min<int64_t>(vs, total - c.rank * vs));
+  const int64_t n_local = local_cols(valid_vocab, c, vs);
   const int64_t take = std::min(k, n_local);
   at::Tensor pack = at::detail::empty_cpu({rows, 2 * k}, at::kLong, false, std::nullopt);
   int64_t* p = pack.data_ptr<int64_t>();
@@ -430,7 +433,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> softmax_stats_cpu(
   const Chain ch = parse_chain(chain);
   const int out = ch.out >= 0 ? ch.out : dt;
   const int64_t total = slice_end(valid_vocab, c.world * vs);
-  const int64_t n_local = std::max<int64_t>(0, std::min<int64_t>(vs, total - c.rank * vs));
+  const int64_t n_local = local_cols(valid_vocab, c, vs);
   // picks as [p, kp] with p <= rows (aten.gather's rule for 2-D inputs)
   at::Tensor idx;
   int64_t p = 0, kp = 0;
