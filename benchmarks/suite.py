@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks import (bench_allreduce_rmsnorm, bench_compile_cost, bench_decode,
-                        bench_local_argmax, bench_replicate, bench_sampling)
+                        bench_local_argmax, bench_replicate, bench_sampling, bench_scan,
+                        bench_vllm_lm_head)
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
@@ -64,6 +65,14 @@ FIGURES = {f.name: f for f in (
            full=(V, 64, 4, [1, 8], 16, 8, 5), quick=(32768, 64, 1, [2], 4, 2, 5)),
     Figure("compile_cost", "commfold's own time inside Inductor compiles",
            bench_compile_cost.measure, full=([8, 32, 128],), quick=([1, 2],)),
+    Figure("scan", "A rank's local scan vs one read of its shard (1 thread)",
+           bench_scan.measure, full=([1, 8, 64], V // 2, ["float32", "bfloat16", "float16"], 25),
+           quick=([4], 1000, ["float32"], 5), worlds=(1,)),
+    # last of the TP=2 figures: it leaves vLLM's groups initialized in the pool's ranks
+    Figure("vllm_lm_head", "Greedy pick over vLLM's real LM head (TP=2): vLLM's "
+           "get_top_tokens vs full gather vs commfold",
+           bench_vllm_lm_head.measure, full=(["shm", "gloo"], [1, 8, 64], [32000, V], 1024, 15),
+           quick=(["gloo"], [2], [1000], 64, 5)),
 )}
 
 
@@ -100,12 +109,12 @@ def run_suite(names, quick: bool, timeout: float, log=print) -> dict:
         "machine": platform.machine(), "backend": "gloo", "rank_reported": 0},
         "figures": {}}
     t_suite = time.perf_counter()
-    worlds = sorted({w for n in names for w in ((2,) if quick else FIGURES[n].worlds)})
+    worlds = sorted({w for n in names for w in _worlds(FIGURES[n], quick)})
     for world in worlds:
         pool = None
         for name in names:
             fig = FIGURES[name]
-            if world not in ((2,) if quick else fig.worlds):
+            if world not in _worlds(fig, quick):
                 continue
             args = fig.quick if quick else fig.extra.get(world, fig.full)
             entry = results["figures"].setdefault(
@@ -131,6 +140,11 @@ def run_suite(names, quick: bool, timeout: float, log=print) -> dict:
             pool.close()
     results["meta"]["seconds"] = time.perf_counter() - t_suite
     return results
+
+
+def _worlds(fig: Figure, quick: bool) -> tuple:
+    """The world sizes a figure runs at (--quick: its smallest only)."""
+    return fig.worlds[:1] if quick else fig.worlds
 
 
 def keep_previous(results: dict, out: Path) -> dict:

@@ -4,6 +4,8 @@ targets."""
 from __future__ import annotations
 
 from benchmarks.bench_compile_cost import own_cpu_s, table as compile_cost_table
+from benchmarks.bench_scan import table as scan_table
+from benchmarks.bench_vllm_lm_head import table as vllm_lm_head_table
 
 
 def _ms(s: float) -> str:
@@ -26,6 +28,8 @@ def case(name: str, r: dict) -> str:
         return f"{r['layer']} r={r['r']} V={r['V']}"
     if name == "decode":
         return f"B={r['B']} V={r['V']} {r['layers']} layers"
+    if name == "vllm_lm_head":
+        return f"{r['communicator']} B={r['B']} V={r['V']}"
     return str(r.get("layers", ""))
 
 
@@ -95,7 +99,9 @@ def compile_targets(rows) -> dict:
 TABLES = {"local_argmax": _local_argmax, "sampling": _sampling,
           "allreduce_rmsnorm": _allreduce_rmsnorm,
           "replicate": _replicate, "decode": _decode,
-          "compile_cost": lambda rows: compile_cost_table(rows)}
+          "compile_cost": lambda rows: compile_cost_table(rows),
+          "scan": lambda rows: scan_table(rows).splitlines(),
+          "vllm_lm_head": lambda rows: vllm_lm_head_table(rows).splitlines()}
 
 
 def comm_rows(results: dict):

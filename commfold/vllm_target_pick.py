@@ -212,7 +212,7 @@ class _Picker:
         # logprobs steps use a C++ scan: load it now (built once per machine, ~30 s;
         # not in a background thread: one killed inside torch's build lock leaves the
         # lock behind, and every later load waits on it)
-        logprob_scan.module()
+        logprob_scan.module()  # the vocab scans (vocab_scan_cpu.cpp)
         return _Picker(runner, model, processors[0], _comm_spec(tp), vocab, shard)
 
     # compute_logits: the shard when the step qualifies

@@ -18,7 +18,9 @@ Why it is safe:
   (on CPU it varies with the row length); commfold picks the lowest index.
 
 Writes: shard -> replayed ops -> commfold::local_argmax(., valid_vocab, comm) whose
-one collective gathers a (value, index) int64 pair per row per rank.
+one collective gathers a (value, index) int64 pair per row per rank. On CPU the ops
+(scale, temperature, soft-cap, casts) go into the op as a chain instead of being
+replayed: it computes them as Inductor's CPU code would while it reads the shard.
 """
 from __future__ import annotations
 
@@ -29,9 +31,11 @@ import torch
 from commfold.context import PassContext
 from commfold.graph import nbytes, numel_times, tensor_val
 from commfold.graph_edit import erase_if_dead, insert_call, replace_items, replay
+from commfold.ops import scan_chain
 from commfold.ops.local_argmax import SUPPORTED_DTYPES
 from commfold.patterns.gather import gather_candidates, match_vocab_gather
 from commfold.patterns.greedy import GreedyPick, match_greedy
+from commfold.patterns.scan_chain import chain_steps
 from commfold.report import Comm
 
 PATTERN = "all_gather->argmax"
@@ -59,9 +63,9 @@ def rewrite_pick(ctx: PassContext, m: GreedyPick, before: Comm | None = None) ->
     full = tensor_val(m.gather.gathered)
     before = before or Comm(nbytes(full), 1)
     with graph.inserting_before(m.pick):
-        x = replay(graph, m.gather.shard, m.elementwise)  # same values per column
+        x, chain = shard_and_chain(graph, m.gather.shard, m.elementwise)
         best = insert_call(graph, torch.ops.commfold.local_argmax.default,
-                           (x, m.valid_vocab, m.gather.comm, m.keepdim), like=m.pick)
+                           (x, m.valid_vocab, m.gather.comm, m.keepdim, *chain), like=m.pick)
         value = insert_call(graph, operator.getitem, (best, 0), like=m.pick)
         index = insert_call(graph, operator.getitem, (best, 1), like=m.pick)
     if m.kind == "argmax":
@@ -74,3 +78,16 @@ def rewrite_pick(ctx: PassContext, m: GreedyPick, before: Comm | None = None) ->
     ctx.rewrote(PATTERN, m.pick, before, Comm(pair_bytes, 1),
                 detail=f"{m.kind}, world {m.gather.world_size}, "
                        f"{'no padding' if m.valid_vocab is None else 'padding sliced off'}")
+
+
+def shard_and_chain(graph, shard, ops, memo=None) -> tuple:
+    """(the op's input, (chain,) or ()): on CPU the shard itself, with the ops as a
+    chain the op applies while it reads the shard (no scaled copy); otherwise the ops
+    replayed on the shard as graph ops (same values per column) and no chain."""
+    steps = chain_steps(ops)
+    if steps == []:  # nothing but copies
+        return shard, ()
+    chain = scan_chain.for_shard(tensor_val(shard), steps)
+    if chain is not None:
+        return shard, (chain,)
+    return replay(graph, shard, ops, memo), ()

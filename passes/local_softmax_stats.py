@@ -23,10 +23,10 @@ Why it is safe:
   first maximum: its logprob is (M - shift) - log(S), nothing gathered; any other
   greedy pick of the row gets commfold::local_argmax.
 
-Writes: shard -> replayed elementwise ops -> padding masked (commfold::valid_columns)
--> this rank's max (and first-max index) and float64 sum of exp, as graph ops that
-Inductor compiles -> commfold::softmax_combine, whose one collective gathers
-2 + argmax + picks float64 values per row per rank.
+Writes: shard -> commfold::softmax_stats: this rank's max (and first-max index) and
+float64 sum of exp over its valid columns in one read of the shard (the elementwise
+ops as a chain the op applies on CPU, else replayed as graph ops), and one
+collective of 2 + argmax + picks float64 values per row per rank.
 """
 from __future__ import annotations
 
@@ -38,15 +38,15 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 
 from commfold.context import PassContext
 from commfold.graph import arg, is_call, nbytes, numel_times, tensor_val
-from commfold.graph_edit import erase_if_dead, insert_call, replace_items, replay
-from commfold.patterns.common import FLOAT_DTYPES, aten, prims
+from commfold.graph_edit import erase_if_dead, insert_call, replace_items
+from commfold.patterns.common import FLOAT_DTYPES, aten
 from commfold.patterns.gather import gather_candidates, match_vocab_gather
 from commfold.patterns.greedy import GreedyPick
 from commfold.patterns.softmax_stats import (Greedy, RowReads, SoftmaxStats, exact_widening,
                                              match_row_reads)
 from commfold.report import Comm
 
-from .local_argmax import rewrite_pick
+from .local_argmax import rewrite_pick, shard_and_chain
 
 PATTERN = "all_gather->softmax_stats"
 
@@ -99,17 +99,15 @@ def _rewrite_stats(graph, m: RowReads, s: SoftmaxStats, argmax: Greedy | None,
     picks = [p for p in s.picks
              if not (argmax is not None and _is_index_of(p.args[2], argmax.pick))]
     with graph.inserting_before(s.amax):
-        x = replay(graph, m.gather.shard, s.chain, replayed)
+        x, chain = shard_and_chain(graph, m.gather.shard, s.chain, replayed)
         index = None
         if picks:
             parts = [p.args[2] for p in picks]
             index = parts[0] if len(parts) == 1 else insert_call(
                 graph, aten.cat.default, (parts, -1), like=picks[0])
-        local = _local_stats(graph, x, m.valid_vocab, m.gather.comm,
-                             argmax is not None or bool(s.softmax_max), like=s.amax)
-        out = insert_call(graph, torch.ops.commfold.softmax_combine.default,
-                          (x, *local, index, m.valid_vocab, m.gather.comm,
-                           s.finite_shift is not None), like=s.amax)
+        out = insert_call(graph, torch.ops.commfold.softmax_stats.default,
+                          (x, index, m.valid_vocab, m.gather.comm, s.finite_shift is not None,
+                           argmax is not None or bool(s.softmax_max), *chain), like=s.amax)
         big_m, big_s, first, picked = (
             insert_call(graph, operator.getitem, (out, i), like=s.amax) for i in range(4))
     s.amax.replace_all_uses_with(big_m)
@@ -142,31 +140,6 @@ def _rewrite_stats(graph, m: RowReads, s: SoftmaxStats, argmax: Greedy | None,
             erase_if_dead(dead, also=m.gather.comm_nodes)
     return 2 + (argmax is not None or bool(s.softmax_max)) + sum(
         tensor_val(p).shape[-1] for p in picks)
-
-
-def _local_stats(graph, x, valid, comm, want_argmax, like):
-    """Graph ops (Inductor compiles them) for this rank's (m, s, first): the max of
-    the valid columns, float64 sum of exp(x - m) with m made finite, and the first
-    max's local index (or None)."""
-    def call(target, *args, **kwargs):
-        return insert_call(graph, target, args, kwargs, like=like)
-
-    if valid is not None:  # padding past the valid vocab never counts
-        mask = call(torch.ops.commfold.valid_columns.default, x, valid, comm)
-        x = call(aten.where.ScalarOther, mask, x, float("-inf"))
-    first = None
-    if want_argmax:
-        both = call(aten.max.dim, x, -1)
-        top, first = call(operator.getitem, both, 0), call(operator.getitem, both, 1)
-    else:
-        top = call(aten.amax.default, x, [-1])
-    finite = call(aten.eq.Scalar, call(aten.sub.Tensor, top, top), 0)  # isfinite, decomposed
-    shift = call(aten.where.ScalarOther, finite, top, 0.0)
-    wide = x if tensor_val(x).dtype in (torch.float32, torch.float64) else \
-        call(prims.convert_element_type.default, x, torch.float32)  # exp in f32 at least
-    shifted = call(aten.sub.Tensor, wide, call(aten.unsqueeze.default, shift, -1))
-    total = call(aten.sum.dim_IntList, call(aten.exp.default, shifted), [-1], dtype=torch.float64)
-    return top, total, first
 
 
 def _rewrite_softmax_max(graph, mx, big_m, shift, big_s, first, s) -> None:

@@ -19,7 +19,8 @@ Why it is safe:
   that is one of the orders the original program may produce.
 
 Writes: shard -> replayed ops -> commfold::local_topk(., valid_vocab, comm, k) whose
-one collective gathers k (key, value) int64 pairs per row per rank.
+one collective gathers k (key, value) int64 pairs per row per rank (on CPU the ops
+go into the op as a chain: see local_argmax).
 """
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ from commfold.ops.local_topk import SUPPORTED_DTYPES
 from commfold.patterns.gather import gather_candidates, match_vocab_gather
 from commfold.patterns.topk import TopK, match_topk
 from commfold.report import Comm
+
+from .local_argmax import shard_and_chain
 
 PATTERN = "all_gather->topk"
 
@@ -56,9 +59,9 @@ def _rewrite(ctx: PassContext, m: TopK) -> None:
     graph = ctx.graph
     before = Comm(nbytes(tensor_val(m.gather.gathered)), 1)
     with graph.inserting_before(m.reader):
-        x = replay(graph, m.gather.shard, m.elementwise)  # same values per column
+        x, chain = shard_and_chain(graph, m.gather.shard, m.elementwise)
         top = insert_call(graph, torch.ops.commfold.local_topk.default,
-                          (x, m.valid_vocab, m.gather.comm, m.k), like=m.reader)
+                          (x, m.valid_vocab, m.gather.comm, m.k, *chain), like=m.reader)
         new = [insert_call(graph, operator.getitem, (top, i), like=m.reader) for i in (0, 1)]
     for old, which in m.outputs:
         old.replace_all_uses_with(new[which])

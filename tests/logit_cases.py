@@ -17,23 +17,31 @@ def make_logits(case: dict, world: int) -> tuple[torch.Tensor, int]:
     rows, vocab, kind = case["rows"], case["vocab"], case["special"]
     vs = -(-vocab // world)
     g = torch.Generator().manual_seed(case["seed"])
-    x = torch.randn(rows, world * vs, generator=g, dtype=torch.float64) * 4
-    if kind == "ties":
-        x = torch.randint(-2, 3, x.shape, generator=g).double()
-    elif kind == "nan":
-        x[torch.rand(x.shape, generator=g) < 0.05] = math.nan
-    elif kind == "inf":
-        x[torch.rand(x.shape, generator=g) < 0.05] = math.inf
-        x[torch.rand(x.shape, generator=g) < 0.05] = -math.inf
-    elif kind == "neginf_row":
+    x = with_special(torch.randn(rows, world * vs, generator=g, dtype=torch.float64) * 4,
+                     kind, g)
+    if kind == "neginf_row":
         x[:] = -math.inf
     elif kind == "boundary_tie" and world > 1:
         x[:, max(vs - 2, 0):vs + 2] = 100.0  # rank 0's last columns tie rank 1's first
-    elif kind == "signed_zero":  # -0.0 == +0.0: ties whose bits differ
-        x = torch.randint(-1, 2, x.shape, generator=g).double() * 0.0
-        x[:, ::3] = -0.0
     x = x.to(case["dtype"])
     if world * vs > vocab:
         bait_nan = kind == "padding_bait" or case["seed"] % 2
         x[:, vocab:] = math.nan if bait_nan else math.inf
     return x, vocab
+
+
+def with_special(x: torch.Tensor, kind: str, g: torch.Generator) -> torch.Tensor:
+    """float64 logits x with the edge kinds every vocab test uses - integer ties, 5%
+    NaN, 5% +inf and 5% -inf, signed zeros (-0.0 == +0.0: ties whose bits differ) -;
+    any other kind: x as it is."""
+    if kind == "ties":
+        return torch.randint(-2, 3, x.shape, generator=g).double()
+    if kind == "nan":
+        x[torch.rand(x.shape, generator=g) < 0.05] = math.nan
+    elif kind == "inf":
+        x[torch.rand(x.shape, generator=g) < 0.05] = math.inf
+        x[torch.rand(x.shape, generator=g) < 0.05] = -math.inf
+    elif kind == "signed_zero":
+        x = torch.randint(-1, 2, x.shape, generator=g).double() * 0.0
+        x[:, ::3] = -0.0
+    return x

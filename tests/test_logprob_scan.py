@@ -1,6 +1,8 @@
 """torch.topk's exact result (its CPU heap order among ties included) from each shard's
 heap candidates (commfold.ops.logprob_scan), the C++ scan and the torch-ops
-fallback alike; the C++ scan finds exactly the entries a running top-k takes in."""
+fallback alike; the C++ scan (commfold's top-k scan) finds exactly the entries a
+running top-k takes in, and a superset when a long row is split across threads; the
+row statistics (max, log-sum-exp, first argmax) and the rank count match torch."""
 from __future__ import annotations
 
 import heapq
@@ -70,3 +72,47 @@ def test_cpp_scan_is_exactly_the_running_top_k(dtype):
         assert counts[row] == len(want)
         assert idx[row, :len(want)].tolist() == want
         assert (idx[row, len(want):] == -1).all()
+
+
+@pytest.fixture
+def split_runs():
+    """3 threads, rows split into column runs of >= 100 columns."""
+    if tc.module() is None:
+        pytest.skip("no C++ toolchain here: the torch-ops superset is used")
+    old = torch.get_num_threads()
+    torch.set_num_threads(3)
+    tc.module().set_min_run(100)
+    yield
+    torch.set_num_threads(old)
+    tc.module().set_min_run(1 << 15)
+
+
+def test_split_rows_give_a_superset_that_still_reproduces_torch_topk(split_runs):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(0, 6, (2, 2000), generator=g).float()
+    idx, counts = tc.candidates(x, 2000, 4)
+    for row in range(2):
+        got = idx[row, :counts[row]].tolist()
+        assert got == sorted(got) and set(_running(x[row].tolist(), 4)) <= set(got)
+    top, ids = _sharded_topk(x, 4, 2, tc.candidates)
+    want_v, want_i = torch.topk(x, 4)
+    assert torch.equal(top, want_v) and torch.equal(ids, want_i)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_stats_and_rank_count_match_torch(dtype):
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(4, 999, generator=g) * 5).to(dtype)
+    x[1] = -math.inf  # a row of nothing but -inf: log-sum-exp -inf
+    x[2, 500] = math.nan
+    x[3, [3, 700]] = 40.0  # tied maxima: the first wins
+    m, lse, first = tc.row_stats(x)
+    want_m, want_first = x.float().max(-1)
+    assert torch.equal(m[[0, 1, 3]], want_m[[0, 1, 3]]) and m[2].isnan()
+    assert first.tolist() == [want_first[0].item(), want_first[1].item(), 500, 3]
+    want_lse = torch.logsumexp(x.double(), -1)
+    assert torch.allclose(lse[[0, 3]], want_lse[[0, 3]], rtol=1e-6) and lse[1] == -math.inf
+    big_m, log_s = m.nan_to_num(0.0), lse.float().nan_to_num(0.0)
+    t = x[:, 10].float() - big_m - log_s
+    want = (((x.float() - big_m[:, None]) - log_s[:, None]) >= t[:, None]).sum(-1)
+    assert torch.equal(tc.count_logprob_ge(x, 999, big_m, log_s, t), want)

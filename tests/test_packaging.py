@@ -32,7 +32,7 @@ def test_wheel_holds_every_module(tmp_path):
     shipped = set(zipfile.ZipFile(wheel).namelist())
     expected = {f"{pkg}/{p.relative_to(ROOT / src).as_posix()}"
                 for src, pkg in SOURCE_DIRS.items()
-                for ext in ("*.py", "*.cpp")
+                for ext in ("*.py", "*.cpp", "*.h")
                 for p in (ROOT / src).rglob(ext) if "__pycache__" not in p.parts}
     assert any(name.endswith(".cpp") for name in expected)
     assert expected - shipped == set(), "add these to pyproject's packages / package-data"

@@ -5,9 +5,10 @@ compiler uses whatever vector units that CPU has (AVX-512, AVX2 + F16C, NEON) an
 guards the rest with ``#if defined(__AVX512F__)``-style checks. Built modules are
 cached on disk (``~/.cache/torch_extensions``, or ``TORCH_EXTENSIONS_DIR``), which
 may be shared between machines - a home directory on NFS, a CI cache. So the build's
-name carries a key of everything the binary depends on: the source's hash, the
-compiler flags and the CPU's instruction-set features. A machine with another CPU
-builds its own copy instead of loading one that would die with SIGILL.
+name carries a key of everything the binary depends on: the source's hash (with the
+local headers it includes), the compiler flags and the CPU's instruction-set
+features. A machine with another CPU builds its own copy instead of loading one that
+would die with SIGILL.
 
 ``COMMFOLD_PORTABLE_KERNELS=1`` builds for the compiler's default target instead
 (no ``-march=native``): slower, loads on any CPU of the architecture.
@@ -18,6 +19,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import threading
 from functools import lru_cache
 from pathlib import Path
@@ -62,6 +64,23 @@ def build_key(source: bytes, flags: list[str], features: str) -> str:
     return h.hexdigest()[:16]
 
 
+_LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def source_bytes(source: Path, seen: set | None = None) -> bytes:
+    """The source and the local headers it includes (``#include "x.h"`` beside it,
+    recursively): everything of ours the build depends on, for its key."""
+    seen = set() if seen is None else seen
+    seen.add(source)
+    text = source.read_bytes()
+    out = [text]
+    for name in _LOCAL_INCLUDE.findall(text):
+        header = source.parent / name.decode()
+        if header.is_file() and header not in seen:
+            out.append(source_bytes(header, seen))
+    return b"\0".join(out)
+
+
 def load(name: str, source: Path, defines: dict[str, int] | None = None):
     """The extension built from `source` (one .cpp), or None when it cannot be built
     here (no compiler, a build error: logged once, the caller's fallback runs)."""
@@ -75,7 +94,7 @@ def load(name: str, source: Path, defines: dict[str, int] | None = None):
 
             flags = ["-O3", "-fopenmp"] + arch_flags() + [
                 f"-D{k}={v}" for k, v in sorted((defines or {}).items())]
-            key = build_key(source.read_bytes(), flags, cpu_features())
+            key = build_key(source_bytes(source), flags, cpu_features())
             _loaded[name] = cpp_load(f"{name}_{key}", sources=[str(source)],
                                      extra_cflags=flags, extra_ldflags=["-fopenmp"],
                                      verbose=False)

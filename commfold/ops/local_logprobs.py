@@ -6,12 +6,12 @@ vLLM (``Sampler.gather_logprobs`` over ``log_softmax(logits, dtype=float32)``) t
 number of logprobs >= that one. Here each rank keeps its shard and the ranks
 exchange, in two all-gathers of a few float64 per row:
 
-1. per rank: its max m and first argmax, its row's log-sum-exp (float32, as vLLM's
-   sum is), x at the target token if it owns it, and how many top-k candidates it has
-   (commfold.ops.logprob_scan). Every rank then knows M, S, L = log S (as
-   float32), the token (the target, or the first maximum: torch.argmax's rule, NaN
-   included) and its logprob lp_t = (x_t - M) - L, computed in float32 as torch's
-   CPU log_softmax computes it.
+1. per rank, in one pass over its shard (commfold's softmax-statistics scan): its max
+   m, first argmax and log-sum-exp (sum in float64); x at the target token if it owns
+   it, and how many top-k candidates it has (commfold.ops.logprob_scan). Every rank
+   then knows M, S, L = log S (as float32), the token (the target, or the first
+   maximum: torch.argmax's rule, NaN included) and its logprob lp_t = (x_t - M) - L,
+   computed in float32 as torch's CPU log_softmax computes it.
 2. per rank: how many of its columns have (x - M) - L >= lp_t (the rank's part of
    vLLM's rank), and its candidates (float32 value and global index in one int64).
    Their logprobs, in rank order, go through torch.topk itself (``heap_topk``): the
@@ -19,7 +19,7 @@ exchange, in two all-gathers of a few float64 per row:
    (torch.topk's CPU order among ties is its heap's, neither index order nor stable).
 
 Logprob values differ from vLLM's only by L: vLLM's float32 sum over the whole row
-rounds differently from the ranks' float32 sums combined in float64 (a few float32
+rounds differently from the ranks' float64 sums (a few float32
 ulps of the logprob at V=151936). Rows whose maximum is not finite
 (NaN, +-inf: vLLM's log_softmax gives NaN rows there) are gathered whole and handed
 to ``fallback`` - vLLM's own code - so they come out exactly as vLLM's; all ranks see
@@ -33,7 +33,8 @@ from collections.abc import Callable
 import torch
 
 from ..collectives import communicator
-from .logprob_scan import candidates, count_logprob_ge, heap_topk
+from .logprob_scan import candidates, count_logprob_ge, heap_topk, row_stats
+from .vocab_slice import local_width
 
 Fallback = Callable[[torch.Tensor, torch.Tensor, int],
                     tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -52,17 +53,16 @@ def local_logprobs(shard: torch.Tensor, valid_vocab: int, comm: str, k: int,
     c = communicator(comm)
     world, rank = c.world_size(), c.rank()
     rows, vs = shard.shape
-    n_local = max(0, min(vs, valid_vocab - rank * vs))
+    _, n_local = local_width(valid_vocab, world, rank, vs)
     if rank == 0 and n_local < k:  # the row's first k entries are rank 0's
         raise ValueError(f"commfold.local_logprobs: rank 0 holds {n_local} < k = {k} columns")
     x = shard[:, :n_local]
     first = rank * vs
 
     # round 1: (m, log-sum-exp, first argmax, x at the target, candidate count)
-    if n_local:
-        m, arg = x.max(-1)  # first max / first NaN, as torch.argmax
-        m, arg = m.float(), arg + first
-        lse = torch.logsumexp(x.float(), -1)  # float32, as vLLM sums its row
+    if n_local:  # one pass: max, first max / first NaN (torch.argmax), float64 sum
+        m, lse, arg = row_stats(x)
+        arg = arg + first
     else:  # only padding here: never the maximum
         m = torch.full((rows,), -math.inf)
         arg = torch.zeros(rows, dtype=torch.long)

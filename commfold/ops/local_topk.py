@@ -18,12 +18,18 @@ whose k-th place falls inside a group of equal values (or is NaN) is redone with
 keys over its whole row. -0.0 and +0.0 share a key's value bits
 (torch compares them equal), every NaN gets the largest ones; the values returned are
 the original columns' bits (signed zeros and NaN payloads survive).
+
+On CPU the whole op is C++ (commfold.ops.vocab_scan: a one-pass top-k scan, the pair
+gather on a c10d group or vLLM's shared memory, the merge); elsewhere, and for other
+communicators, the torch implementation below (same keys, same answer).
 """
 from __future__ import annotations
 
 import torch
 
 from ..collectives import communicator
+from . import scan_chain, vocab_scan
+from .vocab_slice import local_width
 
 _BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
@@ -67,45 +73,67 @@ def _local_top(cols: torch.Tensor, k: int, first_index: int):
     return _keys(values, where + first_index), values
 
 
-@torch.library.custom_op("commfold::local_topk", mutates_args=())
-def local_topk(shard: torch.Tensor, valid_vocab: int | None, comm: str,
-               k: int) -> tuple[torch.Tensor, torch.Tensor]:
+# torch.library.Library, not custom_op: a call costs ~3 us, not ~11 us (vocab_scan
+# registers the CPU kernel in C++; this module's Python is the other devices' path).
+_SCHEMA = ("(Tensor shard, SymInt? valid_vocab, str comm, SymInt k, float[]? chain=None)"
+           " -> (Tensor, Tensor)")
+_lib = torch.library.Library("commfold", "FRAGMENT")
+_lib.define("local_topk" + _SCHEMA)
+_lib.define("local_topk_eager" + _SCHEMA)
+
+
+def local_topk(shard: torch.Tensor, valid_vocab: int | None, comm: str, k: int,
+               chain: list[float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, global indices) of the k largest entries of the last dim of
     gathered[..., :valid_vocab], the ranks' shards [..., Vs] concatenated in rank
-    order; sorted descending, ties lowest index first. valid_vocab is a slice end with
-    Python's rules (negative counts from the end); None keeps all columns."""
+    order (chain applied first, values rounded to its dtype); sorted descending, ties
+    lowest index first. valid_vocab is a slice end with Python's rules (negative
+    counts from the end); None keeps all columns. Every rank of `comm` calls it."""
+    return torch.ops.commfold.local_topk.default(shard, valid_vocab, comm, k, chain)
+
+
+def local_topk_eager(shard, valid_vocab, comm, k, chain=None):
+    """The torch implementation (any device, any communicator)."""
     c = communicator(comm)
+    vocab_scan.note_communicator(c)
     world, rank = c.world_size(), c.rank()
     vs = shard.shape[-1]
-    total = _slice_end(valid_vocab, world * vs)
+    total, n_local = local_width(valid_vocab, world, rank, vs)
     if not 0 <= k <= total:  # every rank sees the same total: all raise, none gathers
         raise RuntimeError("commfold.local_topk: selected index k out of range "
                            "(the original program's topk raises here too)")
+    out = scan_chain.out_dtype(chain, shard.dtype)
     lead = shard.shape[:-1]
     rows = shard.reshape(-1, vs)
-    n_local = max(0, min(vs, total - rank * vs))
-    pack = torch.full((rows.shape[0], k, 2), _NONE, dtype=torch.int64)
+    pack = torch.full((rows.shape[0], k, 2), _NONE, dtype=torch.int64, device=shard.device)
     take = min(k, n_local)
     if take > 0:
-        keys, values = _local_top(rows[:, :n_local], take, rank * vs)
+        cols = rows[:, :n_local]
+        if chain:  # topk compares the chain's values as stored in its dtype
+            cols = scan_chain.stored(scan_chain.apply(cols, chain), out)
+        keys, values = _local_top(cols, take, rank * vs)
         pack[:, :take, 0] = keys
-        pack[:, :take, 1] = values.view(_BITS[rows.dtype]).to(torch.int64)
+        pack[:, :take, 1] = values.view(_BITS[out]).to(torch.int64)
     packs = c.all_gather(pack).view(world, rows.shape[0], k, 2)
     packs = packs.permute(1, 0, 2, 3).reshape(rows.shape[0], world * k, 2)
     keys, where = torch.topk(packs[..., 0], k, dim=-1)  # total >= k: no _NONE wins
-    bits = packs[..., 1].gather(-1, where).to(_BITS[rows.dtype])
-    values = bits.view(rows.dtype).reshape(*lead, k)
+    bits = packs[..., 1].gather(-1, where).to(_BITS[out])
+    values = bits.view(out).reshape(*lead, k)
     indices = (_LOW - (keys & _LOW)).reshape(*lead, k)
     return values, indices
 
 
-def _slice_end(end: int | None, width: int) -> int:
-    if end is None:
-        return width
-    return max(0, min(width, end if end >= 0 else width + end))
+def _first_call(shard, *args):
+    return vocab_scan.first_call("local_topk", local_topk_eager, shard, *args)
 
 
-@local_topk.register_fake
-def _(shard, valid_vocab, comm, k):
+def _fake(shard, valid_vocab, comm, k, chain=None):
     shape = list(shard.shape[:-1]) + [k]
-    return shard.new_empty(shape), shard.new_empty(shape, dtype=torch.int64)
+    return (shard.new_empty(shape, dtype=scan_chain.out_dtype(chain, shard.dtype)),
+            shard.new_empty(shape, dtype=torch.int64))
+
+
+_lib.impl("local_topk_eager", local_topk_eager, "CompositeExplicitAutograd")
+_lib.impl("local_topk", _first_call, "CompositeExplicitAutograd")
+torch.library.register_fake("commfold::local_topk", _fake)
+torch.library.register_fake("commfold::local_topk_eager", _fake)

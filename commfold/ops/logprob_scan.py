@@ -1,5 +1,7 @@
 """Row scans over a vocab shard for vLLM's logprobs (commfold.ops.local_logprobs):
-torch.topk's exact result from a few candidates per row, and the rank count.
+each rank's row statistics, torch.topk's exact result from a few candidates per row,
+and the rank count - on the C++ scans of vocab_scan_cpu.cpp (the local selection
+ops' kernels), with torch ops where no compiler is available.
 
 torch.topk's exact result - its order among equal values included - from a few
 entries per row instead of the whole row:
@@ -10,7 +12,8 @@ it is strictly larger than the heap's smallest. Entries that never enter never t
 the heap, so the heap - and the order its final sort gives to equal values, which is
 neither index order nor stable - depends only on the entries that enter, in row
 order. Those are the *candidates*: the first k, then every x[j] larger than the k-th
-largest of x[:j] (about k + k ln(n / k) of them in a row in random order).
+largest of x[:j] (about k + k ln(n / k) of them in a row in random order) - exactly
+the entries commfold's top-k scan takes into its running list.
 
 A vocab-sharded row: each rank's candidates over its own shard are a superset of the
 row's candidates in that shard (a shard's prefix is part of the row's prefix), and
@@ -20,36 +23,41 @@ reproduce torch.topk over the full row: ``heap_topk``. Candidates may be taken o
 values that are a monotone (non-decreasing) function of the row's values, e.g. the
 logits of a row whose log_softmax is ranked (x_j > t implies f(x_j) >= f(t): still a
 superset).
-
-``candidates`` runs a C++ scan (logprob_scan.cpp, one pass per row); where no
-compiler is available it returns a larger superset computed with torch ops.
-``count_logprob_ge`` counts a row's entries whose float32 logprob (x - M) - L is at
-least t - vLLM's rank of a token (C++, one pass; torch ops without a compiler).
 """
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import torch
 
-from . import cpp_build
+from .vocab_scan import module
 
-SOURCE = Path(__file__).with_name("logprob_scan.cpp")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def module():
-    return cpp_build.load("commfold_logprob_scan", SOURCE)
+def _scan(x: torch.Tensor, n: int):
+    """(the C++ module, x with a unit last stride) when the scans take x[:, :n]."""
+    m = module() if x.dtype in _DTYPES and n > 0 and x.dim() == 2 else None
+    return (m, x if x.stride(1) == 1 else x.contiguous()) if m is not None else (None, x)
+
+
+def row_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [rows, n > 0]: (max as float32 - NaN if any -, log-sum-exp as float64 - its
+    sum of exp in float64 -, first argmax: torch.argmax's rule, NaN included)."""
+    m, xs = _scan(x, x.shape[1])
+    if m is not None:
+        big, s, first = m.softmax_rows(xs, x.shape[1], None)
+        return big, big.double() + s.log(), first
+    big, first = x.max(-1)
+    return big.float(), torch.logsumexp(x.double(), -1), first
 
 
 def candidates(x: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [rows, >= n]: (column indices [rows, most] int64 in column order, -1 past
     each row's count; counts [rows]) of candidates of x[:, :n] for a heap top-k."""
-    m = module() if x.dtype in _DTYPES else None
-    if m is not None:
-        idx, counts = m.topk_candidates(x, n, k)
-        return idx, counts
+    m, xs = _scan(x, n)
+    if m is not None and 0 < k <= 64:
+        return m.candidates(xs, n, k)
     return _candidates_torch(x[:, :n], k)
 
 
@@ -87,8 +95,8 @@ def count_logprob_ge(x: torch.Tensor, n: int, big_m: torch.Tensor, log_s: torch.
                      t: torch.Tensor) -> torch.Tensor:
     """Per row, how many of x[:, :n] have (x - M) - L >= t, in float32 as torch's
     CPU log_softmax computes (x - M) - L. M, L, t: float32 [rows]."""
-    m = module() if x.dtype in _DTYPES else None
+    m, xs = _scan(x, n)
     if m is not None:
-        return m.count_logprob_ge(x, n, big_m.contiguous(), log_s.contiguous(), t.contiguous())
+        return m.count_logprob_ge(xs, n, big_m.contiguous(), log_s.contiguous(), t.contiguous())
     x = x[:, :n].float()
     return (((x - big_m[:, None]) - log_s[:, None]) >= t[:, None]).sum(-1)

@@ -22,12 +22,22 @@ shards are contiguous in rank order, so first-over-ranks then first-within-shard
 the full row's rule. Picked logits travel as float64 (exact for every float dtype)
 and are taken from the rank that owns each index (so -0.0 and NaN payload bits
 survive, as aten.gather's would).
+
+commfold::softmax_stats is the whole thing in one op - the local statistics too - so
+the rank's logits are read once: on CPU a C++ one-pass scan (commfold.ops.vocab_scan:
+per block the maximum, then sum(exp(x - max)) in float64 from L1, the partial sum
+rescaled when the maximum rises), the gather and the combine in C++; elsewhere the
+torch implementation below. ``chain`` (commfold.ops.scan_chain) is applied to each
+logit first (a widening cast, a scale), without a materialized copy. valid_columns and
+softmax_combine (the two-step form, statistics as graph ops) remain for callers.
 """
 from __future__ import annotations
 
 import torch
 
 from ..collectives import communicator
+from . import scan_chain, vocab_scan
+from .vocab_slice import local_width, slice_end
 
 
 @torch.library.custom_op("commfold::valid_columns", mutates_args=())
@@ -35,7 +45,7 @@ def valid_columns(x: torch.Tensor, valid_vocab: int | None, comm: str) -> torch.
     """bool [Vs]: which of this rank's columns lie inside gathered[..., :valid_vocab]."""
     c = communicator(comm)
     vs = x.shape[-1]
-    total = _slice_end(valid_vocab, c.world_size() * vs)
+    total = slice_end(valid_vocab, c.world_size() * vs)
     return torch.arange(vs, device=x.device) + c.rank() * vs < total
 
 
@@ -56,22 +66,79 @@ def softmax_combine(x: torch.Tensor, m: torch.Tensor, s: torch.Tensor,
     log_softmax at picks [*plead, k] (empty without picks)). As aten.gather, picks may
     have fewer rows than x (2-D): the first rows are read."""
     c = communicator(comm)
-    world, rank = c.world_size(), c.rank()
     vs = x.shape[-1]
-    total = _slice_end(valid_vocab, world * vs)
-    lead = x.shape[:-1]
+    total = slice_end(valid_vocab, c.world_size() * vs)
     rows = x.reshape(-1, vs)
+    return _exchange(c, rows, vs, x.shape[:-1], x.dtype, m.reshape(-1), s.reshape(-1),
+                     None if first is None else first.reshape(-1), picks, total,
+                     finite_shift)
+
+
+_SCHEMA = ("(Tensor x, Tensor? picks, SymInt? valid_vocab, str comm, bool finite_shift, "
+           "bool argmax, float[]? chain=None) -> (Tensor, Tensor, Tensor, Tensor)")
+_lib = torch.library.Library("commfold", "FRAGMENT")
+_lib.define("softmax_stats" + _SCHEMA)
+_lib.define("softmax_stats_eager" + _SCHEMA)
+
+
+def softmax_stats(x: torch.Tensor, picks: torch.Tensor | None, valid_vocab: int | None,
+                  comm: str, finite_shift: bool, argmax: bool,
+                  chain: list[float] | None = None):
+    """softmax_combine's four outputs - (M, S, argmax, log_softmax at picks) of the
+    rows of gathered[..., :valid_vocab] (chain applied first) - from shard x alone:
+    this rank's statistics and their exchange in one op. S is sum(exp(x - shift)) with
+    shift = M, or where(|M| == inf, 0, M) when finite_shift; argmax is empty unless
+    asked for. Every rank of `comm` calls it together."""
+    return torch.ops.commfold.softmax_stats.default(x, picks, valid_vocab, comm,
+                                                    finite_shift, argmax, chain)
+
+
+def softmax_stats_eager(x, picks, valid_vocab, comm, finite_shift, argmax, chain=None):
+    """The torch implementation (any device, any communicator)."""
+    c = communicator(comm)
+    vocab_scan.note_communicator(c)
+    vs = x.shape[-1]
+    total, n_local = local_width(valid_vocab, c.world_size(), c.rank(), vs)
+    out = scan_chain.out_dtype(chain, x.dtype)
+    rows = x.reshape(-1, vs)
+    cols = rows[:, :n_local]
+    seen = scan_chain.apply(cols, chain) if chain else cols  # the compared values
     n = rows.shape[0]
+    if n_local > 0:
+        wide = seen if seen.dtype in (torch.float32, torch.float64) else seen.float()
+        if argmax:
+            top, first = wide.max(dim=-1)
+        else:
+            top, first = wide.amax(dim=-1), None
+        shift = torch.where(top.isfinite(), top, torch.zeros_like(top))
+        s = (wide - shift[:, None]).exp().sum(dim=-1, dtype=torch.float64)
+    else:  # only padding here: contributes nothing
+        top = torch.full((n,), float("-inf"), dtype=torch.float64, device=x.device)
+        s = torch.zeros((n,), dtype=torch.float64, device=x.device)
+        first = torch.zeros((n,), dtype=torch.int64, device=x.device) if argmax else None
+    stored = scan_chain.stored(seen, out) if chain else rows
+    return _exchange(c, stored, vs, x.shape[:-1], out, top, s, first, picks, total,
+                     finite_shift)
+
+
+def _exchange(c, rows, vs: int, lead, dtype, m, s, first, picks, total: int,
+              finite_shift: bool):
+    """One all-gather of (m, s[, first][, rows at picks]) per row, combined (see the
+    module docstring). rows: [n, >= this rank's valid columns], the values picks read;
+    vs: columns per shard; m, s, first: [n]."""
+    world, rank = c.world_size(), c.rank()
+    n = m.shape[0]
     fields = [m.reshape(n, 1).double(), s.reshape(n, 1).double()]
     if first is not None:
         fields.append((first.reshape(n, 1) + rank * vs).double())  # exact: vocab < 2**53
     if picks is not None:
-        idx = _pick_rows(picks, x).long()
+        idx = _pick_rows(picks, n).long()
         _check_index(idx, total)
         local = idx - rank * vs
-        mine = (local >= 0) & (local < vs)
-        got = rows[:idx.shape[0]].gather(-1, local.clamp(0, max(vs - 1, 0))).double() \
-            if vs > 0 else torch.zeros(idx.shape, dtype=torch.float64)
+        width = rows.shape[-1]
+        mine = (local >= 0) & (local < width)
+        got = rows[:idx.shape[0]].gather(-1, local.clamp(0, max(width - 1, 0))).double() \
+            if width > 0 else torch.zeros(idx.shape, dtype=torch.float64, device=m.device)
         got = torch.where(mine, got, torch.zeros_like(got))
         fields.append(torch.cat([got, got.new_zeros(n - idx.shape[0], idx.shape[1])]))
     packed = torch.cat(fields, dim=-1)  # [rows, F]
@@ -89,7 +156,6 @@ def softmax_combine(x: torch.Tensor, m: torch.Tensor, s: torch.Tensor,
     if not finite_shift:  # x - M with M = +-inf or NaN is NaN somewhere in the row
         big_s = torch.where(big_m.isfinite(), big_s, torch.full_like(big_s, float("nan")))
 
-    dtype = x.dtype
     out_m = big_m.to(dtype).reshape(*lead, 1)
     out_s = big_s.to(dtype).reshape(*lead, 1)
     col = 2
@@ -98,9 +164,9 @@ def softmax_combine(x: torch.Tensor, m: torch.Tensor, s: torch.Tensor,
         out_i = every[..., col].gather(0, winner).to(torch.int64).reshape(lead)
         col += 1
     else:
-        out_i = x.new_empty((0,), dtype=torch.int64)
+        out_i = m.new_empty((0,), dtype=torch.int64)
     if picks is not None:  # (x[idx] - shift) - log(S), as the graph's gather(D - L, idx)
-        idx = _pick_rows(picks, x).long()
+        idx = _pick_rows(picks, n).long()
         p = idx.shape[0]
         owner = (idx // max(vs, 1)).clamp(0, world - 1)  # [p, k]
         vals = every[:, :p, col:]  # [world, p, k]
@@ -108,8 +174,27 @@ def softmax_combine(x: torch.Tensor, m: torch.Tensor, s: torch.Tensor,
         shift = g_shift[:p, None].to(dtype)
         out_p = ((picked - shift) - out_s.reshape(n, 1)[:p].log()).reshape(picks.shape)
     else:
-        out_p = x.new_empty((0,))
+        out_p = m.new_empty((0,), dtype=dtype)
     return out_m, out_s, out_i, out_p
+
+
+def _stats_first_call(x, *args):
+    return vocab_scan.first_call("softmax_stats", softmax_stats_eager, x, *args)
+
+
+def _stats_fake(x, picks, valid_vocab, comm, finite_shift, argmax, chain=None):
+    dtype = scan_chain.out_dtype(chain, x.dtype)
+    lead = list(x.shape[:-1])
+    stat = x.new_empty(lead + [1], dtype=dtype)
+    index = x.new_empty(lead if argmax else [0], dtype=torch.int64)
+    picked = x.new_empty(picks.shape if picks is not None else [0], dtype=dtype)
+    return stat, stat.clone(), index, picked
+
+
+_lib.impl("softmax_stats_eager", softmax_stats_eager, "CompositeExplicitAutograd")
+_lib.impl("softmax_stats", _stats_first_call, "CompositeExplicitAutograd")
+torch.library.register_fake("commfold::softmax_stats", _stats_fake)
+torch.library.register_fake("commfold::softmax_stats_eager", _stats_fake)
 
 
 @softmax_combine.register_fake
@@ -121,16 +206,10 @@ def _(x, m, s, first, picks, valid_vocab, comm, finite_shift):
     return stat, stat.clone(), index, picked
 
 
-def _slice_end(end: int | None, width: int) -> int:
-    if end is None:
-        return width
-    return max(0, min(width, end if end >= 0 else width + end))
-
-
-def _pick_rows(picks: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """picks as [p, k] with p <= rows of x (aten.gather's rule for 2-D inputs)."""
-    if picks.dim() == 2 and x.dim() == 2:
-        if picks.shape[0] > x.shape[0]:
+def _pick_rows(picks: torch.Tensor, n: int) -> torch.Tensor:
+    """picks as [p, k] with p <= n rows of the logits (aten.gather's rule for 2-D)."""
+    if picks.dim() == 2:
+        if picks.shape[0] > n:
             raise RuntimeError("commfold.softmax_stats: gather index has more rows than "
                                "the logits (the original program's gather raises here too)")
         return picks
