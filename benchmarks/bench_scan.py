@@ -3,8 +3,8 @@ vocab shard (argmax, top-k, softmax statistics) against one read of the shard
 (``x.sum()``) and against the best Inductor-compiled kernels of the same reduction,
 one thread, side by side in one run.
 
-    python benchmarks/bench_scan.py              # B 1/8/64 x 75968, f32, bf16, fp16
-    python benchmarks/bench_scan.py --rows 1 64 --cols 75968 --dtypes float32
+    python -m benchmarks.bench_scan              # B 1/8/64 x 75968, f32, bf16, fp16
+    python -m benchmarks.bench_scan --rows 1 64 --cols 75968 --dtypes float32
 
 The shard [B, V/TP] is what each rank scans at B=64, V=151936, TP=2. Targets (issue
 19): argmax <= 1.5x one read, top-8 <= 2x one read, softmax statistics <= 2x
@@ -17,7 +17,7 @@ import argparse
 
 import torch
 
-from commfold.testing.bench import time_side_by_side
+from harness.bench import time_side_by_side
 
 
 def measure(rows_list, cols: int, dtypes, iters: int) -> list[dict]:

@@ -7,8 +7,8 @@ ParallelLMHead + LogitsProcessor, LM-head matmul included), side by side in one 
 - ``commfold``: ``commfold.vllm_top_tokens.lm_head_top_tokens`` (compute_logits ->
   argmax compiled with the local_argmax pass).
 
-    python benchmarks/bench_vllm_lm_head.py                     # shm and gloo, B 1/8/64
-    python benchmarks/bench_vllm_lm_head.py --comm gloo --batch 1 --vocab 151936
+    python -m benchmarks.bench_vllm_lm_head                     # shm and gloo, B 1/8/64
+    python -m benchmarks.bench_vllm_lm_head --comm gloo --batch 1 --vocab 151936
 
 Communicators: vLLM CPU's shared-memory one where its kernel build has it
 (``shm_supported()``), and the torch.distributed (gloo) fallback always. Calls are
@@ -22,8 +22,8 @@ import argparse
 
 import torch
 
-from commfold.testing import RankPool
-from commfold.testing.bench import time_side_by_side
+from commfold.ranks import RankPool
+from harness.bench import time_side_by_side
 
 
 def _head(vocab: int, hidden: int, dtype):
@@ -40,7 +40,7 @@ def _head(vocab: int, hidden: int, dtype):
 
 def measure(comms, batches, vocabs, hidden: int, iters: int, dtype: str = "float32"):
     """On every rank (a RankPool of 2): one row per (communicator, V, B)."""
-    from commfold.testing.vllm_tp import init_vllm_tp, shm_supported
+    from harness.vllm_tp import init_vllm_tp, shm_supported
     from commfold.vllm_top_tokens import lm_head_top_tokens
 
     dt = getattr(torch, dtype)
@@ -52,8 +52,8 @@ def measure(comms, batches, vocabs, hidden: int, iters: int, dtype: str = "float
         tp = init_vllm_tp(2, shm=comm == "shm")
         for vocab in vocabs:
             lm, lp = _head(vocab, hidden, dt)
-            variants = {"vllm": lambda h: lp.get_top_tokens(lm, h),
-                        "gather": lambda h: lp(lm, h).argmax(-1),
+            variants = {"vllm": lambda h, lp=lp, lm=lm: lp.get_top_tokens(lm, h),
+                        "gather": lambda h, lp=lp, lm=lm: lp(lm, h).argmax(-1),
                         "commfold": lm_head_top_tokens(lp, lm)}
             for b in batches:
                 g = torch.Generator().manual_seed(b)

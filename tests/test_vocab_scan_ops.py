@@ -56,7 +56,7 @@ def _both_ways(cases):
         g = torch.Generator().manual_seed(c["seed"])
         picks = torch.randint(0, vocab, (c["rows"], 2), generator=g)
 
-        def run():
+        def run(shard=shard, vocab=vocab, c=c, chain=chain, k=k, picks=picks):
             return (local_argmax(shard, vocab, comm, c["keepdim"], chain),
                     local_topk(shard, vocab, comm, k, chain),
                     softmax_stats(shard, picks, vocab, comm, c["finite_shift"], True, chain))
