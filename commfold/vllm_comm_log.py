@@ -91,7 +91,7 @@ class _StepRecorder:
     def end(self) -> None:
         import torch.distributed as dist
 
-        from .testing.comm_log import collective_event
+        from .comm_log import collective_event
 
         prof, self.prof = self.prof, None
         if prof is None:

@@ -66,8 +66,9 @@ def main() -> int:
         write_model(model_dir, "qwen3", vocab_size=2048)
         print("vllm_greedy: generating without and with commfold (TP=2, two engine starts, "
               "about a minute each)...")
-        done = subprocess.run([sys.executable, __file__, "--engine", model_dir],
-                              env=env, capture_output=True, text=True)
+        done = subprocess.run([sys.executable, "-m", "examples.vllm_greedy", "--engine", model_dir],
+                              env=env, capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         if done.returncode != 0:
             print(done.stdout[-3000:], done.stderr[-3000:], sep="\n")
             print(f"vllm_greedy: the engines failed (exit {done.returncode})")

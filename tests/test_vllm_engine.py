@@ -37,6 +37,7 @@ require_vllm()
 from commfold.report import Report  # noqa: E402
 from commfold.comm_log import read_step_logs, target_pick_problems  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[1]
 RUNNER = str(Path(__file__).with_name("vllm_models.py"))
 LAYERS = SIZES["num_hidden_layers"]
 HIDDEN = SIZES["hidden_size"]
@@ -74,6 +75,8 @@ def _engine_pair(tmp: Path, model: Path, dtype: str, route: str, torch_wrap: boo
     greedy tokens (or {"greedy": tokens, batch: outputs} with batches), per-rank
     commfold reports and per-rank engine step collective logs."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMMFOLD_")}
+    # the runner is a script of the checkout: its harness/ imports from the root
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.update(ENGINE_ENV, VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),
                TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor-cache"))
     runs, dirs = [], []

@@ -29,7 +29,7 @@ from commfold.comm_log import read_step_logs, target_pick_problems  # noqa: E402
 from harness.vllm_spec import (drafting_gathers, is_final_norm,  # noqa: E402
                                         rank_reports, split_reports)
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "vllm_spec_decode.py"
+ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("draft_model", "eagle3")
 WIDE_ROW = 1024
 
@@ -37,8 +37,8 @@ WIDE_ROW = 1024
 @pytest.fixture(scope="module")
 def spec_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("spec")
-    done = subprocess.run([sys.executable, str(EXAMPLE), "--out", str(out)],
-                          capture_output=True, text=True, timeout=1500)
+    done = subprocess.run([sys.executable, "-m", "examples.vllm_spec_decode", "--out", str(out)],
+                          capture_output=True, text=True, timeout=1500, cwd=ROOT)
     results = json.loads((out / "results.json").read_text())
     return {"out": out, "done": done, "results": results}
 
