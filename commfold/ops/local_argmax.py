@@ -35,8 +35,6 @@ SUPPORTED_DTYPES = tuple(_BITS)
 _SCHEMA = ("(Tensor shard, SymInt? valid_vocab, str comm, bool keepdim=False, "
            "float[]? chain=None) -> (Tensor, Tensor)")
 _lib = torch.library.Library("commfold", "FRAGMENT")
-_lib.define("local_argmax" + _SCHEMA)
-_lib.define("local_argmax_eager" + _SCHEMA)
 
 
 def local_argmax(shard: torch.Tensor, valid_vocab: int | None, comm: str,
@@ -84,9 +82,6 @@ def local_argmax_eager(shard, valid_vocab, comm, keepdim=False, chain=None):
     return best_value, best_index
 
 
-def _first_call(shard, *args):
-    return vocab_scan.first_call("local_argmax", local_argmax_eager, shard, *args)
-
 
 def _fake(shard, valid_vocab, comm, keepdim=False, chain=None):
     shape = list(shard.shape[:-1]) + ([1] if keepdim else [])
@@ -94,7 +89,4 @@ def _fake(shard, valid_vocab, comm, keepdim=False, chain=None):
             shard.new_empty(shape, dtype=torch.int64))
 
 
-_lib.impl("local_argmax_eager", local_argmax_eager, "CompositeExplicitAutograd")
-_lib.impl("local_argmax", _first_call, "CompositeExplicitAutograd")
-torch.library.register_fake("commfold::local_argmax", _fake)
-torch.library.register_fake("commfold::local_argmax_eager", _fake)
+vocab_scan.register_op(_lib, "local_argmax", _SCHEMA, local_argmax_eager, _fake)

@@ -78,8 +78,6 @@ def _local_top(cols: torch.Tensor, k: int, first_index: int):
 _SCHEMA = ("(Tensor shard, SymInt? valid_vocab, str comm, SymInt k, float[]? chain=None)"
            " -> (Tensor, Tensor)")
 _lib = torch.library.Library("commfold", "FRAGMENT")
-_lib.define("local_topk" + _SCHEMA)
-_lib.define("local_topk_eager" + _SCHEMA)
 
 
 def local_topk(shard: torch.Tensor, valid_vocab: int | None, comm: str, k: int,
@@ -123,9 +121,6 @@ def local_topk_eager(shard, valid_vocab, comm, k, chain=None):
     return values, indices
 
 
-def _first_call(shard, *args):
-    return vocab_scan.first_call("local_topk", local_topk_eager, shard, *args)
-
 
 def _fake(shard, valid_vocab, comm, k, chain=None):
     shape = list(shard.shape[:-1]) + [k]
@@ -133,7 +128,4 @@ def _fake(shard, valid_vocab, comm, k, chain=None):
             shard.new_empty(shape, dtype=torch.int64))
 
 
-_lib.impl("local_topk_eager", local_topk_eager, "CompositeExplicitAutograd")
-_lib.impl("local_topk", _first_call, "CompositeExplicitAutograd")
-torch.library.register_fake("commfold::local_topk", _fake)
-torch.library.register_fake("commfold::local_topk_eager", _fake)
+vocab_scan.register_op(_lib, "local_topk", _SCHEMA, local_topk_eager, _fake)

@@ -77,8 +77,6 @@ def softmax_combine(x: torch.Tensor, m: torch.Tensor, s: torch.Tensor,
 _SCHEMA = ("(Tensor x, Tensor? picks, SymInt? valid_vocab, str comm, bool finite_shift, "
            "bool argmax, float[]? chain=None) -> (Tensor, Tensor, Tensor, Tensor)")
 _lib = torch.library.Library("commfold", "FRAGMENT")
-_lib.define("softmax_stats" + _SCHEMA)
-_lib.define("softmax_stats_eager" + _SCHEMA)
 
 
 def softmax_stats(x: torch.Tensor, picks: torch.Tensor | None, valid_vocab: int | None,
@@ -178,9 +176,6 @@ def _exchange(c, rows, vs: int, lead, dtype, m, s, first, picks, total: int,
     return out_m, out_s, out_i, out_p
 
 
-def _stats_first_call(x, *args):
-    return vocab_scan.first_call("softmax_stats", softmax_stats_eager, x, *args)
-
 
 def _stats_fake(x, picks, valid_vocab, comm, finite_shift, argmax, chain=None):
     dtype = scan_chain.out_dtype(chain, x.dtype)
@@ -191,10 +186,7 @@ def _stats_fake(x, picks, valid_vocab, comm, finite_shift, argmax, chain=None):
     return stat, stat.clone(), index, picked
 
 
-_lib.impl("softmax_stats_eager", softmax_stats_eager, "CompositeExplicitAutograd")
-_lib.impl("softmax_stats", _stats_first_call, "CompositeExplicitAutograd")
-torch.library.register_fake("commfold::softmax_stats", _stats_fake)
-torch.library.register_fake("commfold::softmax_stats_eager", _stats_fake)
+vocab_scan.register_op(_lib, "softmax_stats", _SCHEMA, softmax_stats_eager, _stats_fake)
 
 
 @softmax_combine.register_fake

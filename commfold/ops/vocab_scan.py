@@ -70,6 +70,22 @@ def note_communicator(c) -> None:
             m.register_shm(int(c.name), c.rank(), c.world_size())
 
 
+def register_op(lib, op: str, schema: str, eager, fake) -> None:
+    """Define commfold::<op> and its torch twin <op>_eager with one schema and fake:
+    <op>'s composite kernel is first_call (the C++ module registers its CPU kernel
+    over it once loaded); <op>_eager is the torch implementation, for tests and
+    fallbacks. One place for the three scan ops' registration."""
+    import torch
+
+    lib.define(op + schema)
+    lib.define(f"{op}_eager" + schema)
+    lib.impl(f"{op}_eager", eager, "CompositeExplicitAutograd")
+    lib.impl(op, lambda tensor, *args: first_call(op, eager, tensor, *args),
+             "CompositeExplicitAutograd")
+    torch.library.register_fake(f"commfold::{op}", fake)
+    torch.library.register_fake(f"commfold::{op}_eager", fake)
+
+
 def first_call(op: str, eager, tensor, *args):
     """The ops' CompositeExplicitAutograd kernel: on CPU, load the module (one build,
     cached; its CPU kernel then takes every later CPU call) and redispatch."""
