@@ -1,4 +1,4 @@
-"""Shared fixtures: rank pools of 2 and 4 gloo ranks, started once per session and
+"""Shared fixtures: rank pools (2 and 4 gloo ranks; 2 for vLLM), started once per session and
 restarted after a failed call (a rank stuck in a collective is not reused); and the
 hypothesis profile: derandomized, so every run draws the same examples in the same
 time (COMMFOLD_HYPOTHESIS=random draws fresh ones)."""
@@ -14,25 +14,31 @@ settings.register_profile("random")
 settings.load_profile("random" if os.environ.get("COMMFOLD_HYPOTHESIS") == "random"
                       else "fixed")
 
-_pools: dict[int, RankPool] = {}
+_pools: dict[str, RankPool] = {}
+# name: (world size, RankPool keyword arguments)
+_KINDS = {"2": (2, {"timeout": 600}), "4": (4, {"timeout": 600}),
+          "vllm": (2, {"timeout": 300, "threads": 1})}
 
 
-def _pool(world_size: int) -> RankPool:
-    pool = _pools.get(world_size)
+def _pool(kind: str) -> RankPool:
+    pool = _pools.get(kind)
     if pool is None or not pool.alive:
-        pool = _pools[world_size] = RankPool(world_size, timeout=600)
+        world_size, kwargs = _KINDS[kind]
+        pool = _pools[kind] = RankPool(world_size, **kwargs)
     return pool
 
 
 class Ranks:
-    """Handle to the session pool of `world_size` ranks; each run() uses a live pool
-    (a new one after a failure), so hypothesis examples after a failing one still run."""
+    """Handle to a session pool (`kind`: "2", "4" or "vllm"); each run() uses a live
+    pool (a new one after a failure), so hypothesis examples and test modules after a
+    failing call still run."""
 
-    def __init__(self, world_size: int):
-        self.world_size = world_size
+    def __init__(self, kind):
+        self.kind = str(kind)
+        self.world_size = _KINDS[self.kind][0]
 
     def run(self, fn, *args, **kwargs) -> list:
-        return _pool(self.world_size).run(fn, *args, **kwargs)
+        return _pool(self.kind).run(fn, *args, **kwargs)
 
 
 @pytest.fixture
@@ -50,12 +56,12 @@ def ranks(request) -> Ranks:
     return Ranks(request.param)
 
 
-@pytest.fixture(scope="module")
-def vllm_ranks():
-    """2 ranks of a module's own for vLLM's groups (vLLM's state stays in them)."""
-    pool = RankPool(2, timeout=300, threads=1)
-    yield pool
-    pool.close()
+@pytest.fixture
+def vllm_ranks() -> Ranks:
+    """2 ranks for vLLM's groups, one thread each, shared by the vLLM test modules
+    (each rank imports vLLM once, ~10 s a pool): every rank function sets up vLLM's
+    groups itself (harness.vllm_tp.init_vllm_tp re-initializes them)."""
+    return Ranks("vllm")
 
 
 def pytest_sessionfinish(session, exitstatus):

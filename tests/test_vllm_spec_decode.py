@@ -2,8 +2,8 @@
 ``draft_model`` and ``eagle3`` (a draft vocab smaller than the target's: the d2t
 remap), commfold off vs on (the plugin, COMMFOLD_VLLM=1).
 
-The engine runs are examples/vllm_spec_decode.py's (one command, four engines in one
-process; test_examples.py leaves it to this test): it checks everything itself and
+The engine runs are examples/vllm_spec_decode.py's (one command, off and on engines
+per method in one process; test_examples.py leaves it to this test): it checks everything itself and
 exits 1 otherwise. Here the same artifacts are read again and each property asserted
 on its own, so a failure names it: identical greedy tokens, identical acceptance per
 draft position (and both accepted and rejected drafts), each rank's drafter graph
@@ -11,10 +11,17 @@ with its all-reduce + RMSNorm fusions (the final norm's included) and its embedd
 replicated, the same decisions on both ranks, the draft pick compiled with
 local_argmax, and, in every engine step's collective log, full-vocab gathers in the
 drafting phase without commfold and none with it.
+
+Engine starts (~50 s each on 2 cores) are the suite's dearest seconds: the default run
+has ``draft_model`` (two engines); ``COMMFOLD_VLLM_ALL_CASES=1`` adds ``eagle3`` (two
+more). EAGLE-3's own pick - the draft vocab's local argmax, then the d2t remap - is
+tested in every run on ranks against vLLM's real Eagle3 compute_logits
+(test_vllm_draft_pick.py).
 """
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,14 +37,15 @@ from harness.vllm_spec import (drafting_gathers, is_final_norm,  # noqa: E402
                                         rank_reports, split_reports)
 
 ROOT = Path(__file__).resolve().parents[1]
-METHODS = ("draft_model", "eagle3")
+METHODS = ("draft_model",) + (("eagle3",) if os.environ.get("COMMFOLD_VLLM_ALL_CASES") else ())
 WIDE_ROW = 1024
 
 
 @pytest.fixture(scope="module")
 def spec_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("spec")
-    done = subprocess.run([sys.executable, "-m", "examples.vllm_spec_decode", "--out", str(out)],
+    done = subprocess.run([sys.executable, "-m", "examples.vllm_spec_decode", "--out", str(out),
+                           "--methods", *METHODS],
                           capture_output=True, text=True, timeout=1500, cwd=ROOT)
     results = json.loads((out / "results.json").read_text())
     return {"out": out, "done": done, "results": results}
