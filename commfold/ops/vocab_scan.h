@@ -70,6 +70,17 @@ template <int OUT> inline F round_out(F v) {
   return blend(nan, r, splat(std::numeric_limits<float>::quiet_NaN()));
 }
 
+// Software prefetch PF_BYTES ahead of a streaming scan: a shard fresh from DRAM (the
+// usual case: the LM head wrote it, or another step evicted it) is read at ~0.85x of
+// a sum's speed without it (one stream, too few misses in flight).
+#ifndef PF_BYTES
+#define PF_BYTES 2048
+#endif
+template <int DT> inline void prefetch_ahead(const void* row, int64_t i) {
+  const char* p = (const char*)row + i * (DT == F32 ? 4 : 2) + PF_BYTES;
+  __builtin_prefetch(p);
+  if (2 * W * (DT == F32 ? 4 : 2) > 64) __builtin_prefetch(p + 64);
+}
 template <int DT> inline F load(const void* row, int64_t i) {
   if (DT == F32) return loadf((const float*)row + i);
   if (DT == BF16) return loadbf((const uint16_t*)row + i);
@@ -118,6 +129,7 @@ ArgmaxPart argmax_run(const void* row, int64_t lo, int64_t hi, const Chain& ch) 
   I i0 = addi(iota(), splati((int32_t)lo)), i1 = addi(iota(), splati((int32_t)(lo + W)));
   int64_t i = lo;
   for (; i + 2 * W <= hi; i += 2 * W) {
+    prefetch_ahead<DT>(row, i);
     F a = load<DT>(row, i), b = load<DT>(row, i + W);
     if (CH) { a = apply(ch, a); b = apply(ch, b); }
     const uint32_t na = bits(isnan(a)), nb = bits(isnan(b));
@@ -232,6 +244,8 @@ void topk_run(const void* row, int64_t lo, int64_t hi, int k, const Chain& ch,
   float tv = size == k ? value_of_key(top[k - 1]) : std::numeric_limits<float>::quiet_NaN();
   F t = splat(tv);
   for (; i + 4 * W <= hi && tv == tv; i += 4 * W) {
+    prefetch_ahead<DT>(row, i);
+    prefetch_ahead<DT>(row, i + 2 * W);
     const F v0 = at(i), v1 = at(i + W), v2 = at(i + 2 * W), v3 = at(i + 3 * W);
     const M p0 = gt_or_nan(v0, t), p1 = gt_or_nan(v1, t), p2 = gt_or_nan(v2, t),
             p3 = gt_or_nan(v3, t);
@@ -278,6 +292,7 @@ SoftPart softmax_run(const void* row, int64_t lo, int64_t hi, const Chain& ch) {
     const int64_t len = std::min<int64_t>(kBlock, hi - b);
     for (int64_t j = 0; j < len; j += W) {
       const int cnt = (int)std::min<int64_t>(W, len - j);
+      if ((j & W) == 0) prefetch_ahead<DT>(row, b + j);
       F v = cnt == W ? load<DT>(row, b + j) : load_tail<DT>(row, b + j, cnt);
       if (CH) {
         v = apply(ch, v);
