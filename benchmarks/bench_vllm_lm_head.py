@@ -7,23 +7,28 @@ ParallelLMHead + LogitsProcessor, LM-head matmul included), side by side in one 
 - ``commfold``: ``commfold.vllm_top_tokens.lm_head_top_tokens`` (compute_logits ->
   argmax compiled with the local_argmax pass).
 
+At batch 1 the LM-head matmul is 90-99% of each call, so the variants differ by a
+few percent: calls are timed in paired rounds (harness.bench.paired_rounds: every
+variant in every position equally often) and compared round by round.
+
     python -m benchmarks.bench_vllm_lm_head                     # shm and gloo, B 1/8/64
     python -m benchmarks.bench_vllm_lm_head --comm gloo --batch 1 --vocab 151936
 
 Communicators: vLLM CPU's shared-memory one where its kernel build has it
-(``shm_supported()``), and the torch.distributed (gloo) fallback always. Calls are
-interleaved (a barrier before each), rank 0's medians are reported with the ratios
-vllm / commfold and gather / commfold (> 1: commfold is faster); every variant's
-tokens are checked equal. ``measure`` is the rank-side function the suite runs.
+(``shm_supported()``), and the torch.distributed (gloo) fallback always. Reported:
+median times and the ratios vllm / commfold and gather / commfold per round (> 1:
+commfold is faster); every variant's tokens are checked equal. ``measure`` is the
+rank-side function the suite runs.
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import torch
 
 from commfold.ranks import RankPool
-from harness.bench import time_side_by_side
+from harness.bench import paired_ratio, paired_rounds
 
 
 def _head(vocab: int, hidden: int, dtype):
@@ -60,10 +65,12 @@ def measure(comms, batches, vocabs, hidden: int, iters: int, dtype: str = "float
                 h = torch.randn(b, hidden, generator=g).to(dt)
                 tokens = {k: f(h) for k, f in variants.items()}
                 same = all(torch.equal(tokens["gather"], t) for t in tokens.values())
-                t = time_side_by_side(variants, (h,), iters)
+                t = paired_rounds(variants, (h,), iters)
                 rows.append({"communicator": comm, "V": vocab, "B": b, "H": hidden, "dtype": dtype,
                              "world": tp.world_size, "same": same,
-                             **{f"{k}_s": v for k, v in t.items()}})
+                             **{f"{k}_s": statistics.median(v) for k, v in t.items()},
+                             **{f"{k}_ratio": paired_ratio(t, k, "commfold")
+                                for k in ("vllm", "gather")}})
             del lm, lp, variants
     return rows
 
@@ -74,9 +81,12 @@ def table(rows) -> str:
     for r in rows:
         out.append(f"| {r['communicator']} | {r['V']} | {r['B']} | {r['vllm_s'] * 1e3:.3f} | "
                    f"{r['gather_s'] * 1e3:.3f} | {r['commfold_s'] * 1e3:.3f} | "
-                   f"{r['vllm_s'] / r['commfold_s']:.2f}x | "
-                   f"{r['gather_s'] / r['commfold_s']:.2f}x | {r['same']} |")
+                   f"{_ratio(r['vllm_ratio'])} | {_ratio(r['gather_ratio'])} | {r['same']} |")
     return "\n".join(out)
+
+
+def _ratio(q) -> str:
+    return f"{q['median']:.3f}x [{q['q1']:.2f}-{q['q3']:.2f}]"
 
 
 def main(argv=None):
@@ -86,7 +96,7 @@ def main(argv=None):
     p.add_argument("--vocab", type=int, nargs="+", default=[32000, 151936])
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--iters", type=int, default=15)
+    p.add_argument("--iters", type=int, default=24)
     a = p.parse_args(argv)
     pool = RankPool(2, timeout=3600, threads=1)
     try:
@@ -94,7 +104,8 @@ def main(argv=None):
     finally:
         pool.close()
     print(f"greedy pick over vLLM's LM head, TP=2, H={a.hidden}, {a.dtype}, "
-          f"median of {a.iters} interleaved calls (rank 0)")
+          f"{a.iters} paired rounds (rank 0; a round's time is its slowest rank's); "
+          "ratios: median [quartiles] over rounds of the other's time / commfold's")
     print(table(rows))
 
 

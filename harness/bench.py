@@ -102,3 +102,20 @@ def comm_of(fn, args: tuple) -> dict:
 def comm_of_variants(variants: dict, args: tuple) -> dict:
     """comm_of for each variant: {name: {"bytes", "calls"}}."""
     return {k: comm_of(f, args) for k, f in variants.items()}
+
+
+def read_and_gather(shard: torch.Tensor, row_bytes: int):
+    """The machine's floor for a local pick over `shard`, as a callable: one read of
+    the shard (``sum``) and one all-gather of `row_bytes` per row - what any rewritten
+    form must at least do. Timed side by side with it, a variant's ratio to this
+    says how far from the limit it is."""
+    rows = shard.reshape(-1, shard.shape[-1]).shape[0]
+    send = torch.zeros(rows, -(-row_bytes // 8), dtype=torch.int64)
+    out = torch.empty(dist.get_world_size() * rows, send.shape[1], dtype=torch.int64)
+
+    def floor(_shard):
+        _shard.sum()
+        dist.all_gather_into_tensor(out, send)
+
+    return floor
+
