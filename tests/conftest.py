@@ -64,6 +64,18 @@ def vllm_ranks() -> Ranks:
     return Ranks("vllm")
 
 
+@pytest.fixture(scope="session")
+def spec_decode_run(tmp_path_factory):
+    """The spec-decoding example's run (vllm_models.SpecDecodeRun), shared by the test
+    that starts it early and the one that reads it; killed if still running at the
+    end."""
+    from vllm_models import SpecDecodeRun
+
+    run = SpecDecodeRun(tmp_path_factory.mktemp("spec"))
+    yield run
+    run.stop()
+
+
 def pytest_sessionfinish(session, exitstatus):
     for pool in _pools.values():
         pool.close()

@@ -30,7 +30,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_models import ENGINE_ENV, SIZES, TOKENS_MARK, require_vllm, write_model
+from vllm_models import (ENGINE_ENV, SIZES, SPEC_TEST, TOKENS_MARK, require_vllm,
+                         write_model)
 
 require_vllm()
 
@@ -103,6 +104,9 @@ def _engine_pair(tmp: Path, model: Path, dtype: str, route: str, torch_wrap: boo
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
 def engine_case(request, tmp_path_factory):
+    if any(item.path.name == SPEC_TEST for item in request.session.items):
+        # its engine starts overlap this pair's (see vllm_models.SpecDecodeRun)
+        request.getfixturevalue("spec_decode_run").start()
     arch, dtype, route, torch_wrap, replicate_max = CASES[request.param]
     tmp = tmp_path_factory.mktemp(request.param)
     model = write_model(tmp / "model", arch)

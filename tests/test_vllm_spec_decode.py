@@ -3,7 +3,9 @@
 remap), commfold off vs on (the plugin, COMMFOLD_VLLM=1).
 
 The engine runs are examples/vllm_spec_decode.py's (one command, off and on engines
-per method in one process; test_examples.py leaves it to this test): it checks everything itself and
+per method in one process; test_examples.py leaves it to this test), started in the
+background by test_vllm_engine.py when both modules run, so their engine starts
+overlap): it checks everything itself and
 exits 1 otherwise. Here the same artifacts are read again and each property asserted
 on its own, so a failure names it: identical greedy tokens, identical acceptance per
 draft position (and both accepted and rejected drafts), each rank's drafter graph
@@ -21,14 +23,10 @@ tested in every run on ranks against vLLM's real Eagle3 compute_logits
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from vllm_models import require_vllm
+from vllm_models import SPEC_METHODS, require_vllm
 
 require_vllm()
 
@@ -36,17 +34,15 @@ from commfold.comm_log import read_step_logs, target_pick_problems  # noqa: E402
 from harness.vllm_spec import (drafting_gathers, is_final_norm,  # noqa: E402
                                         rank_reports, split_reports)
 
-ROOT = Path(__file__).resolve().parents[1]
-METHODS = ("draft_model",) + (("eagle3",) if os.environ.get("COMMFOLD_VLLM_ALL_CASES") else ())
+METHODS = SPEC_METHODS
 WIDE_ROW = 1024
 
 
 @pytest.fixture(scope="module")
-def spec_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("spec")
-    done = subprocess.run([sys.executable, "-m", "examples.vllm_spec_decode", "--out", str(out),
-                           "--methods", *METHODS],
-                          capture_output=True, text=True, timeout=1500, cwd=ROOT)
+def spec_run(spec_decode_run):
+    done = spec_decode_run.wait()  # started here, or already by test_vllm_engine.py
+    out = spec_decode_run.out
+    assert (out / "results.json").is_file(), done.stdout[-4000:] + done.stderr[-4000:]
     results = json.loads((out / "results.json").read_text())
     return {"out": out, "done": done, "results": results}
 

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -154,3 +157,49 @@ if __name__ == "__main__":  # python vllm_models.py '<json runs>' -> a TOKENS_MA
     import sys
 
     print(TOKENS_MARK + json.dumps(engine_runs(json.loads(sys.argv[1]))), flush=True)
+
+
+# --- the speculative-decoding example, started early -----------------------------
+
+SPEC_METHODS = ("draft_model",) + (("eagle3",) if os.environ.get("COMMFOLD_VLLM_ALL_CASES")
+                                   else ())
+SPEC_TEST = "test_vllm_spec_decode.py"
+
+
+class SpecDecodeRun:
+    """examples/vllm_spec_decode.py (its engines: SPEC_METHODS, commfold off and on)
+    in a background process writing to `out`. test_vllm_engine.py starts it before
+    its own engine pair when test_vllm_spec_decode.py is also collected: the two
+    runs' engine starts overlap (~40 s less on 2 cores than one after the other)."""
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.proc: subprocess.Popen | None = None
+        self.done: subprocess.CompletedProcess | None = None
+
+    def start(self):
+        if self.proc is None:
+            root = Path(__file__).resolve().parents[1]
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "examples.vllm_spec_decode", "--out", str(self.out),
+                 "--methods", *SPEC_METHODS],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=root)
+        return self
+
+    def wait(self, timeout: float = 1500) -> subprocess.CompletedProcess:
+        if self.done is None:
+            self.start()
+            try:
+                stdout, stderr = self.proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.stop()
+                raise
+            self.done = subprocess.CompletedProcess(self.proc.args, self.proc.returncode,
+                                                    stdout, stderr)
+        return self.done
+
+    def stop(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate()
+
