@@ -34,7 +34,8 @@ def top_tokens_fn(compute_logits: Callable[[torch.Tensor], torch.Tensor],
     ``compute_logits(hidden)`` over the vocab, compiled with commfold (dynamic T);
     with ``values`` the pair (max value, argmax) of ``max(dim=-1)``. A compute_logits
     commfold cannot rewrite still runs correctly, with the gather (the report says
-    why)."""
+    why). The compiled pick does not re-check the modules' attributes (soft cap,
+    scale, weight shapes) on each call: build a new one after changing them."""
 
     def greedy(hidden: torch.Tensor):
         logits = compute_logits(hidden)
@@ -45,7 +46,8 @@ def top_tokens_fn(compute_logits: Callable[[torch.Tensor], torch.Tensor],
     # and logits processor's attributes go - vLLM never changes them after loading,
     # and vLLM compiles its own models with no Dynamo guards at all (~0.1 ms a call).
     compiled = torch.compile(greedy, backend=backend(config=config or LOCAL_ARGMAX), dynamic=True,
-                             options={"guard_filter_fn": _skip_module_guards})
+                             options={"guard_filter_fn":
+                                      torch.compiler.skip_guard_on_all_nn_modules_unsafe})
     dynamo_config = torch._dynamo.config
 
     def top_tokens(hidden: torch.Tensor) -> torch.Tensor:
@@ -60,10 +62,6 @@ def top_tokens_fn(compute_logits: Callable[[torch.Tensor], torch.Tensor],
             dynamo_config.specialize_float = was
 
     return top_tokens
-
-
-def _skip_module_guards(guard_entries) -> list[bool]:
-    return torch.compiler.skip_guard_on_all_nn_modules_unsafe(guard_entries)
 
 
 def lm_head_top_tokens(logits_processor, lm_head, config: Config | None = None):
