@@ -178,28 +178,32 @@ class SpecDecodeRun:
         self.done: subprocess.CompletedProcess | None = None
 
     def start(self):
+        """Start the run (once); its output goes to files, not pipes, so nothing it
+        writes before wait() can stall it."""
         if self.proc is None:
             root = Path(__file__).resolve().parents[1]
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "examples.vllm_spec_decode", "--out", str(self.out),
-                 "--methods", *SPEC_METHODS],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=root)
+            self.out.mkdir(parents=True, exist_ok=True)
+            with open(self.out / "stdout.txt", "w") as o, open(self.out / "stderr.txt", "w") as e:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "examples.vllm_spec_decode", "--out", str(self.out),
+                     "--methods", *SPEC_METHODS], stdout=o, stderr=e, text=True, cwd=root)
         return self
 
     def wait(self, timeout: float = 1500) -> subprocess.CompletedProcess:
         if self.done is None:
             self.start()
             try:
-                stdout, stderr = self.proc.communicate(timeout=timeout)
+                self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 self.stop()
                 raise
-            self.done = subprocess.CompletedProcess(self.proc.args, self.proc.returncode,
-                                                    stdout, stderr)
+            self.done = subprocess.CompletedProcess(
+                self.proc.args, self.proc.returncode, (self.out / "stdout.txt").read_text(),
+                (self.out / "stderr.txt").read_text())
         return self.done
 
     def stop(self):
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
-            self.proc.communicate()
+            self.proc.wait()
 
