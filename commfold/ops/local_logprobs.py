@@ -12,18 +12,26 @@ exchange, in two all-gathers of a few float64 per row:
    then knows M, S, L = log S (as float32), the token (the target, or the first
    maximum: torch.argmax's rule, NaN included) and its logprob lp_t = (x_t - M) - L,
    computed in float32 as torch's CPU log_softmax computes it.
-2. per rank: how many of its columns have (x - M) - L >= lp_t (the rank's part of
-   vLLM's rank), and its candidates (float32 value and global index in one int64).
-   Their logprobs, in rank order, go through torch.topk itself (``heap_topk``): the
-   same top-k and the same order among equal logprobs as torch.topk over the full row
-   (torch.topk's CPU order among ties is its heap's, neither index order nor stable).
+2. per rank: how many of its columns have x - M >= x_t - M (the rank's part of
+   vLLM's rank), how many are within a margin below that, and its candidates
+   (float32 value and global index in one int64). Their logprobs, in rank order, go
+   through torch.topk itself (``heap_topk``): the same top-k and the same order among
+   equal logprobs as torch.topk over the full row (torch.topk's CPU order among ties
+   is its heap's, neither index order nor stable).
 
 Logprob values differ from vLLM's only by L: vLLM's float32 sum over the whole row
-rounds differently from the ranks' float64 sums (a few float32
-ulps of the logprob at V=151936). Rows whose maximum is not finite
-(NaN, +-inf: vLLM's log_softmax gives NaN rows there) are gathered whole and handed
-to ``fallback`` - vLLM's own code - so they come out exactly as vLLM's; all ranks see
-the same maxima, so all gather the same rows.
+rounds differently from the ranks' float64 sums (a few float32 ulps of the logprob at
+V=151936), and how it rounds depends on the CPU (torch's vector width). Which
+logprobs are *equal* can depend on L too: two logits a few ulps of the logprob apart
+may round to one float32 logprob under one L and to two under another (near-uniform
+logits, such as dummy weights give). So ids and ranks are taken only where no L can
+change them: no two distinct candidates, and no column just below the scored token,
+within ``_MARGIN`` ulps of the logprob of each other; there, equal logprobs are
+exactly equal logits, under vLLM's L as under ours. Other rows - and rows whose
+maximum is not finite (NaN, +-inf: vLLM's log_softmax gives NaN rows there) - are
+gathered whole and handed to ``fallback`` - vLLM's own code - so they come out
+exactly as vLLM's. Every rank decides on the same gathered values, so all gather the
+same rows.
 """
 from __future__ import annotations
 
@@ -94,24 +102,31 @@ def local_logprobs(shard: torch.Tensor, valid_vocab: int, comm: str, k: int,
     lp_t = (x_t - big_m32) - log_s
     whole = ~big_m.isfinite()
 
-    # round 2: this rank's part of the rank count, its candidates as int64
-    # (float32 value bits << 32 | global index)
+    # round 2: this rank's part of the rank count (x - M >= x_t - M, on the logits: L
+    # cannot change it) and of the count within the margin below; its candidates as
+    # int64 (float32 value bits << 32 | global index)
     width = int(every[..., 4].max())
-    ge = count_logprob_ge(shard, n_local, big_m32, log_s, lp_t)
-    two = torch.full((rows, 1 + width), int(_pack(-math.inf, 0)), dtype=torch.long)
-    two[:, 0] = ge
+    d_t = x_t - big_m32
+    no_l = torch.zeros_like(log_s)
+    ge = count_logprob_ge(shard, n_local, big_m32, no_l, d_t)
+    near = count_logprob_ge(shard, n_local, big_m32, no_l, d_t - _margin(lp_t))
+    two = torch.full((rows, 2 + width), int(_pack(-math.inf, 0)), dtype=torch.long)
+    two[:, 0], two[:, 1] = ge, near
     if idx.shape[1]:  # this rank's candidates, in the first columns of the width
         vals = torch.where(idx >= 0, x.gather(1, idx.clamp(min=0)).float(), -math.inf)
-        two[:, 1:1 + idx.shape[1]] = _pack(vals, idx.clamp(min=0) + first)
-    got = c.all_gather(two).view(world, rows, 1 + width)
+        two[:, 2:2 + idx.shape[1]] = _pack(vals, idx.clamp(min=0) + first)
+    got = c.all_gather(two).view(world, rows, 2 + width)
     ranks = got[..., 0].sum(0)
+    whole = whole | (got[..., 1].sum(0) != ranks)  # a column L may tie with the token
     ids = tokens[:, None]
     lps = lp_t[:, None]
     if k:
-        packed = got[..., 1:].permute(1, 0, 2).reshape(rows, world * width)
+        packed = got[..., 2:].permute(1, 0, 2).reshape(rows, world * width)
         proxy_x = ((packed >> 32) & _LOW).to(torch.int32).view(torch.float32)
-        proxy = (proxy_x - big_m32[:, None]) - log_s[:, None]
-        top, where = heap_topk(torch.where(proxy_x == -math.inf, -math.inf, proxy), k)
+        d = torch.where(proxy_x == -math.inf, -math.inf, proxy_x - big_m32[:, None])
+        proxy = d - log_s[:, None]
+        whole = whole | _near_distinct(d, proxy)
+        top, where = heap_topk(proxy, k)
         ids = torch.cat([ids, (packed & _LOW).gather(1, where)], 1)
         lps = torch.cat([lps, top], 1)
 
@@ -126,6 +141,30 @@ def local_logprobs(shard: torch.Tensor, valid_vocab: int, comm: str, k: int,
 
 
 _LOW = (1 << 32) - 1
+# How close (in ulps of the logprob) two distinct logits may come before the float32
+# rounding of (x - M) - L, for some L near ours, could make their logprobs equal.
+# Rounding merges values less than 1 ulp apart; 8 covers vLLM's logprob landing in the
+# next binade up (2x the ulp) with room to spare.
+_MARGIN = 8
+
+
+def _margin(lp: torch.Tensor) -> torch.Tensor:
+    """_MARGIN ulps of |lp| (float32); 0 where lp is not finite."""
+    a = lp.abs()
+    ulp = torch.nextafter(a, torch.tensor(math.inf)) - a
+    return torch.where(a.isfinite(), _MARGIN * ulp, torch.zeros_like(a))
+
+
+def _near_distinct(d: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
+    """Rows [rows, width] of candidates (d = x - M, -inf in unused slots; lp their
+    logprobs): True where two distinct finite d are within the margin of each other,
+    so whether their logprobs tie depends on L."""
+    if d.shape[1] < 2:
+        return torch.zeros(d.shape[0], dtype=torch.bool)
+    d_sorted, order = d.sort(-1, descending=True)
+    gap = d_sorted[:, :-1] - d_sorted[:, 1:]  # inf or NaN next to -inf: never near
+    low = _margin(lp.gather(1, order)[:, 1:])
+    return ((gap > 0) & (gap <= low)).any(-1)
 
 
 def _pack(values, index):
