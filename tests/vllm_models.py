@@ -35,7 +35,7 @@ def require_vllm():
 
 # --- tiny models -----------------------------------------------------------------
 
-from harness.tiny_models import SIZES, write_model  # noqa: E402, F401 (re-exported)
+from harness.tiny_models import SIZES, load_format, write_model  # noqa: E402, F401 (re-exported)
 
 
 # --- a vLLM TP group inside rank-pool processes ----------------------------------
@@ -60,6 +60,7 @@ ENGINE_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "0|1",  # one core per rank (auto binding needs NUMA info)
     "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
     "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc(pause_target_pick)
 }
 # Inductor's CPU ISA probe done once here, not in every worker (~35 s a start)
 from harness.vllm_engine import fast_start_env, share_modelinfos  # noqa: E402
@@ -72,11 +73,11 @@ PROMPTS = ["the quick brown fox", "tensor parallel inference", "hello world, com
 def engine_greedy_tokens(model: str, dtype: str, commfold_route: str | None,
                          torch_wrap: bool = False, max_tokens: int = 12,
                          sampling_batches: bool = False):
-    """Greedy tokens of PROMPTS from vLLM's engine at TP=2 (dummy weights: the same
-    seeded values in every run). commfold_route: None (off), "named" (the pass named
-    in compilation_config) or "plugin" (COMMFOLD_VLLM=1 set by the caller).
-    sampling_batches: also run SAMPLING_BATCHES and return {"greedy": tokens, name:
-    their outputs} (see sampling_outputs)."""
+    """Greedy tokens of PROMPTS from vLLM's engine at TP=2 (the model's seeded
+    weights, or dummy ones: the same values in every run). commfold_route: None (off),
+    "named" (the pass named in compilation_config) or "plugin" (COMMFOLD_VLLM=1 set by
+    the caller). sampling_batches: also run SAMPLING_BATCHES and return {"greedy":
+    tokens, name: their outputs} (see sampling_outputs)."""
     from vllm import LLM, SamplingParams
 
     compilation = {}
@@ -84,7 +85,7 @@ def engine_greedy_tokens(model: str, dtype: str, commfold_route: str | None,
         compilation["inductor_passes"] = {"post_grad_custom_post_pass": "commfold.vllm_pass"}
     if torch_wrap:  # the CPU platform turns it off in its default mode: ask explicitly
         compilation.update(mode="DYNAMO_TRACE_ONCE", backend="inductor", ir_enable_torch_wrap=True)
-    llm = LLM(model=model, tensor_parallel_size=2, dtype=dtype, load_format="dummy",
+    llm = LLM(model=model, tensor_parallel_size=2, dtype=dtype, load_format=load_format(model),
               distributed_executor_backend="mp", max_model_len=128, max_num_seqs=4,
               max_num_batched_tokens=128, seed=0, compilation_config=compilation)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=max_tokens,
@@ -119,16 +120,25 @@ def _logprobs(entries):
 
 
 def sampling_outputs(llm, max_tokens: int) -> dict:
-    """Tokens, logprobs and prompt logprobs of each SAMPLING_BATCHES batch."""
+    """Tokens, logprobs and prompt logprobs of each SAMPLING_BATCHES batch; with the
+    plugin on, also the logprobs batch with the target pick paused ("logprobs_vllm":
+    vLLM's sampler on this engine's logits, the forward commfold compiled)."""
     from vllm import SamplingParams
 
-    out = {}
-    for name, batch in SAMPLING_BATCHES.items():
+    from harness.vllm_engine import pause_target_pick
+
+    def generate(batch):
         params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw) for _, kw in batch]
         results = llm.generate([PROMPTS[i] for i, _ in batch], params)
-        out[name] = [dict(tokens=list(r.outputs[0].token_ids),
-                          logprobs=_logprobs(r.outputs[0].logprobs),
-                          prompt_logprobs=_logprobs(r.prompt_logprobs)) for r in results]
+        return [dict(tokens=list(r.outputs[0].token_ids),
+                     logprobs=_logprobs(r.outputs[0].logprobs),
+                     prompt_logprobs=_logprobs(r.prompt_logprobs)) for r in results]
+
+    out = {name: generate(batch) for name, batch in SAMPLING_BATCHES.items()}
+    if os.environ.get("COMMFOLD_VLLM") == "1":
+        llm.collective_rpc(pause_target_pick, args=(True,))
+        out["logprobs_vllm"] = generate(SAMPLING_BATCHES["logprobs"])
+        llm.collective_rpc(pause_target_pick, args=(False,))
     return out
 
 
