@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 from vllm_models import require_vllm
@@ -21,14 +22,23 @@ from commfold import Config  # noqa: E402
 from commfold.vllm_plugin import PASS_KEY, VllmCommfoldPass  # noqa: E402
 
 
-def _python(code: str, **env) -> dict:
-    """Run code in a fresh interpreter; it prints one JSON line last."""
+def _start(code: str, **env) -> subprocess.Popen:
+    """code in a fresh interpreter (started, not awaited); it prints one JSON line last."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("COMMFOLD_")}
     full_env.update(env)
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full_env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=full_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _result(proc: subprocess.Popen) -> dict:
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _python(code: str, **env) -> dict:
+    """Run code in a fresh interpreter; it prints one JSON line last."""
+    return _result(_start(code, **env))
 
 
 def test_import_commfold_does_not_import_vllm():
@@ -72,24 +82,33 @@ _ROUTES = """
 """
 
 
-def test_named_pass_in_either_import_order_and_plugin_off():
+@pytest.fixture(scope="module")
+def routes() -> dict:
+    """_ROUTES in two fresh interpreters, started together (each imports vLLM):
+    vLLM imported first with the plugin off; commfold imported first, plugin on."""
+    procs = {"vllm_first": _start(_ROUTES.format(first="")),
+             "commfold_first": _start(_ROUTES.format(first="import commfold"),
+                                      COMMFOLD_VLLM="1", COMMFOLD_PASSES="local_argmax")}
+    return {name: _result(proc) for name, proc in procs.items()}
+
+
+def test_named_pass_in_either_import_order_and_plugin_off(routes):
     """vLLM keeps commfold's pass as its own InductorPass (so its uuid keys the
     caches) when vLLM imports commfold to resolve the name; without COMMFOLD_VLLM the
     plugin adds nothing."""
-    out = _python(_ROUTES.format(first=""))
+    out = routes["vllm_first"]
     assert out == {"named": ["VllmCommfoldPass", "VllmCommfoldPass", True,
                              list(commfold.ALL_PASSES)],
                    "plugin": ["NoneType", "CallableInductorPass", None, []],
                    "drafter_hook": [False, False]}
 
 
-def test_commfold_imported_first_and_plugin_on():
+def test_commfold_imported_first_and_plugin_on(routes):
     """commfold imported before vLLM: vLLM wraps the named pass, the plugin unwraps it.
     COMMFOLD_VLLM=1 adds the pass (options from COMMFOLD_PASSES), after a user's own
     post-grad pass is kept (runs after commfold's), and hooks draft-model loading and
     the draft pick."""
-    out = _python(_ROUTES.format(first="import commfold"),
-                  COMMFOLD_VLLM="1", COMMFOLD_PASSES="local_argmax")
+    out = routes["commfold_first"]
     assert out == {"named": ["CallableInductorPass", "VllmCommfoldPass", True, ["local_argmax"]],
                    "plugin": ["VllmCommfoldPass", "VllmCommfoldPass", "user_pass",
                               ["local_argmax"]],
