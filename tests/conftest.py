@@ -1,9 +1,7 @@
 """Shared fixtures: rank pools (2 and 4 gloo ranks; 2 for vLLM), started once per session and
-restarted after a failed call (a rank stuck in a collective is not reused); the
+restarted after a failed call (a rank stuck in a collective is not reused); and the
 hypothesis profile: derandomized, so every run draws the same examples in the same
-time (COMMFOLD_HYPOTHESIS=random draws fresh ones); and how pytest-xdist spreads the
-modules over its workers (pyproject's addopts run it on every `pytest`; `-n 0` turns
-it off)."""
+time (COMMFOLD_HYPOTHESIS=random draws fresh ones)."""
 import os
 
 import pytest
@@ -81,28 +79,3 @@ def spec_decode_run(tmp_path_factory):
 def pytest_sessionfinish(session, exitstatus):
     for pool in _pools.values():
         pool.close()
-
-
-# --- pytest-xdist: one module per worker at a time, the vLLM modules together -------
-
-# They share the vLLM rank pool, and test_vllm_engine.py starts the spec-decoding run
-# that test_vllm_spec_decode.py reads (vllm_models.SpecDecodeRun).
-VLLM_MODULES = {"test_cpu_portability", "test_fuse_vllm_shm", "test_fuse_vllm_spellings"}
-
-
-def _uses_vllm(item) -> bool:
-    return item.path.stem.startswith("test_vllm_") or item.path.stem in VLLM_MODULES
-
-
-def pytest_collection_modifyitems(config, items):
-    """Each module runs on one worker (its module fixtures once), the vLLM modules all
-    on one; they come first, being the longest chain (engine starts)."""
-    items.sort(key=lambda item: not _uses_vllm(item))  # stable: otherwise file order
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group("vllm" if _uses_vllm(item) else item.path.stem))
-
-
-def pytest_xdist_auto_num_workers(config):
-    """`-n auto`: a worker per core, at most 4 (each starts rank pools of 2-4
-    processes; past that the machine's memory, not its cores, would set the pace)."""
-    return max(1, min(os.cpu_count() or 1, 4))
