@@ -25,7 +25,9 @@ Exactness:
   ``where(out of range, 0, full[ids]) + 0.0``, i.e. exactly what the sum all-reduce of
   one real row and W-1 zero rows gives (``+ 0.0`` turns -0.0 into +0.0 as that sum
   does). Ids no rank serves (negative, past the vocab, in gaps) give zero rows, as in
-  the original program.
+  the original program. A NaN entry stays a NaN; its payload bits are whatever the
+  float add makes of it, as in any all-reduce (gloo's bf16 sum gives 0x7FC0, torch's
+  AVX2 bf16 add 0xFFFF: the original program's bits depend on its backend too).
 - LM head: logits are computed block by block with the original shard's row count,
   so each block is the matmul a rank computed before (the last one trimmed of padding
   rows); the logits are within f32 matmul rounding of the original (in the tests:
@@ -57,7 +59,7 @@ class _Entry:
 # it (and a rebuild's collective), so these ops are never captured.
 _TAGS = (torch.Tag.cudagraph_unsafe,)
 _cache: dict[tuple, _Entry] = {}
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entrant: _evict may run from a GC inside a locked block
 _builds = 0  # number of builds in this process (tests and the example read it)
 
 
