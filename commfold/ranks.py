@@ -4,7 +4,8 @@ A RankPool keeps its ranks alive between calls, so many test cases share one pro
 group start-up. A call that fails on any rank, whose rank process dies (a signal, an
 abort in C++, ``os._exit``), or that does not finish within its timeout raises
 RankError carrying each failing rank's traceback - or, for a dead rank, its exit code,
-signal and the tail of what it wrote to stderr - and the pool is shut down (a rank
+signal and the tail of what it wrote to stderr; root causes before the ranks that only
+lost a peer - and the pool is shut down (a rank
 stuck in a collective cannot be trusted again). A dead rank fails the call within
 about a second, not after the timeout. ``run_on_ranks`` is the one-shot form.
 
@@ -34,6 +35,14 @@ _TAIL_LINES = 30
 
 class RankError(RuntimeError):
     """A function failed, hung or died on one or more ranks."""
+
+
+# What gloo says on the ranks left in a collective when a peer died or dropped out
+_PEER_LEFT = ("Connection closed by peer", "Connection reset by peer", "Socket closed")
+
+
+def _peer_left(failure: str) -> bool:
+    return any(s in failure for s in _PEER_LEFT)
 
 
 def free_port() -> int:
@@ -181,7 +190,12 @@ class RankPool:
         if failures or len(out) < self.world_size:
             missing = [r for r in range(self.world_size) if r not in out and r not in failures]
             self.close()
-            parts = [f"--- rank {r} failed ---\n{tb}" for r, tb in sorted(failures.items())]
+            # root causes first: a rank whose collective failed only because a peer
+            # left (gloo: "Connection closed by peer") is a consequence, listed last
+            order = sorted(failures, key=lambda r: (_peer_left(failures[r]), r))
+            parts = [f"--- rank {r} failed"
+                     + (" (a peer left its collective)" if _peer_left(failures[r]) else "")
+                     + f" ---\n{failures[r]}" for r in order]
             if missing:
                 reason = ("stopped waiting after another rank failed" if failures else
                           f"did not finish within {limit:.0f}s (hung in a collective?)")

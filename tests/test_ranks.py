@@ -52,15 +52,15 @@ def test_hang_becomes_a_timeout_error():
     assert not pool.alive  # a hung pool is not reused
 
 
-def die_on_rank_0(how):
-    """Rank 0 says something on stderr and dies mid-call; the others wait for it in a
-    collective that never completes."""
+def die_on_rank_0(how, dying=0):
+    """Rank `dying` says something on stderr and dies mid-call; the others wait for it
+    in a collective that never completes."""
     import os
     import signal
     import sys
 
-    if dist.get_rank() == 0:
-        print(f"rank 0 about to die by {how} at {time.time():.3f}", file=sys.stderr,
+    if dist.get_rank() == dying:
+        print(f"rank {dying} about to die by {how} at {time.time():.3f}", file=sys.stderr,
               flush=True)
         if how == "exit":
             os._exit(3)
@@ -93,6 +93,15 @@ def test_dead_rank_fails_the_call_in_seconds(how):
     if how == "SIGILL":  # faulthandler's report of the fatal signal, with the stack
         assert "Fatal Python error" in msg and "die_on_rank_0" in msg, msg
     assert not pool.alive
+
+
+def test_the_dead_rank_comes_before_the_ranks_that_lost_it():
+    with pytest.raises(RankError) as err:
+        run_on_ranks(die_on_rank_0, 2, "exit", 1, timeout=300)
+    msg = str(err.value)
+    first = msg.split("--- rank ")[1]
+    assert first.startswith("1 failed ---\nrank 1 died: exit code 3"), msg
+    assert "--- rank 0 failed (a peer left its collective) ---" in msg, msg
 
 
 def test_dead_rank_fails_a_one_shot_run_in_seconds():
