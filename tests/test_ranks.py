@@ -29,9 +29,8 @@ def sleep_forever():
     time.sleep(3600)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_results_in_rank_order(world):
-    assert run_on_ranks(rank_and_sum, world) == [(r, world * (world + 1) / 2) for r in range(world)]
+def test_results_in_rank_order():  # (a pool's: test_dead_ranks_fail_the_call_in_seconds)
+    assert run_on_ranks(rank_and_sum, 2) == [(0, 3.0), (1, 3.0)]
 
 
 def test_failing_rank_traceback_is_reported():
@@ -52,16 +51,17 @@ def test_hang_becomes_a_timeout_error():
     assert not pool.alive  # a hung pool is not reused
 
 
-def die_on_rank_0(how, dying=0):
-    """Rank `dying` says something on stderr and dies mid-call; the others wait for it
-    in a collective that never completes."""
+def die_on_ranks(hows: dict):
+    """Each rank in `hows` says something on stderr and dies mid-call, the way named;
+    the others wait for them in a collective that never completes."""
     import os
     import signal
     import sys
 
-    if dist.get_rank() == dying:
-        print(f"rank {dying} about to die by {how} at {time.time():.3f}", file=sys.stderr,
-              flush=True)
+    how = hows.get(dist.get_rank())
+    if how:
+        print(f"rank {dist.get_rank()} about to die by {how} at {time.time():.3f}",
+              file=sys.stderr, flush=True)
         if how == "exit":
             os._exit(3)
         os.kill(os.getpid(), getattr(signal, how))
@@ -70,41 +70,38 @@ def die_on_rank_0(how, dying=0):
     return "unreachable"
 
 
-DEATHS = {"SIGILL": "rank 0 died: SIGILL", "SIGKILL": "rank 0 died: SIGKILL",
-          "exit": "rank 0 died: exit code 3"}
+DEATHS = {"SIGILL": "died: SIGILL", "SIGKILL": "died: SIGKILL", "exit": "died: exit code 3"}
 
 
-def seconds_since_death(msg: str, how: str) -> float:
+def seconds_since_death(msg: str, how: str, rank: int) -> float:
     """From the dying rank's last stderr line (in the error: the tail) to now."""
-    died = re.search(rf"rank 0 about to die by {how} at ([0-9.]+)", msg)
-    assert died, f"the error lacks the tail of rank 0's stderr:\n{msg}"
+    died = re.search(rf"rank {rank} about to die by {how} at ([0-9.]+)", msg)
+    assert died, f"the error lacks the tail of rank {rank}'s stderr:\n{msg}"
     return time.time() - float(died.group(1))
 
 
-@pytest.mark.parametrize("how", list(DEATHS))
-def test_dead_rank_fails_the_call_in_seconds(how):
-    pool = RankPool(2, timeout=300)
-    assert pool.run(rank_and_sum)[0][0] == 0  # the pool is up
+def test_dead_ranks_fail_the_call_in_seconds():
+    """Three ranks of four die in one call, one each way (a signal the process cannot
+    catch, one faulthandler reports, a plain exit): each is named with its cause."""
+    pool = RankPool(4, timeout=300)
+    assert pool.run(rank_and_sum) == [(r, 10.0) for r in range(4)]  # up, in rank order
+    hows = dict(zip([1, 2, 3], DEATHS))
     with pytest.raises(RankError) as err:
-        pool.run(die_on_rank_0, how)
+        pool.run(die_on_ranks, hows)
     msg = str(err.value)
-    assert seconds_since_death(msg, how) < 5, "a dead rank must not wait out the timeout"
-    assert DEATHS[how] in msg, msg
-    if how == "SIGILL":  # faulthandler's report of the fatal signal, with the stack
-        assert "Fatal Python error" in msg and "die_on_rank_0" in msg, msg
+    for rank, how in hows.items():
+        assert seconds_since_death(msg, how, rank) < 5, "a dead rank must not wait out the timeout"
+        assert f"rank {rank} {DEATHS[how]}" in msg, msg
+    # faulthandler's report of the fatal signal, with the stack
+    assert "Fatal Python error" in msg and "die_on_ranks" in msg, msg
     assert not pool.alive
 
 
-def test_the_dead_rank_comes_before_the_ranks_that_lost_it():
-    with pytest.raises(RankError) as err:
-        run_on_ranks(die_on_rank_0, 2, "exit", 1, timeout=300)
-    msg = str(err.value)
-    first = msg.split("--- rank ")[1]
-    assert first.startswith("1 failed ---\nrank 1 died: exit code 3"), msg
-    assert "--- rank 0 failed (a peer left its collective) ---" in msg, msg
-
-
 def test_dead_rank_fails_a_one_shot_run_in_seconds():
-    with pytest.raises(RankError, match="rank 0 died: SIGILL") as err:
-        run_on_ranks(die_on_rank_0, 2, "SIGILL", timeout=300)
-    assert seconds_since_death(str(err.value), "SIGILL") < 5
+    """Rank 1 dies: the error leads with it, not with rank 0, which only lost its peer."""
+    with pytest.raises(RankError, match="rank 1 died: SIGILL") as err:
+        run_on_ranks(die_on_ranks, 2, {1: "SIGILL"}, timeout=300)
+    msg = str(err.value)
+    assert seconds_since_death(msg, "SIGILL", 1) < 5
+    assert msg.split("--- rank ")[1].startswith("1 failed ---\nrank 1 died: SIGILL"), msg
+    assert "--- rank 0 failed (a peer left its collective) ---" in msg, msg
