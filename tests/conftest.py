@@ -1,7 +1,8 @@
 """Shared fixtures: rank pools (2 and 4 gloo ranks; 2 for vLLM), started once per session and
 restarted after a failed call (a rank stuck in a collective is not reused); and the
 hypothesis profile: derandomized, so every run draws the same examples in the same
-time (COMMFOLD_HYPOTHESIS=random draws fresh ones)."""
+time (COMMFOLD_HYPOTHESIS=random draws fresh ones); and which pytest-xdist worker runs
+what (pyproject's addopts run every `pytest` on two workers; `-n 0` runs one process)."""
 import os
 
 import pytest
@@ -79,3 +80,43 @@ def spec_decode_run(tmp_path_factory):
 def pytest_sessionfinish(session, exitstatus):
     for pool in _pools.values():
         pool.close()
+
+
+# --- pytest-xdist: two workers, a module per worker at a time ----------------------
+
+# The vLLM modules share the vLLM rank pool, and test_vllm_engine.py starts the
+# spec-decoding run that test_vllm_spec_decode.py reads (one SpecDecodeRun a worker):
+# one worker runs them all, in file order. Every other module is a group of its own,
+# so its module fixtures run once.
+VLLM_MODULES = {"test_cpu_portability", "test_fuse_vllm_shm", "test_fuse_vllm_spellings",
+                "test_vllm_draft_pick", "test_vllm_engine", "test_vllm_registration",
+                "test_vllm_spec_decode", "test_vllm_target_pick", "test_vllm_top_tokens"}
+# The longest modules after the vLLM group (seconds on 2 cores), handed out first so
+# that no worker starts one of them when the other is nearly done.
+LONG_MODULES = ["test_examples", "test_fuse_allreduce_rmsnorm", "test_cli",
+                "test_local_softmax_stats", "test_ranks", "test_bench", "test_backend",
+                "test_fuzz", "test_faults", "test_local_topk"]
+
+
+def _group(stem: str) -> str:
+    return "vllm" if stem in VLLM_MODULES else stem
+
+
+def pytest_itemcollected(item):
+    """Group marks, set as each test is collected (pytest-xdist's loadgroup reads them
+    after collection; pytest 9.2 breaks that, hence pyproject's pin)."""
+    item.add_marker(pytest.mark.xdist_group(_group(item.path.stem)))
+
+
+def pytest_collection_modifyitems(config, items):
+    """The vLLM group first (the longest chain: engine starts), then LONG_MODULES, then
+    the rest in file order (pyproject's addopts keep xdist from reordering)."""
+    rank = {stem: i for i, stem in enumerate(LONG_MODULES)}
+    items.sort(key=lambda item: (_group(item.path.stem) != "vllm",
+                                 rank.get(item.path.stem, len(rank))))
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: two workers. More would only add memory (each starts its own rank
+    pools): on 2 cores the suite is CPU-bound already at two."""
+    return 2
