@@ -4,10 +4,10 @@ A RankPool keeps its ranks alive between calls, so many test cases share one pro
 group start-up. A call that fails on any rank, whose rank process dies (a signal, an
 abort in C++, ``os._exit``), or that does not finish within its timeout raises
 RankError carrying each failing rank's traceback - or, for a dead rank, its exit code,
-signal and the tail of what it wrote to stderr; root causes before the ranks that only
-lost a peer - and the pool is shut down (a rank
-stuck in a collective cannot be trusted again). A dead rank fails the call within
-about a second, not after the timeout. ``run_on_ranks`` is the one-shot form.
+signal and the tail of what it wrote to stderr - root causes first, the ranks that only
+lost a peer last; and the pool is shut down (a rank stuck in a collective cannot be
+trusted again). A dead rank fails the call within about a second, not after the
+timeout. ``run_on_ranks`` is the one-shot form.
 
 Each rank's stderr goes through a pipe to this process: it is copied to this
 process's ``sys.stderr`` as it arrives, and its last lines are kept for the error.

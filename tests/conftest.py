@@ -91,8 +91,8 @@ def pytest_sessionfinish(session, exitstatus):
 VLLM_MODULES = {"test_cpu_portability", "test_fuse_vllm_shm", "test_fuse_vllm_spellings",
                 "test_vllm_draft_pick", "test_vllm_engine", "test_vllm_registration",
                 "test_vllm_spec_decode", "test_vllm_target_pick", "test_vllm_top_tokens"}
-# The longest modules after the vLLM group (seconds on 2 cores), handed out first so
-# that no worker starts one of them when the other is nearly done.
+# The longest modules after the vLLM group, longest first (as measured on 2 cores),
+# handed out first so that no worker starts one of them when the other is nearly done.
 LONG_MODULES = ["test_examples", "test_fuse_allreduce_rmsnorm", "test_cli",
                 "test_local_softmax_stats", "test_ranks", "test_bench", "test_backend",
                 "test_fuzz", "test_faults", "test_local_topk"]
