@@ -82,29 +82,24 @@ def pytest_sessionfinish(session, exitstatus):
         pool.close()
 
 
-# --- pytest-xdist: three workers, a module per worker at a time ----------------------
+# --- pytest-xdist: two workers, a module per worker at a time ----------------------
 
-# test_vllm_engine.py starts the spec-decoding run that test_vllm_spec_decode.py reads
-# (one SpecDecodeRun a worker), so one worker runs both: the engine group, the longest
-# chain (four engine starts). The other vLLM modules share the vLLM rank pool (each
-# rank imports vLLM once): one group. Every other module is a group of its own, so its
-# module fixtures run once.
-ENGINE_MODULES = {"test_vllm_engine", "test_vllm_spec_decode"}
+# The vLLM modules share the vLLM rank pool, and test_vllm_engine.py starts the
+# spec-decoding run that test_vllm_spec_decode.py reads (one SpecDecodeRun a worker):
+# one worker runs them all, in file order. Every other module is a group of its own,
+# so its module fixtures run once.
 VLLM_MODULES = {"test_cpu_portability", "test_fuse_vllm_shm", "test_fuse_vllm_spellings",
-                "test_vllm_draft_pick", "test_vllm_registration", "test_vllm_target_pick",
-                "test_vllm_top_tokens"}
-# The longest modules after the engine group, longest first (CPU seconds measured on 2
-# cores), handed out first so that no worker starts one of them when the others are
-# nearly done.
-LONG_MODULES = ["vllm", "test_fuse_allreduce_rmsnorm", "test_local_softmax_stats",
-                "test_cli", "test_examples", "test_local_topk", "test_bench", "test_ranks",
-                "test_faults", "test_fuzz", "test_local_argmax",
-                "test_replicate_vocab_parallel"]
+                "test_vllm_draft_pick", "test_vllm_engine", "test_vllm_registration",
+                "test_vllm_spec_decode", "test_vllm_target_pick", "test_vllm_top_tokens"}
+# The longest modules after the vLLM group, longest first (as measured on 2 cores),
+# handed out first so that no worker starts one of them when the other is nearly done.
+LONG_MODULES = ["test_examples", "test_fuse_allreduce_rmsnorm", "test_cli",
+                "test_local_softmax_stats", "test_ranks", "test_bench", "test_backend",
+                "test_fuzz", "test_faults", "test_local_topk"]
 
 
 def _group(stem: str) -> str:
-    return ("vllm-engine" if stem in ENGINE_MODULES else
-            "vllm" if stem in VLLM_MODULES else stem)
+    return "vllm" if stem in VLLM_MODULES else stem
 
 
 def pytest_itemcollected(item):
@@ -114,16 +109,14 @@ def pytest_itemcollected(item):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The engine group first, then LONG_MODULES, then the rest in file order
-    (pyproject's addopts keep xdist from reordering)."""
-    rank = {group: i for i, group in enumerate(["vllm-engine", *LONG_MODULES])}
-    items.sort(key=lambda item: rank.get(_group(item.path.stem), len(rank)))
+    """The vLLM group first (the longest chain: engine starts), then LONG_MODULES, then
+    the rest in file order (pyproject's addopts keep xdist from reordering)."""
+    rank = {stem: i for i, stem in enumerate(LONG_MODULES)}
+    items.sort(key=lambda item: (_group(item.path.stem) != "vllm",
+                                 rank.get(item.path.stem, len(rank))))
 
 
 def pytest_xdist_auto_num_workers(config):
-    """`-n auto`: a worker more than cores (3 on 2 cores), at most 6. The suite is
-    compile and process start-up, and a worker whose ranks wait on each other
-    (Inductor's kernel-build lock, a collective, a subprocess) leaves a core idle: two
-    workers kept 2 cores ~80% busy. Each worker starts its own rank pools (~4 GB at
-    peak), hence the cap."""
-    return max(3, min((os.cpu_count() or 1) + 1, 6))
+    """`-n auto`: two workers. More would only add memory (each starts its own rank
+    pools): on 2 cores the suite is CPU-bound already at two."""
+    return 2
