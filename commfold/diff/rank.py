@@ -128,5 +128,10 @@ def rank_main(spec_json: str) -> None:
         progress("writing depyf dumps")
     recorder.save()
     if dist.is_initialized():
+        # ranks leave together: one that finished first would otherwise close its
+        # connections while a peer is still joining the group (gloo's connectFullMesh
+        # then fails there: "Connection closed by peer"), as when the target is quick
+        progress("waiting for the other ranks")
+        dist.barrier()
         dist.destroy_process_group()
     progress("done")
