@@ -11,6 +11,12 @@ timeout. ``run_on_ranks`` is the one-shot form.
 
 Each rank's stderr goes through a pipe to this process: it is copied to this
 process's ``sys.stderr`` as it arrives, and its last lines are kept for the error.
+
+Ranks are forked from a forkserver that imported torch, Inductor and commfold once
+(~7 s of imports per rank otherwise, the most of a small pool's start-up), as long as
+this process's environment is the one that server started with: import-time settings
+(TORCHINDUCTOR_*, TORCH_LOGS, ...) then match. Otherwise, and where the platform has
+no forkserver, ranks are spawned as before.
 """
 from __future__ import annotations
 
@@ -24,6 +30,9 @@ import threading
 import time
 import traceback
 
+import multiprocessing
+import multiprocessing.forkserver
+
 import torch.multiprocessing as mp
 
 # After a rank died or failed, how long the others get to report (they may be stuck
@@ -31,6 +40,40 @@ import torch.multiprocessing as mp
 _GRACE_S = 1.0
 _POLL_S = 0.1  # how often a waiting call checks that every rank is alive
 _TAIL_LINES = 30
+
+
+# What a forkserver imports once, before it forks any rank: what every rank imports
+_PRELOAD = ["torch", "torch.distributed", "torch._inductor.compile_fx", "commfold"]
+# Environment variables that change while a process runs without changing any
+# import-time setting (pytest's name of the running test)
+_VOLATILE_ENV = {"PYTEST_CURRENT_TEST"}
+_forkserver: dict = {}  # the forkserver commfold started: its pid and environment
+
+
+def _environment() -> dict:
+    return {k: v for k, v in os.environ.items() if k not in _VOLATILE_ENV}
+
+
+def _context():
+    """The forkserver context when its server is commfold's (preloaded) and started
+    in this environment; the spawn context otherwise."""
+    try:
+        if "forkserver" not in multiprocessing.get_all_start_methods():
+            return mp.get_context("spawn")
+        server = multiprocessing.forkserver._forkserver
+        pid = getattr(server, "_forkserver_pid", None)
+        if not _forkserver and pid is not None:  # someone else's server: unknown imports
+            return mp.get_context("spawn")
+        if not _forkserver:
+            multiprocessing.set_forkserver_preload(_PRELOAD)
+        server.ensure_running()  # starts it, or restarts it if it died
+        if server._forkserver_pid != _forkserver.get("pid"):  # started now, here
+            _forkserver.update(pid=server._forkserver_pid, env=_environment())
+        if _forkserver["env"] != _environment():
+            return mp.get_context("spawn")
+        return mp.get_context("forkserver")
+    except Exception:  # noqa: BLE001 - no fast start, never a failed pool
+        return mp.get_context("spawn")
 
 
 class RankError(RuntimeError):
@@ -138,7 +181,8 @@ class RankPool:
 
     def __init__(self, world_size: int, timeout: float = 300.0, threads: int | None = None):
         self.world_size, self.timeout = world_size, timeout
-        ctx = mp.get_context("spawn")
+        ctx = _context()
+        self.start_method = ctx.get_start_method()  # "forkserver" or "spawn"
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         threads = threads or max(1, (os.cpu_count() or 1) // world_size)

@@ -105,3 +105,41 @@ def test_dead_rank_fails_a_one_shot_run_in_seconds():
     assert seconds_since_death(msg, "SIGILL", 1) < 5
     assert msg.split("--- rank ")[1].startswith("1 failed ---\nrank 1 died: SIGILL"), msg
     assert "--- rank 0 failed (a peer left its collective) ---" in msg, msg
+
+
+START_METHODS = """
+import json, os, sys
+from commfold.ranks import RankPool
+
+def seen(name):  # what a rank sees: the variable, and whether Inductor came preloaded
+    return os.environ.get(name), "torch._inductor.compile_fx" in sys.modules
+
+if __name__ == "__main__":
+    out = []
+    for value in (None, None, "changed"):  # the environment changes before the third
+        if value:
+            os.environ["COMMFOLD_TEST_VARIABLE"] = value
+        pool = RankPool(2, timeout=120)
+        out.append([pool.start_method, pool.run(seen, "COMMFOLD_TEST_VARIABLE")])
+        pool.close()
+    print(json.dumps(out))
+"""
+
+
+def test_ranks_fork_from_a_preloaded_server_until_the_environment_changes(tmp_path):
+    """In a fresh process: two pools forked from commfold's forkserver (Inductor already
+    imported there), then, after the environment changed, a spawned pool whose ranks
+    see the change (a forked rank would carry the server's import-time settings)."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "start_methods.py"
+    script.write_text(START_METHODS)
+    env = {k: v for k, v in __import__("os").environ.items() if k != "COMMFOLD_TEST_VARIABLE"}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out == [["forkserver", [[None, True]] * 2], ["forkserver", [[None, True]] * 2],
+                   ["spawn", [["changed", False]] * 2]], out
