@@ -17,6 +17,11 @@ Ranks are forked from a forkserver that imported torch, Inductor and commfold on
 this process's environment is the one that server started with: import-time settings
 (TORCHINDUCTOR_*, TORCH_LOGS, ...) then match. Otherwise, and where the platform has
 no forkserver, ranks are spawned as before.
+
+Ranks that compile the same graph lower it once between them (commfold.compile_once:
+the first holds a lock on the graph's FX cache key, the others then load its result
+from Inductor's cache), which halves a 2-rank test's compile work on a 2-core machine.
+``compile_once=False`` keeps every rank lowering its own.
 """
 from __future__ import annotations
 
@@ -94,7 +99,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, tasks, results, threads, stderr_pipe):
+def _worker(rank, world_size, port, tasks, results, threads, compile_once, stderr_pipe):
     os.dup2(stderr_pipe.fileno(), 2)  # everything this rank writes to fd 2, C++ included
     stderr_pipe.close()
     import faulthandler
@@ -105,6 +110,10 @@ def _worker(rank, world_size, port, tasks, results, threads, stderr_pipe):
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
+    if compile_once:
+        from commfold.compile_once import install
+
+        install()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
@@ -177,9 +186,12 @@ def describe_exit(exitcode: int | None) -> str:
 class RankPool:
     """`world_size` ranks in one gloo group; ``pool.run(fn, *args)`` runs fn(*args) on
     every rank (fn must be importable: a module-level function) and returns the ranks'
-    return values in rank order."""
+    return values in rank order. With `compile_once` (the default) the ranks lower a
+    graph they all compile once between them, through Inductor's FX graph cache
+    (commfold.compile_once); False: every rank lowers its own."""
 
-    def __init__(self, world_size: int, timeout: float = 300.0, threads: int | None = None):
+    def __init__(self, world_size: int, timeout: float = 300.0, threads: int | None = None,
+                 compile_once: bool = True):
         self.world_size, self.timeout = world_size, timeout
         ctx = _context()
         self.start_method = ctx.get_start_method()  # "forkserver" or "spawn"
@@ -192,7 +204,7 @@ class RankPool:
             read_end, write_end = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_worker, daemon=True,
                             args=(r, world_size, port, self._tasks[r], self._results,
-                                  threads, write_end))
+                                  threads, compile_once, write_end))
             p.start()
             write_end.close()  # the rank holds the only write end: EOF when it exits
             self._procs.append(p)
@@ -273,7 +285,8 @@ class RankPool:
         self.close()
 
 
-def run_on_ranks(fn, world_size: int, *args, timeout: float = 300.0, **kwargs) -> list:
+def run_on_ranks(fn, world_size: int, *args, timeout: float = 300.0, compile_once: bool = True,
+                 **kwargs) -> list:
     """Start world_size gloo ranks, run fn(*args, **kwargs) on each, stop them."""
-    with RankPool(world_size, timeout=timeout) as pool:
+    with RankPool(world_size, timeout=timeout, compile_once=compile_once) as pool:
         return pool.run(fn, *args, **kwargs)
