@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 import commfold
 from commfold.comm_log import record_collectives
@@ -121,6 +121,7 @@ def test_same_tokens_2_ranks(ranks2, name, cases, dtype_name):
 @given(cases=st.lists(case_st, min_size=4, max_size=4),
        dtype_name=st.sampled_from(sorted(DTYPES)))
 def test_same_tokens_4_ranks(ranks4, name, cases, dtype_name):
+    assume(len({repr(c) for c in cases}) == len(cases))  # not the first draw's copies
     _run(ranks4, name, dtype_name, cases)
 
 
