@@ -67,14 +67,23 @@ def vllm_ranks() -> Ranks:
 
 @pytest.fixture(scope="session")
 def spec_decode_run(tmp_path_factory):
-    """The spec-decoding example's run (vllm_models.SpecDecodeRun), shared by the test
-    that starts it early and the one that reads it; killed if still running at the
-    end."""
+    """The spec-decoding example's run (vllm_models.SpecDecodeRun), started by the
+    vLLM group's first test and read by test_vllm_spec_decode.py; killed if still
+    running at the end."""
     from vllm_models import SpecDecodeRun
 
     run = SpecDecodeRun(tmp_path_factory.mktemp("spec"))
     yield run
     run.stop()
+
+
+@pytest.fixture(autouse=True)
+def _spec_decode_started_early(request):
+    """The spec-decoding run's engines, the suite's dearest minutes, start in the
+    background with the vLLM group's first test, so they overlap the rest of it."""
+    if _group(request.node.path.stem) == "vllm" and any(
+            item.path.name == "test_vllm_spec_decode.py" for item in request.session.items):
+        request.getfixturevalue("spec_decode_run").start()
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -84,7 +93,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 # --- pytest-xdist: two workers, a module per worker at a time ----------------------
 
-# The vLLM modules share the vLLM rank pool, and test_vllm_engine.py starts the
+# The vLLM modules share the vLLM rank pool, and their first test starts the
 # spec-decoding run that test_vllm_spec_decode.py reads (one SpecDecodeRun a worker):
 # one worker runs them all, in file order. Every other module is a group of its own,
 # so its module fixtures run once.

@@ -15,11 +15,14 @@ final norm), plus the embedding's all-reduce into the first input norm: 2 x laye
 or 2 x layers when the embedding is replicated (no all-reduce left) - and the same
 decisions on both ranks, and the spelling each fusion was found in (vLLM's IR ops,
 or bf16's f32 sum of two upcasts). The commfold run's reports also show that the
-cache did not serve the graph compiled without commfold. Engine start-up dominates
-(about 1-2 min per start on 2 cores), so the default suite has one case, Llama bf16
-through the plugin, which also carries the target pick's batches (#18);
-COMMFOLD_VLLM_ALL_CASES=1 adds Qwen3 fp32 through the named pass, with and without
-vLLM's IR ops.
+cache did not serve the graph compiled without commfold. Engine starts are the
+suite's dearest seconds (each pair ~4 CPU-minutes on 2 cores), and the default run's
+two are test_vllm_spec_decode.py's (the plugin in a live engine: the drafter's
+rewrites, the target's greedy verify picked locally, every step's collectives); this
+module is opt-in: COMMFOLD_VLLM_ALL_CASES=1 runs Llama bf16 through the plugin, which
+also carries the target pick's mixed / logprobs / prompt-logprobs batches (#18; the
+pick itself is checked against vLLM's Sampler on ranks by test_vllm_target_pick.py in
+every run), and Qwen3 fp32 through the named pass, with and without vLLM's IR ops.
 """
 from __future__ import annotations
 
@@ -32,8 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_models import (ENGINE_ENV, SIZES, SPEC_TEST, TOKENS_MARK, require_vllm,
-                         write_model)
+from vllm_models import ENGINE_ENV, SIZES, TOKENS_MARK, require_vllm, write_model
 
 require_vllm()
 
@@ -47,29 +49,29 @@ HIDDEN = SIZES["hidden_size"]
 VOCAB_SHARD = 512  # vocab 1000, padded to a multiple of 64 x TP: 1024 rows, 512 a rank
 
 # id: (arch, dtype, route, ir_enable_torch_wrap, COMMFOLD_REPLICATE_MAX_BYTES)
-CASES = {
-    # the decomposed bf16 norm (f32 sum of two upcasts, new residual cast back); a
-    # 1 KiB rule: the embedding stays sharded (a near-miss says why) and its
-    # all-reduce is fused into the first input norm
-    "llama-bf16-plugin": ("llama", "bfloat16", "plugin", False, "1024"),
-}
+CASES = {}
 # Cases whose runs also generate SAMPLING_BATCHES (a mixed batch: greedy + seeded
 # temperature sampling + a penalty; greedy with logprobs=5 and prompt_logprobs=3):
 # commfold's target pick (#18) takes the steps that qualify, vLLM the others.
 SAMPLING_CASES = {"llama-bf16-plugin"}
-# Engine starts cost 1-2 min each, the suite's dearest seconds: the other forms are
-# opt-in. In the default suite the replicated embedding (2L fusions) and the bf16
-# plugin route are test_vllm_spec_decode's (its target and drafters); vLLM's IR ops
-# are tested on ranks with vLLM's own ops (test_fuse_vllm_spellings), the named
-# route by test_vllm_registration (and examples/vllm_greedy.py, runnable).
+# In the default run the replicated embedding (2L fusions) and the bf16 plugin route
+# are test_vllm_spec_decode's (its target and drafters); vLLM's IR ops are tested on
+# ranks with vLLM's own ops (test_fuse_vllm_spellings), the named route by
+# test_vllm_registration (and examples/vllm_greedy.py, runnable).
 if os.environ.get("COMMFOLD_VLLM_ALL_CASES"):
+    # the decomposed bf16 norm (f32 sum of two upcasts, new residual cast back); a
+    # 1 KiB rule: the embedding stays sharded (a near-miss says why) and its
+    # all-reduce is fused into the first input norm
+    CASES["llama-bf16-plugin"] = ("llama", "bfloat16", "plugin", False, "1024")
     # vLLM's IR ops (vllm_ir.rms_norm, auto_functionalized(fused_add_rms_norm)); the
     # embedding (1024 padded rows x 128 x 4 B = 512 KiB) under the default 64 MiB
     # rule: replicated, no all-reduce left for the first input norm
     CASES["qwen3-fp32-torchwrap-named"] = ("qwen3", "float32", "named", True, None)
     CASES["qwen3-fp32-named"] = ("qwen3", "float32", "named", False, None)
     CASES["qwen3-bf16-torchwrap"] = ("qwen3", "bfloat16", "named", True, None)
-
+else:
+    pytest.skip("engine pairs are opt-in (~4 CPU-minutes each): COMMFOLD_VLLM_ALL_CASES=1",
+                allow_module_level=True)
 
 def _engine_pair(tmp: Path, model: Path, dtype: str, route: str, torch_wrap: bool,
                  replicate_max: str | None, batches: bool = False) -> list[dict]:
@@ -106,9 +108,6 @@ def _engine_pair(tmp: Path, model: Path, dtype: str, route: str, torch_wrap: boo
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
 def engine_case(request, tmp_path_factory):
-    if any(item.path.name == SPEC_TEST for item in request.session.items):
-        # its engine starts overlap this pair's (see vllm_models.SpecDecodeRun)
-        request.getfixturevalue("spec_decode_run").start()
     arch, dtype, route, torch_wrap, replicate_max = CASES[request.param]
     tmp = tmp_path_factory.mktemp(request.param)
     model = write_model(tmp / "model", arch, weights=True)

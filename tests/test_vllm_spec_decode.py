@@ -4,11 +4,11 @@ remap), commfold off vs on (the plugin, COMMFOLD_VLLM=1).
 
 The engine runs are examples/vllm_spec_decode.py's (one command, off and on engines
 per method in one process; test_examples.py leaves it to this test), started in the
-background by test_vllm_engine.py when both modules run, so their engine starts
-overlap): it checks everything itself and
-exits 1 otherwise. Here the same artifacts are read again and each property asserted
-on its own, so a failure names it: identical greedy tokens, identical acceptance per
-draft position (and both accepted and rejected drafts), each rank's drafter graph
+background by the vLLM group's first test (conftest), so its engine starts overlap
+the group's rank tests: it checks everything itself and exits 1 otherwise. Here the
+same artifacts are read again and each property asserted on its own, so a failure
+names it: identical greedy tokens, identical acceptance per draft position (and both
+accepted and rejected drafts), each rank's drafter graph
 with its all-reduce + RMSNorm fusions (the final norm's included) and its embedding
 replicated, the same decisions on both ranks, the draft pick compiled with
 local_argmax, and, in every engine step's collective log, full-vocab gathers in the
@@ -40,7 +40,7 @@ WIDE_ROW = 1024
 
 @pytest.fixture(scope="module")
 def spec_run(spec_decode_run):
-    done = spec_decode_run.wait()  # started here, or already by test_vllm_engine.py
+    done = spec_decode_run.wait()  # started early by conftest, or here
     out = spec_decode_run.out
     assert (out / "results.json").is_file(), done.stdout[-4000:] + done.stderr[-4000:]
     results = json.loads((out / "results.json").read_text())

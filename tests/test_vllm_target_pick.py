@@ -268,8 +268,8 @@ def test_off_switch(monkeypatch):
 # each collective once, with this rank's shapes, dtype and bytes; the engine-step
 # recorder writes one line per step with each collective's phase (outermost phase
 # wins: a LogitsProcessor call inside drafting is drafting), read back by
-# read_step_logs. (In this module to share its rank pool; the engine runs are in
-# test_vllm_engine.py.)
+# read_step_logs. (In this module to share its rank pool; the engine runs are
+# test_vllm_spec_decode.py's and, opt-in, test_vllm_engine.py's.)
 
 def _seen(shm: bool, log_dir: str):
     from types import SimpleNamespace

@@ -173,14 +173,13 @@ if __name__ == "__main__":  # python vllm_models.py '<json runs>' -> a TOKENS_MA
 
 SPEC_METHODS = ("draft_model",) + (("eagle3",) if os.environ.get("COMMFOLD_VLLM_ALL_CASES")
                                    else ())
-SPEC_TEST = "test_vllm_spec_decode.py"
 
 
 class SpecDecodeRun:
     """examples/vllm_spec_decode.py (its engines: SPEC_METHODS, commfold off and on)
-    in a background process writing to `out`. test_vllm_engine.py starts it before
-    its own engine pair when test_vllm_spec_decode.py is also collected: the two
-    runs' engine starts overlap (~40 s less on 2 cores than one after the other)."""
+    in a background process writing to `out`. The vLLM group's first test starts it
+    (conftest) when test_vllm_spec_decode.py is collected: its engine starts overlap
+    the group's rank tests."""
 
     def __init__(self, out: Path):
         self.out = out
