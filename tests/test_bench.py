@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +33,10 @@ import commfold
 from commfold.comm_log import record_collectives
 
 ROOT = Path(__file__).resolve().parent.parent
-FIGURES = {"local_argmax", "allreduce_rmsnorm", "replicate", "decode", "compile_cost"}
+# The three rewrites' figures; COMMFOLD_FULL=1 adds the decode step (their sum) and
+# commfold's compile-time share (two compiles with Inductor's caches off)
+FIGURES = {"local_argmax", "allreduce_rmsnorm", "replicate"} | (
+    {"decode", "compile_cost"} if os.environ.get("COMMFOLD_FULL") else set())
 
 
 @pytest.fixture(scope="module")
@@ -61,17 +65,19 @@ def test_quick_suite_writes_every_figure(quick_run):
             "decode": {"B", "inductor_tok_s", "commfold_tok_s", "same", "rewrites"},
             "compile_cost": {"layers", "nodes", "compile_s", "commfold_s", "commfold_cpu_s",
                              "rewrites"}}
-    for name, want in keys.items():
-        for row in results["figures"][name]["rows"]:
-            assert want <= set(row), (name, want - set(row))
     figs = results["figures"]
-    assert all(r["same"] for r in figs["local_argmax"]["rows"] + figs["decode"]["rows"])
+    for name in FIGURES:
+        for row in figs[name]["rows"]:
+            assert keys[name] <= set(row), (name, keys[name] - set(row))
+    assert all(r["same"] for r in figs["local_argmax"]["rows"]
+               + figs.get("decode", {"rows": []})["rows"])
     assert all(r["max_abs_diff"] < 1e-4 for r in figs["allreduce_rmsnorm"]["rows"])
-    for r in figs["compile_cost"]["rows"]:
+    for r in figs.get("compile_cost", {"rows": []})["rows"]:
         assert 0 < r["commfold_s"] < r["compile_s"] and 0 < r["commfold_cpu_s"]
         assert r["rewrites"] > 0
     assert {r["layer"] for r in figs["replicate"]["rows"]} == {"embedding", "head"}
-    assert "Targets: share" in md and "## Communication per call" in md
+    assert "## Communication per call" in md
+    assert ("Targets: share" in md) == ("compile_cost" in FIGURES)
     plots = sorted(p.name for p in out.glob("*.png"))
     if importlib.util.find_spec("matplotlib") is not None:
         assert plots == sorted(f"{n}.png" for n in FIGURES)

@@ -1,5 +1,12 @@
 """Every examples/*.py runs in one command on this CPU and exits 0 (each checks its own
-tokens against the program without commfold and exits non-zero on a difference)."""
+tokens against the program without commfold and exits non-zero on a difference).
+
+Opt-in (COMMFOLD_FULL=1): each example is a fresh process that spawns its ranks and
+compiles its model twice, ~2 CPU-minutes an example on 2 cores, and what they run is
+in the default suite on ranks: DTensor norms and picks (test_fuse_allreduce_rmsnorm's
+decoders, test_local_argmax, test_fuzz), a drafter's replicated embedding and head
+(test_replicate_vocab_parallel, test_vllm_spec_decode's engines), the funcol decoder
+example under `commfold diff` (test_cli)."""
 import ast
 import importlib.util
 import os
@@ -28,6 +35,8 @@ def test_there_are_examples():
             "vllm_spec_decode.py"} <= names
 
 
+@pytest.mark.skipif(not os.environ.get("COMMFOLD_FULL"),
+                    reason="examples run whole with COMMFOLD_FULL=1 (~2 CPU-minutes each)")
 @pytest.mark.parametrize("script", [p for p in EXAMPLES if p.name not in RUN_ELSEWHERE],
                          ids=[p.stem for p in EXAMPLES if p.name not in RUN_ELSEWHERE])
 def test_example_runs(script, tmp_path):

@@ -144,9 +144,10 @@ def _matches_unfused_program(ranks, cases):
 
 
 # Each case compiles four programs (fused and unfused, T dynamic and T=1) on every
-# rank, the suite's dearest compiles: 2 draws of 2 cases on 2 ranks, 1 draw on 4;
+# rank, the suite's dearest compiles: 1 draw of 2 cases on 2 ranks, 1 on 4 (spellings
+# are covered case by case in the tests below and in test_fuzz);
 # COMMFOLD_HYPOTHESIS=random draws fresh ones each run.
-@settings(max_examples=2, deadline=None, phases=[Phase.generate],
+@settings(max_examples=1, deadline=None, phases=[Phase.generate],
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(cases=st.lists(case_st, min_size=2, max_size=2))
 def test_matches_unfused_program(ranks2, cases):

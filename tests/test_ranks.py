@@ -112,14 +112,17 @@ import json, os, sys
 from commfold.ranks import RankPool
 
 def seen(name):  # what a rank sees: the variable, and whether Inductor came preloaded
-    return os.environ.get(name), "torch._inductor.compile_fx" in sys.modules
+    preloaded = "torch._inductor.compile_fx" in sys.modules
+    from commfold.compile_once import installed  # (imports Inductor)
+    assert not installed()  # compile_once=False: Inductor left alone
+    return os.environ.get(name), preloaded
 
 if __name__ == "__main__":
     out = []
     for value in (None, None, "changed"):  # the environment changes before the third
         if value:
             os.environ["COMMFOLD_TEST_VARIABLE"] = value
-        pool = RankPool(2, timeout=120, compile_once=False)  # no Inductor import
+        pool = RankPool(2, timeout=120, compile_once=False)
         out.append([pool.start_method, pool.run(seen, "COMMFOLD_TEST_VARIABLE")])
         pool.close()
     print(json.dumps(out))
@@ -129,7 +132,8 @@ if __name__ == "__main__":
 def test_ranks_fork_from_a_preloaded_server_until_the_environment_changes(tmp_path):
     """In a fresh process: two pools forked from commfold's forkserver (Inductor already
     imported there), then, after the environment changed, a spawned pool whose ranks
-    see the change (a forked rank would carry the server's import-time settings)."""
+    see the change (a forked rank would carry the server's import-time settings).
+    Their compile_once=False leaves Inductor unpatched."""
     import json
     import subprocess
     import sys
