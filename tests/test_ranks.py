@@ -2,7 +2,11 @@
 error, a hang turned into a timeout error instead of a stuck test."""
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
 import time
 
 import pytest
@@ -134,13 +138,9 @@ def test_ranks_fork_from_a_preloaded_server_until_the_environment_changes(tmp_pa
     imported there), then, after the environment changed, a spawned pool whose ranks
     see the change (a forked rank would carry the server's import-time settings).
     Their compile_once=False leaves Inductor unpatched."""
-    import json
-    import subprocess
-    import sys
-
     script = tmp_path / "start_methods.py"
     script.write_text(START_METHODS)
-    env = {k: v for k, v in __import__("os").environ.items() if k != "COMMFOLD_TEST_VARIABLE"}
+    env = {k: v for k, v in os.environ.items() if k != "COMMFOLD_TEST_VARIABLE"}
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
