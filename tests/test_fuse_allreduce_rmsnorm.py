@@ -192,13 +192,18 @@ def test_emulated_precision_casts(ranks2):
             assert r["mismatch"] <= 0.02, r
 
 
+# The first layer, an interior one and the final norm: every kind of norm site
+LAYERS = 2
+SITES = 2 * LAYERS + 1  # per layer 2, plus the norm after the input projection
+
+
 def decoders_on_rank(specs, tokens):
-    """Each spelling's 4-layer decoder: fused-op count and outputs vs eager."""
+    """Each spelling's decoder: fused-op count and outputs vs eager."""
     out = []
     for norm, coll, dtype, res_first in specs:
         torch._dynamo.reset()
         commfold.clear_reports()
-        model = build_decoder(4, 64, 128, norm, coll, DTYPES[dtype], res_first=res_first)
+        model = build_decoder(LAYERS, 64, 128, norm, coll, DTYPES[dtype], res_first=res_first)
         compiled = torch.compile(model, backend=_config())
         row = {"spec": (norm, coll, dtype), "counts": [], "maxdiff": 0.0}
         for t in tokens:
@@ -223,7 +228,7 @@ def test_tp_decoder_every_spelling(ranks2):
     per_rank = ranks2.run(decoders_on_rank, DECODERS, (5, 17))
     for rows in per_rank:
         for row in rows:
-            assert row["counts"] and all(c == 2 * 4 + 1 for c in row["counts"]), row
+            assert row["counts"] and all(c == SITES for c in row["counts"]), row
             tol = 1e-4 if row["spec"][2] == "f32" else 0.1
             assert row["maxdiff"] <= tol, row
     assert per_rank[0] == per_rank[1] or all(
@@ -232,7 +237,7 @@ def test_tp_decoder_every_spelling(ranks2):
 
 def test_tp_decoder_4_ranks(ranks4):
     per_rank = ranks4.run(decoders_on_rank, [("hand", "funcol", "bf16", False)], (6,))
-    assert all(row["counts"] == [9] for rows in per_rank for row in rows), per_rank
+    assert all(row["counts"] == [SITES] for rows in per_rank for row in rows), per_rank
     assert len({rows[0]["fingerprints"][0] for rows in per_rank}) == 1
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_fuse_allreduce_rmsnorm import _check, decoders_on_rank, numerics_on_rank
+from test_fuse_allreduce_rmsnorm import SITES, _check, decoders_on_rank, numerics_on_rank
 
 
 def _case(dtype, norm, residual, res_first=False, tokens=(9, 40), hidden=96, eps=1e-6,
@@ -70,10 +70,10 @@ def ir_decoders_on_rank(specs, tokens):
 
 
 def test_vllm_ir_decoder(ranks2):
-    """A 4-layer TP decoder whose norms are vLLM's IR ops, as vLLM's models call them:
-    every boundary fused (2 x layers + 1), tokens as the eager model's."""
+    """A TP decoder whose norms are vLLM's IR ops, as vLLM's models call them: every
+    boundary fused (2 x layers + 1), tokens as the eager model's."""
     pytest.importorskip("vllm.ir.ops", reason="vLLM IR ops need vllm")
     per_rank = ranks2.run(ir_decoders_on_rank, [("vllm_ir", "funcol", "bf16", False)], (5, 17))
     for (row,) in per_rank:
-        assert row["counts"] and all(c == 2 * 4 + 1 for c in row["counts"]), row
+        assert row["counts"] and all(c == SITES for c in row["counts"]), row
         assert row["maxdiff"] <= 0.1, row
