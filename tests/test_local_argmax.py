@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import commfold
 from commfold.comm_log import record_collectives
@@ -109,20 +109,24 @@ def _run(pool, name, dtype_name, cases):
 
 
 @pytest.mark.parametrize("name", sorted(PROGRAMS))
+# 2 draws: hypothesis's simplest case, then 2 random ones (each case compiles the
+# program twice on every rank; COMMFOLD_HYPOTHESIS=random draws fresh ones each run)
 @settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
-@given(cases=st.lists(case_st, min_size=4, max_size=4),
+@given(cases=st.lists(case_st, min_size=2, max_size=2),
        dtype_name=st.sampled_from(sorted(DTYPES)))
 def test_same_tokens_2_ranks(ranks2, name, cases, dtype_name):
     _run(ranks2, name, dtype_name, cases)
 
 
+# past hypothesis's simplest case, with a shard of real columns on each of 4 ranks
+case_4_ranks_st = case_st.filter(lambda c: c["seed"] > 0 and c["vocab"] > 8)
+
+
 @pytest.mark.parametrize("name", ["funcol_argmax", "inplace_max"])
 @settings(max_examples=1, deadline=None, suppress_health_check=list(HealthCheck))
-@given(cases=st.lists(case_st, min_size=2, max_size=2),
-       dtype_name=st.sampled_from(sorted(DTYPES)))
-def test_same_tokens_4_ranks(ranks4, name, cases, dtype_name):
-    assume(len({repr(c) for c in cases}) == len(cases))  # not the first draw's copies
-    _run(ranks4, name, dtype_name, cases)
+@given(case=case_4_ranks_st, dtype_name=st.sampled_from(sorted(DTYPES)))
+def test_same_tokens_4_ranks(ranks4, name, case, dtype_name):
+    _run(ranks4, name, dtype_name, [case])
 
 
 @pytest.mark.parametrize("special", SPECIALS)
