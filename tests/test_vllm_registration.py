@@ -13,9 +13,9 @@ import textwrap
 import pytest
 import torch
 
-from vllm_models import require_vllm
+from vllm_models import require_vllm_installed
 
-require_vllm()
+pytestmark = require_vllm_installed()
 
 import commfold  # noqa: E402
 from commfold import Config  # noqa: E402
@@ -36,24 +36,13 @@ def _result(proc: subprocess.Popen) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def _python(code: str, **env) -> dict:
-    """Run code in a fresh interpreter; it prints one JSON line last."""
-    return _result(_start(code, **env))
-
-
-def test_import_commfold_does_not_import_vllm():
-    out = _python("""
-        import json, sys
-        import commfold
-        print(json.dumps({"vllm": sorted(m for m in sys.modules if m.split(".")[0] == "vllm"),
-                          "pass": type(commfold.__dict__["vllm_pass"]).__name__}))
-    """)
-    assert out == {"vllm": [], "pass": "VllmCommfoldPass"}
-
-
 _ROUTES = """
-    import json
+    import json, sys
     {first}
+    # what an import of commfold alone (when first) brought in: no vLLM
+    alone = {{"vllm": sorted(m for m in sys.modules if m.split(".")[0] == "vllm"),
+             "pass": type(sys.modules["commfold"].__dict__["vllm_pass"]).__name__}} \
+        if "commfold" in sys.modules else None
     from vllm.config import CompilationConfig, VllmConfig
     from vllm.compilation.passes.inductor_pass import CallableInductorPass
     from vllm.plugins import load_general_plugins
@@ -72,6 +61,7 @@ _ROUTES = """
     cc = CompilationConfig(inductor_compile_config={{KEY: CallableInductorPass(user_pass, "u1")}})
     u = VllmConfig(compilation_config=cc).compilation_config.inductor_compile_config[KEY]
     print(json.dumps({{
+        "commfold_alone": alone,
         "named": [at_config, type(p).__name__, p.uuid() == commfold.vllm_pass.uuid(),
                   list(p.config.passes)],
         "plugin": [type(plain).__name__, type(u).__name__,
@@ -92,11 +82,18 @@ def routes() -> dict:
     return {name: _result(proc) for name, proc in procs.items()}
 
 
+def test_import_commfold_does_not_import_vllm(routes):
+    """Checked in the interpreter that imports commfold first, before it imports vLLM
+    (COMMFOLD_VLLM=1 there: the plugin's switch alone imports nothing either)."""
+    assert routes["commfold_first"]["commfold_alone"] == {"vllm": [], "pass": "VllmCommfoldPass"}
+    assert routes["vllm_first"]["commfold_alone"] is None
+
+
 def test_named_pass_in_either_import_order_and_plugin_off(routes):
     """vLLM keeps commfold's pass as its own InductorPass (so its uuid keys the
     caches) when vLLM imports commfold to resolve the name; without COMMFOLD_VLLM the
     plugin adds nothing."""
-    out = routes["vllm_first"]
+    out = {k: v for k, v in routes["vllm_first"].items() if k != "commfold_alone"}
     assert out == {"named": ["VllmCommfoldPass", "VllmCommfoldPass", True,
                              list(commfold.ALL_PASSES)],
                    "plugin": ["NoneType", "CallableInductorPass", None, []],
@@ -108,7 +105,7 @@ def test_commfold_imported_first_and_plugin_on(routes):
     COMMFOLD_VLLM=1 adds the pass (options from COMMFOLD_PASSES), after a user's own
     post-grad pass is kept (runs after commfold's), and hooks draft-model loading and
     the draft pick."""
-    out = routes["commfold_first"]
+    out = {k: v for k, v in routes["commfold_first"].items() if k != "commfold_alone"}
     assert out == {"named": ["CallableInductorPass", "VllmCommfoldPass", True, ["local_argmax"]],
                    "plugin": ["VllmCommfoldPass", "VllmCommfoldPass", "user_pass",
                               ["local_argmax"]],
