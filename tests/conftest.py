@@ -66,6 +66,15 @@ def vllm_ranks() -> Ranks:
 
 
 @pytest.fixture(scope="session")
+def vllm_imported():
+    """vLLM imported (or the test skipped / failed in CI, with the install hint): the
+    vLLM test modules' mark (vllm_models.require_vllm_installed)."""
+    from vllm_models import require_vllm
+
+    return require_vllm()
+
+
+@pytest.fixture(scope="session")
 def spec_decode_run(tmp_path_factory):
     """The spec-decoding example's run (vllm_models.SpecDecodeRun), started by the
     vLLM group's first test and read by test_vllm_spec_decode.py; killed if still

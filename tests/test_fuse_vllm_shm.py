@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vllm_models import require_vllm, skip_without_shm
+from vllm_models import require_vllm_installed, skip_without_shm
 
-require_vllm()
+pytestmark = require_vllm_installed()
 
 
 def shm_fusion_on_rank(v2: bool):

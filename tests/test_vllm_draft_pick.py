@@ -16,9 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_models import init_vllm_tp, require_vllm
+from vllm_models import init_vllm_tp, require_vllm_installed
 
-require_vllm()
+pytestmark = require_vllm_installed()
 
 H, DRAFT, TARGET = 64, 200, 1000
 

@@ -35,9 +35,9 @@ from pathlib import Path
 
 import pytest
 
-from vllm_models import ENGINE_ENV, SIZES, TOKENS_MARK, require_vllm, write_model
+from vllm_models import ENGINE_ENV, SIZES, TOKENS_MARK, require_vllm_installed, write_model
 
-require_vllm()
+pytestmark = require_vllm_installed()
 
 from commfold.report import Report  # noqa: E402
 from commfold.comm_log import read_step_logs, target_pick_problems  # noqa: E402

@@ -26,9 +26,9 @@ import json
 
 import pytest
 
-from vllm_models import SPEC_METHODS, require_vllm
+from vllm_models import SPEC_METHODS, require_vllm_installed
 
-require_vllm()
+pytestmark = require_vllm_installed()
 
 from commfold.comm_log import read_step_logs, target_pick_problems  # noqa: E402
 from harness.vllm_spec import (drafting_gathers, is_final_norm,  # noqa: E402

