@@ -126,7 +126,7 @@ if __name__ == "__main__":
     for value in (None, None, "changed"):  # the environment changes before the third
         if value:
             os.environ["COMMFOLD_TEST_VARIABLE"] = value
-        pool = RankPool(2, timeout=120, compile_once=False)
+        pool = RankPool(1 if value else 2, timeout=120, compile_once=False)  # (spawn: 1)
         out.append([pool.start_method, pool.run(seen, "COMMFOLD_TEST_VARIABLE")])
         pool.close()
     print(json.dumps(out))
@@ -146,4 +146,4 @@ def test_ranks_fork_from_a_preloaded_server_until_the_environment_changes(tmp_pa
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out == [["forkserver", [[None, True]] * 2], ["forkserver", [[None, True]] * 2],
-                   ["spawn", [["changed", False]] * 2]], out
+                   ["spawn", [["changed", False]]]], out
