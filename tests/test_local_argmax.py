@@ -1,5 +1,8 @@
-"""local_argmax on real gloo ranks: same tokens as eager and as plain Inductor, the
-full-vocab gather gone from the collectives that ran, decisions rank-consistent.
+"""local_argmax on real gloo ranks: same tokens as the unrewritten program (eager) and
+the full-logits reference, the full-vocab gather gone from the collectives that ran,
+decisions rank-consistent. The edge-row kinds also run plain Inductor's compile of the
+unrewritten program (its fused bf16 chain rounds unlike eager); the random draws leave
+it out: it checks torch, not commfold, and costs as much as commfold's own compile.
 
 topk(1) is compared with argmax's first-max rule: torch.topk's choice among equal
 values is unspecified (on CPU it varies with the row length); commfold picks the
@@ -41,9 +44,10 @@ def _compile(name, vocab, temp, backend):
     return _compiled[key]
 
 
-def check_program(name: str, dtype_name: str, cases: list[dict]) -> dict:
-    """Rank body: for each case compare commfold vs plain Inductor vs eager vs the
-    full-logits reference; log what was gathered."""
+def check_program(name: str, dtype_name: str, cases: list[dict],
+                  with_inductor: bool = False) -> dict:
+    """Rank body: for each case compare commfold, eager (and plain Inductor when asked)
+    with the full-logits reference; log what was gathered."""
     torch._dynamo.config.cache_size_limit = 512
     torch._dynamo.config.accumulated_cache_size_limit = 4096
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -59,8 +63,9 @@ def check_program(name: str, dtype_name: str, cases: list[dict]) -> dict:
         shard = logits[:, rank * vs:(rank + 1) * vs].contiguous()
         temp = TEMP
         expect = reference(logits, vocab, temp, name)
-        eager = PROGRAMS[name](shard, vocab, temp)
-        plain = _compile(name, vocab, temp, "inductor")(shard)
+        runs = [("eager", PROGRAMS[name](shard, vocab, temp))]
+        if with_inductor:
+            runs.append(("inductor", _compile(name, vocab, temp, "inductor")(shard)))
         seen = len(commfold.reports())
         ours_fn = _compile(name, vocab, temp, "commfold")
         ours = ours_fn(shard)
@@ -69,8 +74,7 @@ def check_program(name: str, dtype_name: str, cases: list[dict]) -> dict:
         with record_collectives() as log:
             again = ours_fn(shard)
         gathered.append((case["rows"], [e.elements for e in log.of("all_gather")]))
-        for label, got in (("eager", eager), ("inductor", plain), ("commfold", ours),
-                           ("commfold-2nd", again)):
+        for label, got in runs + [("commfold", ours), ("commfold-2nd", again)]:
             want = expect
             if label in ("eager", "inductor") and name == "dtensor_topk":
                 # torch.topk may return any of several tied maxima: check it picked one
@@ -96,8 +100,8 @@ def picked_value(logits, vocab, index):
     return torch.where(v.isnan(), torch.full_like(v, 1e300), v)
 
 
-def _run(pool, name, dtype_name, cases):
-    results = pool.run(check_program, name, dtype_name, cases)
+def _run(pool, name, dtype_name, cases, with_inductor=False):
+    results = pool.run(check_program, name, dtype_name, cases, with_inductor)
     for rank, res in enumerate(results):
         assert res["mismatches"] == [], f"rank {rank}: {res['mismatches'][:3]}"
         # the rewrite happened: commfold's run sends one (value, index) pair per row
@@ -110,7 +114,7 @@ def _run(pool, name, dtype_name, cases):
 
 @pytest.mark.parametrize("name", sorted(PROGRAMS))
 # 2 draws: hypothesis's simplest case, then 2 random ones (each case compiles the
-# program twice on every rank; COMMFOLD_HYPOTHESIS=random draws fresh ones each run)
+# program on every rank; COMMFOLD_HYPOTHESIS=random draws fresh ones each run)
 @settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
 @given(cases=st.lists(case_st, min_size=2, max_size=2),
        dtype_name=st.sampled_from(sorted(DTYPES)))
@@ -133,7 +137,7 @@ def test_same_tokens_4_ranks(ranks4, name, case, dtype_name):
 def test_every_edge_row_kind_bf16(ranks2, special):
     """Each special row kind at least once, deterministic, in bf16 (most ties)."""
     cases = [{"rows": 5, "vocab": 301, "seed": 7, "special": special}]
-    _run(ranks2, "funcol_argmax", "bf16", cases)
+    _run(ranks2, "funcol_argmax", "bf16", cases, with_inductor=True)
 
 
 def values_and_indices() -> dict:

@@ -1,13 +1,15 @@
 """local_softmax_stats on real gloo ranks: logprobs at chosen tokens, the greedy
 token with its logprob, logsumexp and softmax's top probability over vocab-sharded
-logits match the unrewritten program (plain Inductor, and eager) without the
-full-vocab gather.
+logits match the unrewritten program without the full-vocab gather: eager always, and
+plain Inductor's compile of it in the edge-row kinds (the random draws leave Inductor
+out: it checks torch, not commfold, and costs as much as commfold's own compile).
 
 Tolerances: the statistics' sum runs in another order (per rank, float64, combined),
-so float32 results are compared with |commfold - inductor| <= 1e-6 * max(1, |inductor|)
-(log(S) carries ~1 ulp of S as an absolute error, hence the floor of 1) or, where
-Inductor's own float32 sum strays further than that from the truth (seen: 4.6e-5
-relative over 580 columns), no further than Inductor from a float64 reference; bf16/fp16
+so float32 results are compared with |commfold - base| <= 1e-6 * max(1, |base|), base
+the unrewritten program (eager or Inductor; log(S) carries ~1 ulp of S as an absolute
+error, hence the floor of 1) or, where the base's own float32 sum strays further than
+that from the truth (seen for Inductor: 4.6e-5 relative over 580 columns), no further
+than the base from a float64 reference; bf16/fp16
 results must be no further from a float64 reference than the unrewritten program,
 give or take one rounding step of the dtype. Indices are compared exactly, NaN and
 inf positions too.
@@ -69,18 +71,19 @@ def compare(ours, plain, ref, dtype) -> str | None:
         if not torch.equal(o[inf], p[inf]):
             return f"inf positions differ: {o.tolist()} vs {p.tolist()}"
         ok = ~(o.isnan() | inf)
-        if dtype == torch.float32:  # close to Inductor, or closer to the truth
+        if dtype == torch.float32:  # close to the base, or closer to the truth
             bad = ((o - p).abs() > 1e-6 * p.abs().clamp(min=1)) & \
                   ((o - r).abs() > (p - r).abs())
         else:
             step = torch.finfo(dtype).eps * r.abs().clamp(min=torch.finfo(dtype).tiny)
             bad = (o - r).abs() > (p - r).abs() + step
         if (bad & ok).any():
-            return f"values {o[bad & ok].tolist()} vs inductor {p[bad & ok].tolist()}"
+            return f"values {o[bad & ok].tolist()} vs {p[bad & ok].tolist()}"
     return None
 
 
-def check_program(name: str, dtype_name: str, cases: list[dict]) -> dict:
+def check_program(name: str, dtype_name: str, cases: list[dict],
+                  with_inductor: bool = False) -> dict:
     torch._dynamo.config.cache_size_limit = 512
     torch._dynamo.config.accumulated_cache_size_limit = 4096
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -97,8 +100,9 @@ def check_program(name: str, dtype_name: str, cases: list[dict]) -> dict:
         g = torch.Generator().manual_seed(case["seed"])
         idx = torch.randint(0, vocab, (case["rows"], 1), generator=g)
         ref = reference(logits, vocab, idx, name)
-        plain = _compile(name, vocab, "inductor")(shard, idx)
-        eager = PROGRAMS[name](shard, vocab, idx)
+        bases = [("eager", PROGRAMS[name](shard, vocab, idx))]
+        if with_inductor:
+            bases.append(("inductor", _compile(name, vocab, "inductor")(shard, idx)))
         seen = len(commfold.reports())
         ours_fn = _compile(name, vocab, commfold.backend(strict=True))
         ours = ours_fn(shard, idx)
@@ -108,7 +112,7 @@ def check_program(name: str, dtype_name: str, cases: list[dict]) -> dict:
         gathered.append((case["rows"], [e.elements for e in log.of("all_gather")]))
         label = {k: v for k, v in case.items() if k != "dtype"}
         for what, got in (("commfold", ours), ("commfold-2nd", again)):
-            for base_name, base in (("inductor", plain), ("eager", eager)):
+            for base_name, base in bases:
                 why = compare(got, base, ref, out_dtype)
                 if why:
                     problems.append((f"{what} vs {base_name}", label, why))
@@ -116,8 +120,8 @@ def check_program(name: str, dtype_name: str, cases: list[dict]) -> dict:
             "reports": [r.summary() for r in commfold.reports()[-2:]]}
 
 
-def _run(pool, name, dtype_name, cases):
-    results = pool.run(check_program, name, dtype_name, cases)
+def _run(pool, name, dtype_name, cases, with_inductor=False):
+    results = pool.run(check_program, name, dtype_name, cases, with_inductor)
     world = len(results)
     for rank, res in enumerate(results):
         assert res["problems"] == [], f"rank {rank}: {res['problems'][:3]}"
@@ -130,7 +134,7 @@ def _run(pool, name, dtype_name, cases):
 
 @pytest.mark.parametrize("name", sorted(PROGRAMS))
 # 2 draws: hypothesis's simplest case, then 2 random ones (each case compiles the
-# program twice on every rank; COMMFOLD_HYPOTHESIS=random draws fresh ones each run)
+# program on every rank; COMMFOLD_HYPOTHESIS=random draws fresh ones each run)
 @settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
 @given(cases=st.lists(case_st, min_size=2, max_size=2),
        dtype_name=st.sampled_from(sorted(DTYPES)))
@@ -149,4 +153,4 @@ def test_greedy_logprob_4_ranks(ranks4, case):
 def test_every_edge_row_kind(ranks2, name, dtype_name):
     """Ties, NaN, +-inf, all -inf rows and NaN/inf padding bait, each in one run."""
     cases = [{"rows": 3, "vocab": 37, "seed": i, "special": k} for i, k in enumerate(SPECIALS)]
-    _run(ranks2, name, dtype_name, cases)
+    _run(ranks2, name, dtype_name, cases, with_inductor=True)
