@@ -186,14 +186,13 @@ def test_help_documents_every_flag(capsys):
     assert code == 2 and "diff" in out and "demo" in out  # no command: usage, failure
 
 
-def test_demo_small(tmp_path):
-    done = subprocess.run(
-        [sys.executable, "-m", "commfold.demo", "--vocab", "1001", "--hidden", "64", "--ffn", "128",
-         "--layers", "1",
-         "--batch", "4", "--seq", "8", "--steps", "2", "--repeats", "2"],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert done.returncode == 0, done.stdout + done.stderr
-    out = done.stdout
+def test_demo_small(capsys, tmp_path, monkeypatch):
+    # in this process (its ranks fork from the preloaded server): saves two torch imports
+    monkeypatch.chdir(tmp_path)
+    code, out = main_in_process(capsys, "demo", "--vocab", 1001, "--hidden", 64, "--ffn", 128,
+                                "--layers", 1, "--batch", 4, "--seq", 8, "--steps", 2,
+                                "--repeats", 2)
+    assert code == 0, out
     assert "tokens: identical - 8 greedy tokens (4 sequences x 2 steps), on all 2 ranks" in out
     assert re.search(r"decode step \(median of 2, rank 0\): inductor [\d.]+ ms, commfold [\d.]+ ms "
                      r"-> [\d.]+x", out), out
