@@ -75,29 +75,31 @@ _ROUTES = """
 @pytest.fixture(scope="module")
 def routes() -> dict:
     """_ROUTES in two fresh interpreters, started together (each imports vLLM):
-    vLLM imported first with the plugin off; commfold imported first, plugin on."""
+    vLLM imported first with the plugin off; commfold imported first, plugin on.
+    What commfold's import alone brought in is kept apart, under "alone"."""
     procs = {"vllm_first": _start(_ROUTES.format(first="")),
              "commfold_first": _start(_ROUTES.format(first="import commfold"),
                                       COMMFOLD_VLLM="1", COMMFOLD_PASSES="local_argmax")}
-    return {name: _result(proc) for name, proc in procs.items()}
+    found = {name: _result(proc) for name, proc in procs.items()}
+    found["alone"] = {name: res.pop("commfold_alone") for name, res in found.items()}
+    return found
 
 
 def test_import_commfold_does_not_import_vllm(routes):
     """Checked in the interpreter that imports commfold first, before it imports vLLM
     (COMMFOLD_VLLM=1 there: the plugin's switch alone imports nothing either)."""
-    assert routes["commfold_first"]["commfold_alone"] == {"vllm": [], "pass": "VllmCommfoldPass"}
-    assert routes["vllm_first"]["commfold_alone"] is None
+    assert routes["alone"] == {"commfold_first": {"vllm": [], "pass": "VllmCommfoldPass"},
+                               "vllm_first": None}
 
 
 def test_named_pass_in_either_import_order_and_plugin_off(routes):
     """vLLM keeps commfold's pass as its own InductorPass (so its uuid keys the
     caches) when vLLM imports commfold to resolve the name; without COMMFOLD_VLLM the
     plugin adds nothing."""
-    out = {k: v for k, v in routes["vllm_first"].items() if k != "commfold_alone"}
-    assert out == {"named": ["VllmCommfoldPass", "VllmCommfoldPass", True,
-                             list(commfold.ALL_PASSES)],
-                   "plugin": ["NoneType", "CallableInductorPass", None, []],
-                   "drafter_hook": [False, False]}
+    assert routes["vllm_first"] == {
+        "named": ["VllmCommfoldPass", "VllmCommfoldPass", True, list(commfold.ALL_PASSES)],
+        "plugin": ["NoneType", "CallableInductorPass", None, []],
+        "drafter_hook": [False, False]}
 
 
 def test_commfold_imported_first_and_plugin_on(routes):
@@ -105,11 +107,10 @@ def test_commfold_imported_first_and_plugin_on(routes):
     COMMFOLD_VLLM=1 adds the pass (options from COMMFOLD_PASSES), after a user's own
     post-grad pass is kept (runs after commfold's), and hooks draft-model loading and
     the draft pick."""
-    out = {k: v for k, v in routes["commfold_first"].items() if k != "commfold_alone"}
-    assert out == {"named": ["CallableInductorPass", "VllmCommfoldPass", True, ["local_argmax"]],
-                   "plugin": ["VllmCommfoldPass", "VllmCommfoldPass", "user_pass",
-                              ["local_argmax"]],
-                   "drafter_hook": [True, True]}
+    assert routes["commfold_first"] == {
+        "named": ["CallableInductorPass", "VllmCommfoldPass", True, ["local_argmax"]],
+        "plugin": ["VllmCommfoldPass", "VllmCommfoldPass", "user_pass", ["local_argmax"]],
+        "drafter_hook": [True, True]}
 
 
 def _vllm_keys(pass_):
