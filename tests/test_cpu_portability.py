@@ -12,6 +12,7 @@ was developed on.
 from __future__ import annotations
 
 import ast
+import shutil
 from pathlib import Path
 
 import pytest
@@ -74,10 +75,14 @@ def test_native_builds_are_keyed_on_the_cpu():
     assert cpp_build.build_key(src, native, avx512) != cpp_build.build_key(src, native, avx2)
     # a portable build runs anywhere: one key for every CPU
     assert cpp_build.build_key(src, ["-O3"], avx512) == cpp_build.build_key(src, ["-O3"], avx2)
+    # the same source in another checkout: its own build (ninja rebuilds a name whose
+    # source path changed, so two checkouts sharing one cache would rebuild each other)
+    assert cpp_build.build_key(src, native, avx2, "/a/k.cpp") \
+        != cpp_build.build_key(src, native, avx2, "/b/k.cpp")
     assert cpp_build.build_key(src + b" ", native, avx2) != cpp_build.build_key(src, native, avx2)
 
 
-def test_load_names_the_build_after_this_cpu(monkeypatch):
+def test_load_names_the_build_after_this_cpu(monkeypatch, tmp_path):
     """What cpp_build.load hands to torch's builder: the build's name changes with the
     CPU features (so a cache shared with another CPU is never loaded) and the flags
     are native only where features were read."""
@@ -91,6 +96,12 @@ def test_load_names_the_build_after_this_cpu(monkeypatch):
         names.append(cpp_build.load("probe", add_rmsnorm_cpu.SOURCE))
     assert len(set(names)) == 3, names
     assert ["-march=native" in flags for _, flags in calls] == [True, True, False]
+    # a copy of the sources (a second checkout): another name, one build per path
+    copy = tmp_path / "ops"
+    shutil.copytree(add_rmsnorm_cpu.SOURCE.parent, copy,
+                    ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    monkeypatch.setattr(cpp_build, "_loaded", {})
+    assert cpp_build.load("probe", copy / add_rmsnorm_cpu.SOURCE.name) != names[-1]
     monkeypatch.setenv("COMMFOLD_PORTABLE_KERNELS", "1")
     assert cpp_build.arch_flags() == []
 

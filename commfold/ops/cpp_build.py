@@ -6,9 +6,11 @@ guards the rest with ``#if defined(__AVX512F__)``-style checks. Built modules ar
 cached on disk (``~/.cache/torch_extensions``, or ``TORCH_EXTENSIONS_DIR``), which
 may be shared between machines - a home directory on NFS, a CI cache. So the build's
 name carries a key of everything the binary depends on: the source's hash (with the
-local headers it includes), the compiler flags and the CPU's instruction-set
-features. A machine with another CPU builds its own copy instead of loading one that
-would die with SIGILL.
+local headers it includes), the compiler flags, the CPU's instruction-set features
+and where the source lies. A machine with another CPU builds its own copy instead of
+loading one that would die with SIGILL; a second checkout builds its own copy too
+(torch's ninja build of one name from another path rebuilds it, so two checkouts
+sharing the cache would otherwise rebuild each other's kernels at every switch).
 
 ``COMMFOLD_PORTABLE_KERNELS=1`` builds for the compiler's default target instead
 (no ``-march=native``): slower, loads on any CPU of the architecture.
@@ -54,11 +56,12 @@ def arch_flags() -> list[str]:
     return ["-march=native"]
 
 
-def build_key(source: bytes, flags: list[str], features: str) -> str:
-    """What a built binary depends on, hashed: source, flags, and - only for a
-    native build - the CPU features it was built for."""
+def build_key(source: bytes, flags: list[str], features: str, path: str = "") -> str:
+    """What a built binary depends on, hashed: source, flags, the source's path, and -
+    only for a native build - the CPU features it was built for."""
     h = hashlib.sha256(source)
     h.update("\0".join(flags).encode())
+    h.update(b"\0" + path.encode())
     if "-march=native" in flags:
         h.update(features.encode())
     return h.hexdigest()[:16]
@@ -94,7 +97,8 @@ def load(name: str, source: Path, defines: dict[str, int] | None = None):
 
             flags = ["-O3", "-fopenmp"] + arch_flags() + [
                 f"-D{k}={v}" for k, v in sorted((defines or {}).items())]
-            key = build_key(source_bytes(source), flags, cpu_features())
+            key = build_key(source_bytes(source), flags, cpu_features(),
+                            str(Path(source).resolve()))
             _loaded[name] = cpp_load(f"{name}_{key}", sources=[str(source)],
                                      extra_cflags=flags, extra_ldflags=["-fopenmp"],
                                      verbose=False)
