@@ -46,12 +46,9 @@ def quick_run(tmp_path_factory):
     # issue 7's figures (the sampling figure's passes have tests of their own). The CLI
     # runs in this process (one torch import less); the suite is its subprocess, whose
     # output pytest shows if this fails.
-    here = os.getcwd()
-    os.chdir(cwd)
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(cwd)
         code = cli.main(["bench", "--quick", "--out", "results", "--only", *sorted(FIGURES)])
-    finally:
-        os.chdir(here)
     assert code == 0
     return out, json.loads((out / "results.json").read_text()), (out / "results.md").read_text()
 
