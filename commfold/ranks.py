@@ -81,6 +81,15 @@ def _context():
         return mp.get_context("spawn")
 
 
+def start_forkserver() -> str:
+    """Start commfold's preloaded forkserver now, in this environment, and say which
+    start method pools will use ("forkserver", or "spawn" where there is none or
+    another one runs). Pools fork from it while the environment stays the one it
+    started in: a process that changes its environment for a while (a test, a library
+    setting variables at import) calls this first."""
+    return _context().get_start_method()
+
+
 class RankError(RuntimeError):
     """A function failed, hung or died on one or more ranks."""
 

@@ -3,12 +3,13 @@ restarted after a failed call (a rank stuck in a collective is not reused); and 
 hypothesis profile: derandomized, so every run draws the same examples in the same
 time (COMMFOLD_HYPOTHESIS=random draws fresh ones); and which pytest-xdist worker runs
 what (pyproject's addopts run every `pytest` on two workers; `-n 0` runs one process)."""
+import contextlib
 import os
 
 import pytest
 from hypothesis import settings
 
-from commfold.ranks import RankPool
+from commfold.ranks import RankPool, start_forkserver
 
 settings.register_profile("fixed", derandomize=True, database=None)
 settings.register_profile("random")
@@ -65,13 +66,50 @@ def vllm_ranks() -> Ranks:
     return Ranks("vllm")
 
 
+# Rank pools fork their ranks from commfold's preloaded server only while this
+# process's environment is the one that server started with (commfold.ranks); a
+# changed one spawns every later pool's ranks (~10 CPU-s of imports a rank). vLLM
+# sets variables in the importing process (TORCHINDUCTOR_COMPILE_THREADS, ...; a
+# VllmConfig adds VLLM_WORKER_MULTIPROC_METHOD, ...): kept, they made test_ranks cost
+# 163 CPU-s instead of 24 on the worker that ran the vLLM modules first.
+_VOLATILE = "PYTEST_CURRENT_TEST"
+
+
+@contextlib.contextmanager
+def _environment_kept():
+    """os.environ as it was on entry, on exit (pytest's own variable aside)."""
+    before = {k: v for k, v in os.environ.items() if k != _VOLATILE}
+    try:
+        yield
+    finally:
+        for k in [k for k in os.environ if k != _VOLATILE and k not in before]:
+            del os.environ[k]
+        os.environ.update(before)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _rank_server_started_first():
+    """commfold's forkserver starts before the first test, in the session's own
+    environment, which every test then leaves as it found it."""
+    start_forkserver()
+
+
+@pytest.fixture(autouse=True)
+def _no_environment_leaks():
+    """Each test leaves os.environ as it found it (see _environment_kept)."""
+    with _environment_kept():
+        yield
+
+
 @pytest.fixture(scope="session")
 def vllm_imported():
     """vLLM imported (or the test skipped / failed in CI, with the install hint): the
-    vLLM test modules' mark (vllm_models.require_vllm_installed)."""
+    vLLM test modules' mark (vllm_models.require_vllm_installed). The variables its
+    import sets in this process are taken back: they were read as it set them."""
     from vllm_models import require_vllm
 
-    return require_vllm()
+    with _environment_kept():
+        return require_vllm()
 
 
 @pytest.fixture(scope="session")

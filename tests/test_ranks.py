@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from commfold.ranks import RankError, RankPool, run_on_ranks
+from commfold.ranks import RankError, RankPool, run_on_ranks, start_forkserver
 
 
 def rank_and_sum():
@@ -147,3 +147,17 @@ def test_ranks_fork_from_a_preloaded_server_until_the_environment_changes(tmp_pa
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out == [["forkserver", [[None, True]] * 2], ["forkserver", [[None, True]] * 2],
                    ["spawn", [["changed", False]]]], out
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the forkserver start method: Linux here")
+def test_pools_here_fork_from_the_preloaded_server():
+    """conftest starts commfold's forkserver before the first test and every test
+    leaves os.environ as it found it, so pools started here, after whatever this
+    worker ran before, still fork: a leaked variable (vLLM sets some at import) made
+    every later pool spawn its ranks."""
+    assert start_forkserver() == "forkserver"
+    pool = RankPool(1, timeout=60, compile_once=False)
+    try:
+        assert pool.start_method == "forkserver"
+    finally:
+        pool.close()
