@@ -71,7 +71,7 @@ def vllm_ranks() -> Ranks:
 # changed one spawns every later pool's ranks (~10 CPU-s of imports a rank). vLLM
 # sets variables in the importing process (TORCHINDUCTOR_COMPILE_THREADS, ...; a
 # VllmConfig adds VLLM_WORKER_MULTIPROC_METHOD, ...): kept, they made test_ranks cost
-# 163 CPU-s instead of 24 on the worker that ran the vLLM modules first.
+# 163 CPU-s instead of 32 on the worker that ran the vLLM modules first.
 _VOLATILE = "PYTEST_CURRENT_TEST"
 
 
