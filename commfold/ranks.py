@@ -16,7 +16,8 @@ Ranks are forked from a forkserver that imported torch, Inductor and commfold on
 (~7 s of imports per rank otherwise, the most of a small pool's start-up), as long as
 this process's environment is the one that server started with: import-time settings
 (TORCHINDUCTOR_*, TORCH_LOGS, ...) then match. Otherwise, and where the platform has
-no forkserver, ranks are spawned as before.
+no forkserver, ranks are spawned as before; ``RankPool.spawn_reason`` says why (also
+logged at INFO), and ``environment_kept()`` keeps a passing change from costing that.
 
 Ranks that compile the same graph lower it once between them (commfold.compile_once:
 the first holds a lock on the graph's FX cache key, the others then load its result
@@ -26,6 +27,8 @@ on 2 cores. ``compile_once=False`` keeps every rank lowering its own.
 from __future__ import annotations
 
 import collections
+import contextlib
+import logging
 import os
 import queue
 import signal
@@ -53,32 +56,59 @@ _PRELOAD = ["torch", "torch.distributed", "torch._inductor.compile_fx", "commfol
 # import-time setting (pytest's name of the running test)
 _VOLATILE_ENV = {"PYTEST_CURRENT_TEST"}
 _forkserver: dict = {}  # the forkserver commfold started: its pid and environment
+_log = logging.getLogger(__name__)
 
 
 def _environment() -> dict:
     return {k: v for k, v in os.environ.items() if k not in _VOLATILE_ENV}
 
 
+def _changed(before: dict, now: dict) -> str:
+    """'A, B set; C changed; D unset' (names only: values may be secrets)."""
+    groups = {"set": now.keys() - before.keys(),
+              "changed": {k for k in before.keys() & now.keys() if before[k] != now[k]},
+              "unset": before.keys() - now.keys()}
+    return "; ".join(f"{', '.join(sorted(names))} {what}"
+                     for what, names in groups.items() if names)
+
+
 def _context():
-    """The forkserver context when its server is commfold's (preloaded) and started
-    in this environment; the spawn context otherwise."""
+    """(context, why spawned): the forkserver context and None when its server is
+    commfold's (preloaded) and started in this environment; the spawn context and the
+    reason otherwise."""
     try:
         if "forkserver" not in multiprocessing.get_all_start_methods():
-            return mp.get_context("spawn")
+            return mp.get_context("spawn"), "this platform has no forkserver"
         server = multiprocessing.forkserver._forkserver
         pid = getattr(server, "_forkserver_pid", None)
         if not _forkserver and pid is not None:  # someone else's server: unknown imports
-            return mp.get_context("spawn")
+            return mp.get_context("spawn"), "a forkserver not started by commfold runs here"
         if not _forkserver:
             multiprocessing.set_forkserver_preload(_PRELOAD)
         server.ensure_running()  # starts it, or restarts it if it died
         if server._forkserver_pid != _forkserver.get("pid"):  # started now, here
             _forkserver.update(pid=server._forkserver_pid, env=_environment())
         if _forkserver["env"] != _environment():
-            return mp.get_context("spawn")
-        return mp.get_context("forkserver")
-    except Exception:  # noqa: BLE001 - no fast start, never a failed pool
-        return mp.get_context("spawn")
+            return mp.get_context("spawn"), (
+                "the environment changed since commfold's forkserver started ("
+                + _changed(_forkserver["env"], _environment()) + ")")
+        return mp.get_context("forkserver"), None
+    except Exception as e:  # noqa: BLE001 - no fast start, never a failed pool
+        return mp.get_context("spawn"), f"the forkserver did not start: {e!r}"
+
+
+@contextlib.contextmanager
+def environment_kept():
+    """On exit, os.environ is again what it was on entry (volatile variables aside), so
+    pools started afterwards still fork from the server: for code that sets variables
+    for a while (a test, a library that sets some when imported)."""
+    before = _environment()
+    try:
+        yield
+    finally:
+        for k in [k for k in os.environ if k not in _VOLATILE_ENV and k not in before]:
+            del os.environ[k]
+        os.environ.update(before)
 
 
 def start_forkserver() -> str:
@@ -86,8 +116,9 @@ def start_forkserver() -> str:
     start method pools will use ("forkserver", or "spawn" where there is none or
     another one runs). Pools fork from it while the environment stays the one it
     started in: a process that changes its environment for a while (a test, a library
-    setting variables at import) calls this first."""
-    return _context().get_start_method()
+    setting variables at import) calls this first, and makes the change inside
+    ``environment_kept()``."""
+    return _context()[0].get_start_method()
 
 
 class RankError(RuntimeError):
@@ -202,8 +233,11 @@ class RankPool:
     def __init__(self, world_size: int, timeout: float = 300.0, threads: int | None = None,
                  compile_once: bool = True):
         self.world_size, self.timeout = world_size, timeout
-        ctx = _context()
+        ctx, self.spawn_reason = _context()  # why ranks are spawned; None: forked
         self.start_method = ctx.get_start_method()  # "forkserver" or "spawn"
+        if self.spawn_reason:
+            _log.info("rank pool spawns its ranks (~10 s of imports each): %s",
+                      self.spawn_reason)
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         threads = threads or max(1, (os.cpu_count() or 1) // world_size)

@@ -113,7 +113,7 @@ def test_dead_rank_fails_a_one_shot_run_in_seconds():
 
 START_METHODS = """
 import json, os, sys
-from commfold.ranks import RankPool
+from commfold.ranks import RankPool, environment_kept
 
 def seen(name):  # what a rank sees: the variable, and whether Inductor came preloaded
     preloaded = "torch._inductor.compile_fx" in sys.modules
@@ -127,16 +127,21 @@ if __name__ == "__main__":
         if value:
             os.environ["COMMFOLD_TEST_VARIABLE"] = value
         pool = RankPool(1 if value else 2, timeout=120, compile_once=False)  # (spawn: 1)
-        out.append([pool.start_method, pool.run(seen, "COMMFOLD_TEST_VARIABLE")])
+        out.append([pool.start_method, pool.spawn_reason,
+                    pool.run(seen, "COMMFOLD_TEST_VARIABLE")])
         pool.close()
+        with environment_kept():  # a passing change, taken back: the next pool forks
+            os.environ["COMMFOLD_PASSING_VARIABLE"] = "1"
+            os.environ.pop("HOME", None)
     print(json.dumps(out))
 """
 
 
 def test_ranks_fork_from_a_preloaded_server_until_the_environment_changes(tmp_path):
     """In a fresh process: two pools forked from commfold's forkserver (Inductor already
-    imported there), then, after the environment changed, a spawned pool whose ranks
-    see the change (a forked rank would carry the server's import-time settings).
+    imported there; a change inside environment_kept() between them is taken back),
+    then, after the environment changed for good, a spawned pool whose ranks see the
+    change (a forked rank would carry the server's import-time settings), saying why.
     Their compile_once=False leaves Inductor unpatched."""
     script = tmp_path / "start_methods.py"
     script.write_text(START_METHODS)
@@ -145,8 +150,11 @@ def test_ranks_fork_from_a_preloaded_server_until_the_environment_changes(tmp_pa
                           timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    assert out == [["forkserver", [[None, True]] * 2], ["forkserver", [[None, True]] * 2],
-                   ["spawn", [["changed", False]]]], out
+    why = ("the environment changed since commfold's forkserver started "
+           "(COMMFOLD_TEST_VARIABLE set)")
+    assert out == [["forkserver", None, [[None, True]] * 2],
+                   ["forkserver", None, [[None, True]] * 2],
+                   ["spawn", why, [["changed", False]]]], out
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the forkserver start method: Linux here")
@@ -158,6 +166,6 @@ def test_pools_here_fork_from_the_preloaded_server():
     assert start_forkserver() == "forkserver"
     pool = RankPool(1, timeout=60, compile_once=False)
     try:
-        assert pool.start_method == "forkserver"
+        assert pool.start_method == "forkserver", pool.spawn_reason
     finally:
         pool.close()
