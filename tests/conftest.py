@@ -3,13 +3,12 @@ restarted after a failed call (a rank stuck in a collective is not reused); and 
 hypothesis profile: derandomized, so every run draws the same examples in the same
 time (COMMFOLD_HYPOTHESIS=random draws fresh ones); and which pytest-xdist worker runs
 what (pyproject's addopts run every `pytest` on two workers; `-n 0` runs one process)."""
-import contextlib
 import os
 
 import pytest
 from hypothesis import settings
 
-from commfold.ranks import RankPool, start_forkserver
+from commfold.ranks import RankPool, environment_kept, start_forkserver
 
 settings.register_profile("fixed", derandomize=True, database=None)
 settings.register_profile("random")
@@ -72,19 +71,6 @@ def vllm_ranks() -> Ranks:
 # sets variables in the importing process (TORCHINDUCTOR_COMPILE_THREADS, ...; a
 # VllmConfig adds VLLM_WORKER_MULTIPROC_METHOD, ...): kept, they made test_ranks cost
 # 163 CPU-s instead of 32 on the worker that ran the vLLM modules first.
-_VOLATILE = "PYTEST_CURRENT_TEST"
-
-
-@contextlib.contextmanager
-def _environment_kept():
-    """os.environ as it was on entry, on exit (pytest's own variable aside)."""
-    before = {k: v for k, v in os.environ.items() if k != _VOLATILE}
-    try:
-        yield
-    finally:
-        for k in [k for k in os.environ if k != _VOLATILE and k not in before]:
-            del os.environ[k]
-        os.environ.update(before)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -96,8 +82,8 @@ def _rank_server_started_first():
 
 @pytest.fixture(autouse=True)
 def _no_environment_leaks():
-    """Each test leaves os.environ as it found it (see _environment_kept)."""
-    with _environment_kept():
+    """Each test leaves os.environ as it found it (commfold.ranks.environment_kept)."""
+    with environment_kept():
         yield
 
 
@@ -108,7 +94,7 @@ def vllm_imported():
     import sets in this process are taken back: they were read as it set them."""
     from vllm_models import require_vllm
 
-    with _environment_kept():
+    with environment_kept():
         return require_vllm()
 
 
