@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from commfold.ranks import run_on_ranks
-from harness.bench import comm_of_variants, read_and_gather, time_side_by_side
+from harness.bench import comm_of_variants, floor_table, read_and_gather, \
+    time_side_by_side
 
 PAIR_BYTES = 16  # one (value bits, index) int64 pair per row
 
@@ -66,17 +67,7 @@ def main(argv=None):
     rows = run_on_ranks(measure, a.world_size, a.batch, a.vocab, a.iters, timeout=3600)[0]
     print(f"local_argmax, TP={a.world_size}, CPU gloo, median of {a.iters} (rank 0)")
     print("floor: one read of the shard + the pair gather (the machine's limit)")
-    print("| B | V | Inductor (ms) | commfold (ms) | speed-up | floor (ms) | commfold / floor "
-          "| Inductor / floor | same tokens | bytes/rank: Inductor | commfold | bound |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        c = r["comm"]
-        print(f"| {r['B']} | {r['V']} | {r['inductor_s'] * 1e3:.3f} | "
-              f"{r['commfold_s'] * 1e3:.3f} | {r['inductor_s'] / r['commfold_s']:.2f}x | "
-              f"{r['floor_s'] * 1e3:.3f} | {r['commfold_s'] / r['floor_s']:.2f}x | "
-              f"{r['inductor_s'] / r['floor_s']:.1f}x | "
-              f"{r['same']} | {c['inductor']['bytes']} | {c['commfold']['bytes']} | "
-              f"{c['bound']['bytes']} |")
+    print("\n".join(floor_table(rows, ["B", "V"], "same tokens")))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from commfold.ranks import run_on_ranks
-from harness.bench import comm_of_variants, read_and_gather, time_side_by_side
+from harness.bench import comm_of_variants, floor_table, read_and_gather, \
+    time_side_by_side
 
 
 def _gather(shard):
@@ -91,18 +92,7 @@ def main(argv=None):
     print(f"sampling reads, TP={a.world_size}, CPU gloo, median of {a.iters} (rank 0)")
     print("floor: one read of the shard + one gather of the bound's bytes (the machine's "
           "limit; the logprob's exp over every logit is compute on top)")
-    print("| case | B | V | Inductor (ms) | commfold (ms) | speed-up | floor (ms) "
-          "| commfold / floor | Inductor / floor | same "
-          "| bytes/rank: Inductor | commfold | bound |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        c = r["comm"]
-        print(f"| {r['case']} | {r['B']} | {r['V']} | {r['inductor_s'] * 1e3:.3f} | "
-              f"{r['commfold_s'] * 1e3:.3f} | {r['inductor_s'] / r['commfold_s']:.2f}x | "
-              f"{r['floor_s'] * 1e3:.3f} | {r['commfold_s'] / r['floor_s']:.2f}x | "
-              f"{r['inductor_s'] / r['floor_s']:.1f}x | "
-              f"{r['same']} | {c['inductor']['bytes']} | {c['commfold']['bytes']} | "
-              f"{c['bound']['bytes']} |")
+    print("\n".join(floor_table(rows, ["case", "B", "V"])))
 
 
 if __name__ == "__main__":

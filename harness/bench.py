@@ -119,3 +119,21 @@ def read_and_gather(shard: torch.Tensor, row_bytes: int):
 
     return floor
 
+
+
+def floor_table(rows: list[dict], case_keys: list[str], same: str = "same"):
+    """A benchmark's markdown table against the machine's floor (read_and_gather): the
+    case columns, both timings and the speed-up, the floor and each variant over it,
+    whether the results agree, and the bytes each rank sent vs the lower bound."""
+    cols = [*case_keys, "Inductor (ms)", "commfold (ms)", "speed-up", "floor (ms)",
+            "commfold / floor", "Inductor / floor", same, "bytes/rank: Inductor", "commfold",
+            "bound"]
+    yield "| " + " | ".join(cols) + " |"
+    yield "|" + "---|" * len(cols)
+    for r in rows:
+        ind, ours, floor = r["inductor_s"], r["commfold_s"], r["floor_s"]
+        cells = [*(r[k] for k in case_keys), f"{ind * 1e3:.3f}", f"{ours * 1e3:.3f}",
+                 f"{ind / ours:.2f}x", f"{floor * 1e3:.3f}", f"{ours / floor:.2f}x",
+                 f"{ind / floor:.1f}x", r["same"],
+                 *(r["comm"][v]["bytes"] for v in ("inductor", "commfold", "bound"))]
+        yield "| " + " | ".join(map(str, cells)) + " |"
