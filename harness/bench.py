@@ -120,7 +120,6 @@ def read_and_gather(shard: torch.Tensor, row_bytes: int):
     return floor
 
 
-
 def floor_table(rows: list[dict], case_keys: list[str], same: str = "same"):
     """A benchmark's markdown table against the machine's floor (read_and_gather): the
     case columns, both timings and the speed-up, the floor and each variant over it,
