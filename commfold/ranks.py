@@ -86,12 +86,13 @@ def _context():
         if not _forkserver:
             multiprocessing.set_forkserver_preload(_PRELOAD)
         server.ensure_running()  # starts it, or restarts it if it died
+        env = _environment()
         if server._forkserver_pid != _forkserver.get("pid"):  # started now, here
-            _forkserver.update(pid=server._forkserver_pid, env=_environment())
-        if _forkserver["env"] != _environment():
+            _forkserver.update(pid=server._forkserver_pid, env=env)
+        if _forkserver["env"] != env:
             return mp.get_context("spawn"), (
                 "the environment changed since commfold's forkserver started ("
-                + _changed(_forkserver["env"], _environment()) + ")")
+                + _changed(_forkserver["env"], env) + ")")
         return mp.get_context("forkserver"), None
     except Exception as e:  # noqa: BLE001 - no fast start, never a failed pool
         return mp.get_context("spawn"), f"the forkserver did not start: {e!r}"
