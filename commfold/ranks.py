@@ -130,7 +130,9 @@ class RankError(RuntimeError):
 _PEER_LEFT = ("Connection closed by peer", "Connection reset by peer", "Socket closed")
 
 
-def _peer_left(failure: str) -> bool:
+def peer_left(failure: str) -> bool:
+    """Whether a rank's failure text says only that a peer left its collective (a
+    consequence of another rank's failure, not a cause)."""
     return any(s in failure for s in _PEER_LEFT)
 
 
@@ -292,9 +294,9 @@ class RankPool:
             self.close()
             # root causes first: a rank whose collective failed only because a peer
             # left (gloo: "Connection closed by peer") is a consequence, listed last
-            order = sorted(failures, key=lambda r: (_peer_left(failures[r]), r))
+            order = sorted(failures, key=lambda r: (peer_left(failures[r]), r))
             parts = [f"--- rank {r} failed"
-                     + (" (a peer left its collective)" if _peer_left(failures[r]) else "")
+                     + (" (a peer left its collective)" if peer_left(failures[r]) else "")
                      + f" ---\n{failures[r]}" for r in order]
             if missing:
                 reason = ("stopped waiting after another rank failed" if failures else

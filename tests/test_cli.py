@@ -171,6 +171,37 @@ def test_diff_bad_inputs(tmp_path, capsys, monkeypatch):
     assert "still running after 30s" in line and "rank 1 in 'running target'" in line, line
 
 
+def _failing_rank(out_dir, r, after_s, cause):
+    """A stand-in rank process: writes a traceback ending in `cause` to its log after
+    `after_s` seconds and exits 1."""
+    (out_dir / f"rank{r}").mkdir()
+    log = open(out_dir / f"rank{r}" / "log.txt", "w")
+    code = (f"import sys, time; time.sleep({after_s}); "
+            f"print('Traceback (most recent call last):'); print({cause!r}); sys.exit(1)")
+    return subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT)
+
+
+def test_diff_names_the_failing_rank_not_the_peer_that_lost_it(tmp_path):
+    """When rank 0's collective fails only because rank 1 left it (gloo: "Connection
+    closed by peer"), and rank 0 is seen first, the cause named is rank 1's."""
+    from commfold.diff.watch import watch
+
+    procs = [_failing_rank(tmp_path, 0, 0, "RuntimeError: [pair.cc:553] Connection closed "
+                                         "by peer [127.0.0.1]:7074"),
+             _failing_rank(tmp_path, 1, 1.5, "ValueError: boom on rank 1")]
+    try:
+        line = watch(procs, tmp_path, timeout=60, echo=lambda _: None)
+    finally:
+        for p in procs:
+            p.wait(timeout=10)
+    assert line.startswith("rank 1 failed: ValueError: boom on rank 1"), line
+    # a peer's loss alone (no other rank failed) is still named
+    procs = [_failing_rank(tmp_path / "alone", 0, 0, "RuntimeError: Connection reset by peer")
+             for _ in [(tmp_path / "alone").mkdir()]]
+    assert watch(procs, tmp_path / "alone", 60, lambda _: None).startswith(
+        "rank 0 failed: RuntimeError: Connection reset by peer")
+
+
 def test_help_documents_every_flag(capsys):
     code, out = main_in_process(capsys, "diff", "--help")
     assert code == 0

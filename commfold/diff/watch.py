@@ -8,6 +8,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from commfold.ranks import peer_left
+
 
 def _last_line(path: Path) -> str:
     try:
@@ -54,10 +56,12 @@ def kill(p: subprocess.Popen) -> None:
 
 def watch(procs, out_dir: Path, timeout: float, echo) -> str | None:
     """Print each rank's stage as it changes; return None when all ranks exit 0,
-    else a one-line cause (the others are killed: they may wait in a collective)."""
+    else a one-line cause (the others are killed: they may wait in a collective). A
+    rank that failed only because a peer left its collective is a consequence: the
+    cause named is another failed rank's, where one fails within the grace period."""
     t0, last, seen = time.monotonic(), {}, {}
     grace_until = None
-    first_failure = None
+    failures: dict[int, str] = {}  # rank -> its exception line, in the order seen
     while True:
         now = time.monotonic() - t0
         for r, p in enumerate(procs):
@@ -69,15 +73,16 @@ def watch(procs, out_dir: Path, timeout: float, echo) -> str | None:
                 if last.get(r) != stage:
                     last[r] = stage
                     echo(f"[{now:6.1f}s] rank {r}: {stage}")
-            if code not in (None, 0) and first_failure is None:
-                log = out_dir / f"rank{r}" / "log.txt"
-                first_failure = f"rank {r} failed: {_cause(log)} (log: {log})"
-                grace_until = time.monotonic() + 5.0
+            if code not in (None, 0) and r not in failures:
+                failures[r] = _cause(out_dir / f"rank{r}" / "log.txt")
+                grace_until = grace_until or time.monotonic() + 5.0
         if all(p.poll() == 0 for p in procs):
             return None
-        if first_failure and (all(p.poll() is not None for p in procs)
-                              or time.monotonic() > grace_until):
-            return first_failure
+        if failures and (all(p.poll() is not None for p in procs)
+                         or time.monotonic() > grace_until):
+            r = next((r for r, cause in failures.items() if not peer_left(cause)),
+                     next(iter(failures)))
+            return f"rank {r} failed: {failures[r]} (log: {out_dir / f'rank{r}' / 'log.txt'})"
         if now > timeout:
             hung = [r for r, p in enumerate(procs) if p.poll() is None]
             where = "; ".join(f"rank {r} in '{last.get(r)}'" for r in hung)
