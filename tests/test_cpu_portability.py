@@ -80,6 +80,9 @@ def test_native_builds_are_keyed_on_the_cpu():
     assert cpp_build.build_key(src, native, avx2, "/a/k.cpp") \
         != cpp_build.build_key(src, native, avx2, "/b/k.cpp")
     assert cpp_build.build_key(src + b" ", native, avx2) != cpp_build.build_key(src, native, avx2)
+    # another torch: its own build (a binary linked against one torch's ABI crashes another)
+    assert cpp_build.build_key(src, ["-O3"], avx2, "/a/k.cpp", "2.13.0+cpu") \
+        != cpp_build.build_key(src, ["-O3"], avx2, "/a/k.cpp", "2.14.1+cu130")
 
 
 def test_load_names_the_build_after_this_cpu(monkeypatch, tmp_path):

@@ -13,6 +13,7 @@ from post_grad import assert_miss, node, nodes, placeholders, post_grad, vllm_ir
 from commfold.patterns import rmsnorm
 from commfold.patterns.common import aten, prims
 from commfold.patterns.rmsnorm import RMSNorm, match_rmsnorm
+from commfold.torch_compat import torch_version
 
 T, H, EPS = 3, 16, 1e-6
 f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
@@ -146,7 +147,7 @@ def test_norm_misses():
     check(lambda x, r, w: (x + r) * (2 * (x + r).pow(2).mean(-1, keepdim=True)),
           "mean of squares not followed by + eps")
     check(lambda x, r, w: norm(x + r, eps=w[0]) * w, "eps is not a number")
-    check(lambda x, r, w: norm(x + r, rsqrt=lambda v: 1 / v.sqrt()) * w,
+    check(lambda x, r, w: norm(x + r, rsqrt=lambda v: torch.exp(-0.5 * torch.log(v))) * w,
           "variance + eps not followed by rsqrt")
     check(lambda x, r, w: x * torch.rsqrt((x + r).pow(2).mean(-1, keepdim=True) + EPS),
           "rsqrt does not scale the norm's input")
@@ -177,6 +178,18 @@ def test_norm_misses():
     out = nodes(g, aten.mul.Tensor)[-1]  # no dtype promotion spells this: set it
     out.meta["val"] = out.meta["val"].to(f16)
     assert_miss(_norm(g), "norm output in torch.float16 (neither f32 nor the input dtype)", out)
+
+
+def test_reciprocal_sqrt_by_torch_version():
+    """`1 / v.sqrt()` is an RMSNorm from torch 2.14 on, whose post-grad passes rewrite
+    reciprocal(sqrt(x)) to rsqrt(x) (reciprocal_sqrt_to_rsqrt) before commfold's pass;
+    torch 2.11-2.13 leave the division, which the recognizer does not take as rsqrt."""
+    g = post_grad(lambda x, r, w: (s := x + r) * (1 / (s.pow(2).mean(-1, keepdim=True)
+                                                     + EPS).sqrt()) * w, *_inputs())
+    if torch_version() >= (2, 14):
+        assert isinstance(_norm(g), RMSNorm) and node(g, aten.rsqrt.default)
+    else:
+        assert_miss(_norm(g), "variance + eps not followed by rsqrt")
 
 
 # ------------------------------------------------------------------ vLLM IR ops

@@ -6,11 +6,12 @@ guards the rest with ``#if defined(__AVX512F__)``-style checks. Built modules ar
 cached on disk (``~/.cache/torch_extensions``, or ``TORCH_EXTENSIONS_DIR``), which
 may be shared between machines - a home directory on NFS, a CI cache. So the build's
 name carries a key of everything the binary depends on: the source's hash (with the
-local headers it includes), the compiler flags, the CPU's instruction-set features
-and where the source lies. A machine with another CPU builds its own copy instead of
-loading one that would die with SIGILL; a second checkout builds its own copy too
-(torch's ninja build of one name from another path rebuilds it, so two checkouts
-sharing the cache would otherwise rebuild each other's kernels at every switch).
+local headers it includes), the compiler flags, the CPU's instruction-set features,
+where the source lies and the torch it links against. A machine with another CPU
+builds its own copy instead of loading one that would die with SIGILL; a second
+checkout builds its own copy too (torch's ninja build of one name from another path
+rebuilds it, so two checkouts sharing the cache would otherwise rebuild each other's
+kernels at every switch), and so does another torch.
 
 ``COMMFOLD_PORTABLE_KERNELS=1`` builds for the compiler's default target instead
 (no ``-march=native``): slower, loads on any CPU of the architecture.
@@ -25,6 +26,8 @@ import re
 import threading
 from functools import lru_cache
 from pathlib import Path
+
+import torch
 
 log = logging.getLogger("commfold")
 
@@ -56,12 +59,16 @@ def arch_flags() -> list[str]:
     return ["-march=native"]
 
 
-def build_key(source: bytes, flags: list[str], features: str, path: str = "") -> str:
-    """What a built binary depends on, hashed: source, flags, the source's path, and -
-    only for a native build - the CPU features it was built for."""
+def build_key(source: bytes, flags: list[str], features: str, path: str = "",
+              torch_version: str = "") -> str:
+    """What a built binary depends on, hashed: source, flags, the source's path, the
+    torch it links against (torch's ABI changes between releases, and two torch builds
+    for one CUDA version share torch's extension directory), and - only for a native
+    build - the CPU features it was built for."""
     h = hashlib.sha256(source)
     h.update("\0".join(flags).encode())
     h.update(b"\0" + path.encode())
+    h.update(b"\0" + torch_version.encode())
     if "-march=native" in flags:
         h.update(features.encode())
     return h.hexdigest()[:16]
@@ -98,7 +105,7 @@ def load(name: str, source: Path, defines: dict[str, int] | None = None):
             flags = ["-O3", "-fopenmp"] + arch_flags() + [
                 f"-D{k}={v}" for k, v in sorted((defines or {}).items())]
             key = build_key(source_bytes(source), flags, cpu_features(),
-                            str(Path(source).resolve()))
+                            str(Path(source).resolve()), torch.__version__)
             _loaded[name] = cpp_load(f"{name}_{key}", sources=[str(source)],
                                      extra_cflags=flags, extra_ldflags=["-fopenmp"],
                                      verbose=False)

@@ -1,0 +1,25 @@
+"""Which torch releases commfold supports, and the one place that asks which is loaded.
+
+Proven range: torch 2.11 through 2.14 (tools/torch_matrix.py runs the suite on each;
+docs/torch-matrix.md holds the last table). Graph spellings that differ by release are
+handled by the recognizers themselves (each spelling is matched wherever it appears);
+the few version checks left in tests name the release a spelling comes from through
+torch_version() here.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+SUPPORTED = ((2, 11), (2, 14))  # (first, last) major.minor, both included
+
+
+def torch_version(version: str | None = None) -> tuple[int, int]:
+    """(major, minor) of the loaded torch (or of `version`), ignoring local tags."""
+    m = re.match(r"(\d+)\.(\d+)", version or torch.__version__)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def supported(version: str | None = None) -> bool:
+    return SUPPORTED[0] <= torch_version(version) <= SUPPORTED[1]
