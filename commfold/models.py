@@ -26,6 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 
 
+# funcol.all_gather_single is new in torch 2.13; all_gather_tensor gathers the same
+# (a chunk + cat in the graph) on the older releases commfold supports
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
+
 @dataclass(frozen=True)
 class DecoderConfig:
     vocab: int = 1000
@@ -133,7 +138,7 @@ class TPDecoder(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Full-vocab logits [..., vocab]: local shard matmul, gather, drop padding."""
         shard = h @ self.lm_head.t()
-        full = funcol.all_gather_single(shard, shard.dim() - 1, self.group)
+        full = _all_gather(shard, shard.dim() - 1, self.group)
         return full[..., : self.cfg.vocab]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
