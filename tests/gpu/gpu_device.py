@@ -1,0 +1,61 @@
+"""Where the GPU check runs: "cuda", or the CPU when COMMFOLD_GPU_CHECK_DEVICE=cpu (the
+same checks on CPU tensors, to prove their code paths on a machine without a GPU),
+and the small helpers every check's rank body shares."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+DEVICE = os.environ.get("COMMFOLD_GPU_CHECK_DEVICE", "cuda")
+if DEVICE not in ("cuda", "cpu"):
+    raise ValueError(f"COMMFOLD_GPU_CHECK_DEVICE={DEVICE!r}: expected 'cuda' or 'cpu'")
+
+# Every module of the check carries this mark: without a CUDA GPU its tests skip at
+# collection (torch.cuda.is_available() is cheap on a CPU build and touches no GPU).
+requires_device = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
+                                     reason="no CUDA GPU")
+
+
+def world_comm() -> str:
+    """commfold's communicator spec of this rank's default gloo group."""
+    import torch.distributed as dist
+
+    return "c10d:" + dist.distributed_c10d._get_default_group().group_name
+
+
+def rank_device(device: str) -> torch.device:
+    """The device this rank computes on (every rank shares GPU 0)."""
+    if device == "cuda":
+        torch.cuda.set_device(0)
+        return torch.device("cuda", 0)
+    return torch.device("cpu")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def shard_of(full: torch.Tensor, world: int, rank: int) -> torch.Tensor:
+    """This rank's contiguous last-dim block of `full` (columns divisible by world)."""
+    width = full.shape[-1] // world
+    return full[..., rank * width:(rank + 1) * width].contiguous()
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Bit patterns as int64, every NaN one value: bitwise comparison, NaN == NaN."""
+    b = t.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    b = b.to(torch.int64)
+    return torch.where(t.isnan(), torch.full_like(b, -1), b)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = a.cpu(), b.cpu()
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def ulp(dtype: torch.dtype) -> float:
+    """The spacing of `dtype` at 1.0."""
+    return torch.finfo(dtype).eps
