@@ -17,6 +17,7 @@ from .config import Config
 from .context import PassContext
 from .checkpoint import Checkpoint, restore, snapshot
 from .report import PassError, Report, publish
+from .torch_compat import warn_if_unsupported
 
 log = logging.getLogger("commfold")
 
@@ -93,6 +94,7 @@ class CommfoldPass(CustomGraphPass):
         return self._config
 
     def __call__(self, graph: fx.Graph) -> None:
+        warn_if_unsupported()
         config = self.config
         if _forced_passes is not None:
             config = config.replace(passes=_forced_passes)

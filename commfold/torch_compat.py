@@ -8,9 +8,13 @@ torch_version() here.
 """
 from __future__ import annotations
 
+import logging
 import re
+from functools import lru_cache
 
 import torch
+
+log = logging.getLogger("commfold")
 
 SUPPORTED = ((2, 11), (2, 14))  # (first, last) major.minor, both included
 
@@ -23,3 +27,17 @@ def torch_version(version: str | None = None) -> tuple[int, int]:
 
 def supported(version: str | None = None) -> bool:
     return SUPPORTED[0] <= torch_version(version) <= SUPPORTED[1]
+
+
+@lru_cache(maxsize=1)
+def warn_if_unsupported() -> bool:
+    """One warning per process when the loaded torch is outside the proven range (the
+    passes still run: recognizers that meet a spelling they do not know skip the site
+    and say why). True when supported."""
+    ok = supported()
+    if not ok:
+        log.warning("commfold: torch %s is outside the tested range %d.%d-%d.%d; passes "
+                    "run, but graph spellings may differ (run tools/torch_matrix.py %s to "
+                    "check this torch)", torch.__version__, *SUPPORTED[0], *SUPPORTED[1],
+                    torch.__version__.split("+")[0])
+    return ok

@@ -1,6 +1,6 @@
 """Run commfold's test suite against each torch a user may pair it with.
 
-    python tools/torch_matrix.py                       # 2.11.0 2.12.0 2.13.0 2.14.1
+    python tools/torch_matrix.py                       # 2.11.0 2.12.1 2.13.0 2.14.1
     python tools/torch_matrix.py 2.14.1 --out docs/torch-matrix.md
 
 One venv per torch version under --cache (reused on later runs), commfold installed
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_VERSIONS = ("2.11.0", "2.12.0", "2.13.0", "2.14.1")
+DEFAULT_VERSIONS = ("2.11.0", "2.12.1", "2.13.0", "2.14.1")
 _SUMMARY = re.compile(r"(\d+) (passed|failed|skipped|error|errors|xfailed|xpassed)")
 
 
@@ -64,7 +64,8 @@ def _failures(text: str) -> list[str]:
     return sorted({m.group(1) for m in re.finditer(r"^(?:FAILED|ERROR) (\S+)", text, re.M)})
 
 
-def run_version(version: str, cache: Path, pytest_args: list[str]) -> dict:
+def run_version(version: str, cache: Path, pytest_args: list[str],
+                install_only: bool = False) -> dict:
     cache.mkdir(parents=True, exist_ok=True)
     log_path = cache / f"torch-{version}.log"
     row = {"version": version, "installed": "-", "counts": {}, "failures": [],
@@ -75,6 +76,8 @@ def run_version(version: str, cache: Path, pytest_args: list[str]) -> dict:
             row["note"] = why
             return row
         row["installed"] = _installed(py)
+        if install_only:
+            return row
         env = {k: v for k, v in os.environ.items() if not k.startswith("COMMFOLD_")}
         start = log.tell()
         t0 = time.perf_counter()
@@ -125,17 +128,19 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None,
                     help="markdown file for the table (e.g. docs/torch-matrix.md)")
     ap.add_argument("--pytest-args", default="", help="extra pytest arguments, one string")
+    ap.add_argument("--install-only", action="store_true",
+                    help="build the venvs (e.g. while the machine is busy), run no tests")
     args = ap.parse_args(argv)
     pytest_args = args.pytest_args.split()
     rows = []
     for v in args.versions:
         print(f"torch {v}: ...", flush=True)
-        rows.append(run_version(v, args.cache, pytest_args))
+        rows.append(run_version(v, args.cache, pytest_args, args.install_only))
         r = rows[-1]
         print(f"torch {v}: {r['counts'] or r['note']} ({r['minutes']:.1f} min, log "
               f"{r['log']})", flush=True)
     print(table(rows))
-    if args.out:
+    if args.out and not args.install_only:
         args.out.write_text(report(rows, pytest_args))
     return 0 if all(r["counts"].get("failed", 0) == 0 and not r["note"] for r in rows) else 1
 
