@@ -5,7 +5,8 @@ vLLM computes the target's logits eagerly after its compiled forward
 the whole vocabulary, then samples (``_sample``: the Sampler, or the
 RejectionSampler under speculative decoding) - for every request, greedy or not.
 With COMMFOLD_VLLM=1 this hook decides per engine step, from the batch's sampling
-parameters only (every rank holds the same, so every rank decides the same):
+parameters and the engine's speculative config only (every rank holds the same, so
+every rank decides the same; commfold.vllm_decision):
 
 - ``greedy``: every request greedy, nothing needing the whole row (penalties, bad
   words, allowed-token lists, active logits processors - min_tokens, logit_bias,
@@ -13,9 +14,10 @@ parameters only (every rank holds the same, so every rank decides the same):
   per row is commfold.ops.local_argmax over the vocab shards (one (value, index)
   pair per row per rank), bit-identical to vLLM's greedy pick (first maximum, NaN
   included);
-- ``verify``: the same under speculative decoding: the target's argmax at every
-  draft position and the bonus token, then vLLM's own accept/reject
-  (``_rejection_greedy_sample``);
+- ``verify``: the same under speculative decoding with strict greedy verification
+  (``rejection_sample_method`` "standard"; synthetic, block, FLy, adaptive and
+  unknown methods stay vLLM's): the target's argmax at every draft position and the
+  bonus token, then vLLM's own accept/reject (``_rejection_greedy_sample``);
 - ``logprobs``: greedy with logprobs=k (0 <= k <= 20, k * 64 <= vocab, logprobs_mode
   raw_logprobs or processed_logprobs, no spec decoding): commfold.ops.local_logprobs
   (two all-gathers of a few float64 and k candidates per row per rank), vLLM's top-k
@@ -28,31 +30,34 @@ go through local_logprobs too, per request, as vLLM computes them.
 How: ``execute_model`` marks the step; the runner model's ``compute_logits`` (its
 own code, with the logits processor's gather turned into the identity) returns this
 rank's shard of the logits [rows, vocab shard] when the step qualifies; ``_sample``
-recognizes that shard and picks locally. The hook checks vLLM's code at install
-(the calls it relies on, by their source text) and stays off with one log line if
-anything moved. COMMFOLD_TARGET_PICK=0 turns only this hook off; ``pause()`` switches
-it off and on at run time in a worker (through ``LLM.collective_rpc``), to compare
-both paths on one engine. Decisions are noted in the per-step collective log
+recognizes that shard and picks locally. The hook acts on the V1 model runner only;
+at install it logs one line, on or off and why (Model Runner V2; vLLM's code moved
+under the hook - the calls it relies on, checked by their source text;
+commfold.vllm_runtime). COMMFOLD_TARGET_PICK=0 turns only this hook off; ``pause()``
+switches it off and on at run time in a worker (through ``LLM.collective_rpc``), to
+compare both paths on one engine. Decisions are noted in the per-step collective log
 (COMMFOLD_COMM_LOG_DIR) as ``target_pick``.
 """
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 from dataclasses import dataclass
 
 import torch
 
+from . import vllm_comm_log, vllm_hook_points, vllm_runtime
 from .collectives import CommKind
-from . import vllm_comm_log
 from .ops import logprob_scan
+# the per-step decision lives in vllm_decision (shared by the runner hooks); its
+# names stay importable from here
+from .vllm_decision import (LOGPROB_MODES, MAX_LOGPROBS, active_processors,  # noqa: F401
+                            decide, logprobs_mode_ok, verify_method, verify_refusal)
 
 log = logging.getLogger("commfold")
 
 ENV = "COMMFOLD_TARGET_PICK"
-MAX_LOGPROBS = 20
-LOGPROB_MODES = ("raw_logprobs", "processed_logprobs")
+HOOK = "target pick"
 # what vLLM's code must still say for the hook to be right (module attr, text)
 HOOK_POINTS = (
     ("vllm.v1.worker.gpu_model_runner:GPUModelRunner.execute_model",
@@ -99,73 +104,6 @@ def pause(paused: bool = True) -> bool:
     global _paused
     was, _paused = _paused, bool(paused)
     return was
-
-
-# --- the decision: sampling parameters only -------------------------------------
-
-def decide(md, *, spec: bool, structured: bool, logprobs_mode: str, vocab: int,
-           nan_check: bool = False, synthetic: bool = False) -> tuple[str | None, str]:
-    """(mode, reason): mode "greedy" / "verify" / "logprobs", or None with why not.
-    md is vLLM's SamplingMetadata of the step; nan_check: VLLM_COMPUTE_NANS_IN_LOGITS
-    (vLLM counts NaNs over the whole row); synthetic: synthetic rejection sampling."""
-    if structured:
-        return None, "structured output"
-    if nan_check:
-        return None, "VLLM_COMPUTE_NANS_IN_LOGITS"
-    if spec and synthetic:
-        return None, "synthetic rejection sampling"
-    if not md.all_greedy:
-        return None, "sampling (temperature > 0)"
-    if not md.no_penalties:
-        return None, "penalties"
-    if md.bad_words_token_ids:
-        return None, "bad words"
-    if md.allowed_token_ids_mask is not None:
-        return None, "allowed token ids"
-    active = active_processors(md)
-    if active:
-        return None, "logits processors: " + ", ".join(active)
-    holder = md.thinking_budget_state_holder
-    if holder is not None and holder.has_tracked_requests():
-        return None, "thinking budget"
-    if md.logprob_token_ids:
-        return None, "logprob_token_ids"
-    k = md.max_num_logprobs
-    if k is None:
-        return ("verify" if spec else "greedy"), "all greedy"
-    return logprobs_mode_ok(k, logprobs_mode, vocab, spec)
-
-
-def logprobs_mode_ok(k: int, logprobs_mode: str, vocab: int, spec: bool = False):
-    if spec:
-        return None, "logprobs under spec decoding"
-    if not 0 <= k <= MAX_LOGPROBS:
-        return None, f"logprobs={k} (local up to {MAX_LOGPROBS})"
-    if 64 * k > vocab:  # torch.topk takes nth_element there: order not reproducible
-        return None, f"logprobs={k} with vocab {vocab} < 64 k"
-    if logprobs_mode not in LOGPROB_MODES:
-        return None, f"logprobs_mode {logprobs_mode}"
-    return "logprobs", f"greedy, logprobs={k}"
-
-
-def active_processors(md) -> list[str]:
-    """Logits processors that would change greedy logits in this batch. vLLM's
-    min_tokens and logit_bias processors are always loaded and act only while a
-    request uses them; any other (a plugin, a per-request adapter) counts as active."""
-    from vllm.v1.sample.logits_processor.builtin import (LogitBiasLogitsProcessor,
-                                                         MinTokensLogitsProcessor)
-
-    active = []
-    for p in md.logitsprocs.non_argmax_invariant:
-        if isinstance(p, MinTokensLogitsProcessor):
-            if p.min_toks:
-                active.append("min_tokens")
-        elif isinstance(p, LogitBiasLogitsProcessor):
-            if p.biases:
-                active.append("logit_bias")
-        else:
-            active.append(type(p).__name__)
-    return active
 
 
 # --- one runner's picker -----------------------------------------------------------
@@ -224,6 +162,11 @@ class _Picker:
         if why is not None:
             log.info("commfold: target pick off for this model: %s", why)
             return None
+        if getattr(runner, "speculative_config", None) is not None:
+            refusal = verify_refusal(_verify_method(runner))
+            if refusal is not None:  # greedy decoding steps are still picked locally
+                log.warning("commfold: target pick leaves spec-decode verification to "
+                            "vLLM: %s", refusal)
         # logprobs steps use a C++ scan: load it now (built once per machine, ~30 s;
         # not in a background thread: one killed inside torch's build lock leaves the
         # lock behind, and every later load waits on it)
@@ -275,8 +218,7 @@ class _Picker:
                       structured=bool(getattr(so, "has_structured_output_requests", False)),
                       logprobs_mode=r.sampler.logprobs_mode, vocab=self.vocab,
                       nan_check=bool(envs.VLLM_COMPUTE_NANS_IN_LOGITS),
-                      synthetic=getattr(getattr(r, "rejection_sampler", None),
-                                        "synthetic_mode", False))
+                      verify=_verify_method(r))
 
     def gather(self, shard):
         """vLLM's gather of the logits (for a step that turns out to need them)."""
@@ -323,6 +265,12 @@ class _Picker:
         return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None)
 
 
+def _verify_method(runner) -> str:
+    """The runner's spec-decode verification method (vllm_decision.verify_method)."""
+    return verify_method(getattr(runner, "speculative_config", None),
+                         getattr(runner, "rejection_sampler", None))
+
+
 def _identity(logits):
     return logits
 
@@ -350,40 +298,26 @@ def _comm_spec(tp) -> str:
 
 def hook_points_missing() -> list[str]:
     """The hook points (see HOOK_POINTS) this vLLM no longer has, as 'where: text'."""
-    import importlib
+    return vllm_hook_points.missing(HOOK_POINTS)
 
-    missing = []
-    for where, text in HOOK_POINTS:
-        module, _, attr = where.partition(":")
-        try:
-            obj = importlib.import_module(module)
-            for part in attr.split("."):
-                obj = getattr(obj, part)
-            obj = inspect.unwrap(obj)  # commfold's own wrappers (comm log, this hook)
-            source = inspect.getsource(obj)
-        except Exception as e:  # moved, renamed, no source
-            missing.append(f"{where} ({type(e).__name__})")
-            continue
-        if text not in source:
-            missing.append(f"{where}: {text.splitlines()[0].strip()}")
-    return missing
+
+def state(environ=os.environ, runner=None) -> vllm_runtime.HookState:
+    """This hook's state and why (vllm_runtime.gate), installing nothing."""
+    return vllm_runtime.gate(HOOK, off=None if enabled(environ) else f"{ENV}=0",
+                             missing=hook_points_missing, environ=environ, runner=runner)
 
 
 _installed = False
 
 
-def install(environ=os.environ) -> bool:
-    """Hook vLLM's model runner (once per process); False, with one log line, when
-    COMMFOLD_TARGET_PICK=0 or vLLM's code moved under the hook."""
+def install(environ=os.environ, runner=None) -> bool:
+    """Hook vLLM's V1 model runner (once per process), logging one line: on, or off
+    and why (COMMFOLD_TARGET_PICK=0, Model Runner V2, vLLM's code moved under the
+    hook). runner: vllm_runtime.runner_choice's answer, when the caller has it."""
     global _installed
-    if _installed or not enabled(environ):
-        return _installed
-    import vllm
-
-    missing = hook_points_missing()
-    if missing:
-        log.warning("commfold: target pick left off: vLLM %s moved what it hooks (%s); "
-                    "tested with vLLM 0.32.0", vllm.__version__, "; ".join(missing))
+    if _installed:
+        return True
+    if not state(environ, runner).log().on:
         return False
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 

@@ -60,6 +60,7 @@ def runner(model, md, logprobs_mode="raw_logprobs"):
     return SimpleNamespace(
         model=model, input_batch=SimpleNamespace(sampling_metadata=md), sampler=sampler,
         rejection_sampler=RejectionSampler(sampler), lora_config=None,
+        speculative_config=SimpleNamespace(rejection_sample_method="standard"),
         parallel_config=SimpleNamespace(pipeline_parallel_size=1), broadcast_pp_output=False,
         model_config=SimpleNamespace(logprobs_mode=logprobs_mode))
 

@@ -14,6 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from commfold.vllm_runtime import Runner
 from vllm_models import init_vllm_tp, require_vllm_installed, shm_supported
 
 pytestmark = require_vllm_installed()
@@ -171,7 +172,9 @@ def _bad_words():
 
 DECISIONS = {
     "greedy": ([_greedy, _greedy], {}, "greedy"),
-    "greedy, spec decode": ([_greedy], dict(spec=True), "verify"),
+    "greedy, spec decode": ([_greedy], dict(spec=True, verify="standard"), "verify"),
+    "greedy, spec decode, FLy": ([_greedy], dict(spec=True, verify="fly"), None),
+    "greedy, spec decode, method unknown": ([_greedy], dict(spec=True), None),
     "one request sampled": ([_greedy, lambda: __import__("vllm").SamplingParams(
         temperature=0.8, seed=3)], {}, None),
     "repetition penalty": ([lambda: _greedy(repetition_penalty=1.2)], {}, None),
@@ -191,7 +194,8 @@ DECISIONS = {
     "logprobs=20, vocab < 1280": ([lambda: _greedy(logprobs=20)], dict(vocab=1000), None),
     "logprobs, raw_logits mode": ([lambda: _greedy(logprobs=2)],
                                   dict(logprobs_mode="raw_logits"), None),
-    "logprobs, spec decode": ([lambda: _greedy(logprobs=2)], dict(spec=True), None),
+    "logprobs, spec decode": ([lambda: _greedy(logprobs=2)], dict(spec=True, verify="standard"),
+                              None),
 }
 
 
@@ -231,12 +235,56 @@ def test_custom_logits_processor_keeps_vllms_path():
                   vocab=V) == (None, "logits processors: Custom")
 
 
+def test_verification_method_from_vllms_own_config_and_sampler():
+    """Every rejection_sample_method this vLLM defines, and adaptive verification, set
+    on its SpeculativeConfig with the RejectionSampler built from it, through the
+    hook's own decision: only "standard" is verified locally (test_vllm_decision.py
+    has the method tables of each release)."""
+    from types import SimpleNamespace
+    from typing import get_args
+
+    from vllm.config import SpeculativeConfig
+    from vllm.config.speculative import RejectionSampleMethod
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.sample.sampler import Sampler
+
+    from commfold.vllm_target_pick import _Picker
+
+    cases = [(m, {}) for m in get_args(RejectionSampleMethod)] + \
+        [("standard", dict(enable_adaptive_verification=True))]
+    seen = {}
+    for method, extra in cases:
+        if method == "synthetic":
+            extra = dict(synthetic_acceptance_length=1.5)
+        config = SpeculativeConfig(method="ngram", num_speculative_tokens=2,
+                                   prompt_lookup_max=2, prompt_lookup_min=1,
+                                   rejection_sample_method=method, **extra)
+        sampler = Sampler()
+        picker = _Picker.__new__(_Picker)  # only what _decide reads
+        picker.vocab = V
+        picker.runner = SimpleNamespace(
+            input_batch=SimpleNamespace(sampling_metadata=_metadata_for([_greedy()])),
+            sampler=sampler, speculative_config=config,
+            rejection_sampler=RejectionSampler(sampler, config))
+        picker.scheduler_output = SimpleNamespace(scheduled_spec_decode_tokens={"r0": [1]},
+                                                  has_structured_output_requests=False)
+        seen["adaptive" if extra.get("enable_adaptive_verification") else method] = \
+            picker._decide()
+    assert seen.pop("standard") == ("verify", "all greedy")
+    assert {"synthetic", "adaptive"} <= set(seen)
+    for method, (mode, reason) in seen.items():
+        assert mode is None and reason.startswith(f"verification method {method}:"), method
+
+
 # --- the hook points -------------------------------------------------------------------
 
 def test_hook_points_present_in_this_vllm():
     from commfold.vllm_target_pick import hook_points_missing
 
     assert hook_points_missing() == []
+
+
+V1 = Runner(1, "the test's choice")  # whatever the environment says
 
 
 def test_moved_hook_point_leaves_the_hook_off(monkeypatch, caplog):
@@ -247,9 +295,10 @@ def test_moved_hook_point_leaves_the_hook_off(monkeypatch, caplog):
     monkeypatch.setattr(vtp, "HOOK_POINTS", moved)
     monkeypatch.setattr(vtp, "_installed", False)
     with caplog.at_level("WARNING", logger="commfold"):
-        assert vtp.install() is False
-    (line,) = [r.getMessage() for r in caplog.records if "target pick left off" in r.getMessage()]
+        assert vtp.install(runner=V1) is False
+    (line,) = [r.getMessage() for r in caplog.records if "target pick off" in r.getMessage()]
     assert "Sampler.forward: not in vLLM" in line and "NoSuchClass (AttributeError)" in line
+    assert "moved what it hooks" in line
     assert not getattr(__import__("vllm.v1.worker.gpu_model_runner", fromlist=["x"])
                        .GPUModelRunner.execute_model, "_commfold_target_pick", False)
 
@@ -258,7 +307,7 @@ def test_off_switch(monkeypatch):
     from commfold import vllm_target_pick as vtp
 
     monkeypatch.setattr(vtp, "_installed", False)
-    assert vtp.install({"COMMFOLD_TARGET_PICK": "0"}) is False
+    assert vtp.install({"COMMFOLD_TARGET_PICK": "0"}, runner=V1) is False
     assert vtp.enabled({}) and not vtp.enabled({"COMMFOLD_TARGET_PICK": "0"})
 
 

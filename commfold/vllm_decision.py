@@ -1,0 +1,139 @@
+"""Whether commfold's local pick may replace vLLM's for one engine step: a pure
+function of the step's sampling parameters and the engine's speculative config, the
+same on every rank (one rank picking locally and another gathering would be a
+collective mismatch). Shared by the runner hooks (V1's today; a V2 hook reads the
+same pieces), and importing vLLM only to recognize its built-in logits processors.
+
+Spec-decode verification is replaced only where it is strict greedy: every request
+greedy and vLLM's ``rejection_sample_method`` "standard" (the target's argmax must
+equal the draft token). Every other method vLLM defines - "synthetic" (acceptance
+at configured rates), "block" (block verification), "fly" (FLy's lossy,
+entropy-gated acceptance, from vLLM 0.33), adaptive verification - and any method
+commfold does not know run vLLM's code.
+"""
+from __future__ import annotations
+
+MAX_LOGPROBS = 20
+LOGPROB_MODES = ("raw_logprobs", "processed_logprobs")
+
+# rejection_sample_method values whose greedy verification is commfold's pick
+STRICT_GREEDY = ("standard",)
+# the other verification methods vLLM 0.32 / 0.33 define, and why they stay vLLM's
+LEFT_TO_VLLM = {
+    "synthetic": "accepts drafts at configured rates, not by the target's argmax",
+    "block": "block verification judges the drafts jointly",
+    "fly": "FLy's lossy acceptance reads entropy of the full-vocab logits",
+    "adaptive": "adaptive verification sizes the verify budget from draft confidence",
+}
+
+
+def verify_method(spec_config, rejection_sampler=None) -> str:
+    """The verification method of the engine's spec-decode steps: the speculative
+    config's ``rejection_sample_method`` ("adaptive" when adaptive verification is on),
+    overruled by what the runner's rejection sampler was built to do (V1's
+    ``synthetic_mode`` / ``use_fly``, V2's ``synthetic_conditional_rates`` /
+    ``use_block_verification`` / ``fly_window_size``). A config without the field
+    reads as "unknown: ...". Every input is engine configuration: rank-consistent."""
+    if spec_config is None:
+        return "unknown: no speculative config"
+    if getattr(spec_config, "enable_adaptive_verification", False):
+        return "adaptive"
+    method = getattr(spec_config, "rejection_sample_method", None)
+    if not isinstance(method, str):
+        return "unknown: no rejection_sample_method"
+    built = _sampler_method(rejection_sampler)
+    return built if built is not None and built != method else method
+
+
+def _sampler_method(sampler) -> str | None:
+    """The non-standard method a vLLM RejectionSampler (V1 or V2) was built for."""
+    if sampler is None:
+        return None
+    if getattr(sampler, "enable_adaptive_verification", False):
+        return "adaptive"
+    if getattr(sampler, "synthetic_mode", False) or \
+            getattr(sampler, "synthetic_conditional_rates", None) is not None:
+        return "synthetic"
+    if getattr(sampler, "use_block_verification", False):
+        return "block"
+    if getattr(sampler, "use_fly", False) or getattr(sampler, "fly_window_size", None):
+        return "fly"  # V1 leaves fly_window_size None, V2 0, when FLy is off
+    return None
+
+
+def verify_refusal(method: str | None) -> str | None:
+    """Why greedy verification under `method` stays vLLM's; None when it is strict
+    greedy (commfold may replace it)."""
+    if method in STRICT_GREEDY:
+        return None
+    if method in LEFT_TO_VLLM:
+        return f"verification method {method}: {LEFT_TO_VLLM[method]}"
+    return f"verification method {method or 'unknown'} (commfold knows {STRICT_GREEDY[0]})"
+
+
+def decide(md, *, spec: bool, structured: bool, logprobs_mode: str, vocab: int,
+           nan_check: bool = False, verify: str | None = None) -> tuple[str | None, str]:
+    """(mode, reason): mode "greedy" / "verify" / "logprobs", or None with why not.
+    md is vLLM's SamplingMetadata of the step; nan_check: VLLM_COMPUTE_NANS_IN_LOGITS
+    (vLLM counts NaNs over the whole row); verify: the engine's verification method
+    (verify_method), read only under spec decoding - None there means unknown."""
+    if structured:
+        return None, "structured output"
+    if nan_check:
+        return None, "VLLM_COMPUTE_NANS_IN_LOGITS"
+    if spec:
+        refusal = verify_refusal(verify)
+        if refusal is not None:
+            return None, refusal
+    if not md.all_greedy:
+        return None, "sampling (temperature > 0)"
+    if not md.no_penalties:
+        return None, "penalties"
+    if md.bad_words_token_ids:
+        return None, "bad words"
+    if md.allowed_token_ids_mask is not None:
+        return None, "allowed token ids"
+    active = active_processors(md)
+    if active:
+        return None, "logits processors: " + ", ".join(active)
+    holder = md.thinking_budget_state_holder
+    if holder is not None and holder.has_tracked_requests():
+        return None, "thinking budget"
+    if md.logprob_token_ids:
+        return None, "logprob_token_ids"
+    k = md.max_num_logprobs
+    if k is None:
+        return ("verify" if spec else "greedy"), "all greedy"
+    return logprobs_mode_ok(k, logprobs_mode, vocab, spec)
+
+
+def logprobs_mode_ok(k: int, logprobs_mode: str, vocab: int, spec: bool = False):
+    if spec:
+        return None, "logprobs under spec decoding"
+    if not 0 <= k <= MAX_LOGPROBS:
+        return None, f"logprobs={k} (local up to {MAX_LOGPROBS})"
+    if 64 * k > vocab:  # torch.topk takes nth_element there: order not reproducible
+        return None, f"logprobs={k} with vocab {vocab} < 64 k"
+    if logprobs_mode not in LOGPROB_MODES:
+        return None, f"logprobs_mode {logprobs_mode}"
+    return "logprobs", f"greedy, logprobs={k}"
+
+
+def active_processors(md) -> list[str]:
+    """Logits processors that would change greedy logits in this batch. vLLM's
+    min_tokens and logit_bias processors are always loaded and act only while a
+    request uses them; any other (a plugin, a per-request adapter) counts as active."""
+    from vllm.v1.sample.logits_processor.builtin import (LogitBiasLogitsProcessor,
+                                                         MinTokensLogitsProcessor)
+
+    active = []
+    for p in md.logitsprocs.non_argmax_invariant:
+        if isinstance(p, MinTokensLogitsProcessor):
+            if p.min_toks:
+                active.append("min_tokens")
+        elif isinstance(p, LogitBiasLogitsProcessor):
+            if p.biases:
+                active.append("logit_bias")
+        else:
+            active.append(type(p).__name__)
+    return active

@@ -1,0 +1,41 @@
+"""What each runtime hook relies on in vLLM's code, checked by source text.
+
+A hook wraps vLLM methods and counts on a few lines inside them (the call whose
+result it replaces, the bookkeeping it repeats). A vLLM release that moves one of
+them must leave the hook off with a line saying so, never run it on code it does not
+know: every hook module lists its points here as ``(module:Attr.path, text)``, text
+None for "the attribute exists", and checks them at install (``missing``);
+``commfold doctor`` and tools/vllm_compat.py read the same lists.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+
+def resolve(where: str):
+    """The object named 'module:Attr.path' (raises if it is not there)."""
+    import importlib
+
+    module, _, attr = where.partition(":")
+    obj = importlib.import_module(module)
+    for part in filter(None, attr.split(".")):
+        obj = getattr(obj, part)
+    return obj
+
+
+def missing(points) -> list[str]:
+    """The points this vLLM no longer has, as 'where: text' or 'where (Error)'."""
+    return [m for where, text in points if (m := _missing(where, text)) is not None]
+
+
+@functools.cache  # vLLM's code does not change within a process
+def _missing(where: str, text: str | None) -> str | None:
+    try:
+        obj = resolve(where)
+        # commfold's own wrappers (comm log, target pick, draft pick) wrap the original
+        source = inspect.getsource(inspect.unwrap(obj)) if text is not None else ""
+    except Exception as e:  # moved, renamed, no source
+        return f"{where} ({type(e).__name__})"
+    if text is not None and text not in source:
+        return f"{where}: {text.splitlines()[0].strip()}"
+    return None

