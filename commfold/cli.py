@@ -1,6 +1,7 @@
 """The `commfold` command: `commfold diff` (what each pass rewrote, dumped),
-`commfold demo` (the 2-rank before/after demo) and `commfold bench` (the performance
-suite of a source checkout)."""
+`commfold demo` (the 2-rank before/after demo), `commfold bench` (the performance
+suite of a source checkout) and `commfold doctor` (what commfold would do inside the
+installed vLLM)."""
 from __future__ import annotations
 
 import argparse
@@ -101,6 +102,8 @@ def main(argv=None) -> int:
     sub.add_parser("bench", add_help=False,
                    help="performance suite: commfold vs plain Inductor side by side, JSON + "
                         "markdown + plots (needs a source checkout; `commfold bench --help`)")
+    sub.add_parser("doctor", help="which of commfold's vLLM hooks would act here, and why "
+                                  "not (no engine started; exit 0)")
     if argv[:1] == ["demo"]:  # the demo owns its options
         from commfold.demo import main as demo_main
 
@@ -114,6 +117,10 @@ def main(argv=None) -> int:
         passes = [p for p in (args.passes or "").split(",") if p] or None
         return run_diff(args.target, world_size=args.world_size, out=args.out,
                         passes=passes, timeout=args.timeout)
+    if args.command == "doctor":
+        from commfold.vllm_doctor import main as doctor_main
+
+        return doctor_main()
     parser.print_help()
     return 2
 

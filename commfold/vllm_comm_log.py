@@ -26,12 +26,17 @@ prints two "USDT ... profiler_start/stop" lines to stderr per step); none while
 ``dir/paused`` exists (a benchmark times its runs paused, then logs one run). Nothing is
 installed when the variable is unset. Read the files with
 ``commfold.comm_log.read_step_logs``.
+
+The log wraps the V1 model runner's methods: under Model Runner V2, or with a
+method it wraps gone, it stays off and says so in one line at install
+(commfold.vllm_runtime), as when it is on.
 """
 from __future__ import annotations
 
 import json
 import os
 from contextlib import nullcontext
+from dataclasses import replace
 from functools import wraps
 from pathlib import Path
 
@@ -46,6 +51,14 @@ _LOGITS = ("forward", "get_top_tokens", "get_top_k_tokens")
 # torch.compile's own spans: collectives dispatched inside them are traced on fake
 # tensors (a compile during the step), not run: phase "compile"
 _COMPILING = " (dynamo_timed)"
+
+HOOK = "step log"
+# what must exist in vLLM for every phase to be seen (see vllm_hook_points)
+_RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner."
+_PROCESSOR = "vllm.model_executor.layers.logits_processor:LogitsProcessor."
+HOOK_POINTS = tuple((_RUNNER + m, None) for m in ("execute_model", "sample_tokens",
+                                                  *_RUNNER_PHASES)) \
+    + tuple((_PROCESSOR + m, None) for m in _LOGITS)
 
 _recorder: _StepRecorder | None = None
 
@@ -128,16 +141,31 @@ def _phase_at(spans, t: int) -> str:
     return "other"
 
 
-def install(environ=os.environ) -> bool:
-    """Install the step log when COMMFOLD_COMM_LOG_DIR is set; True if installed."""
+def state(environ=os.environ, runner=None):
+    """The step log's state (vllm_runtime.HookState), installing nothing."""
+    from . import vllm_hook_points, vllm_runtime
+
+    off = None if environ.get(ENV_DIR, "").strip() else f"{ENV_DIR} unset"
+    hook = vllm_runtime.gate(HOOK, off=off, environ=environ, runner=runner,
+                             missing=lambda: vllm_hook_points.missing(HOOK_POINTS))
+    if hook.on:  # what it counts: collectives that reach a profiler event it knows
+        hook = replace(hook, reason=hook.reason + "; counts c10d (gloo) and vLLM CPU "
+                       "shared-memory collectives, not PyNccl's")
+    return hook
+
+
+def install(environ=os.environ, runner=None) -> bool:
+    """Install the step log when COMMFOLD_COMM_LOG_DIR is set (once per process,
+    logging one line, on or off and why); True if installed."""
     global _recorder
-    directory = environ.get(ENV_DIR, "").strip()
-    if not directory or _recorder is not None:
-        return _recorder is not None
+    if _recorder is not None:
+        return True
+    if not state(environ, runner).log().on:
+        return False
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    _recorder = _StepRecorder(directory)
+    _recorder = _StepRecorder(environ[ENV_DIR].strip())
     _wrap(GPUModelRunner, "execute_model", _step_start)
     _wrap(GPUModelRunner, "sample_tokens", _step_finish)
     for method, name in _RUNNER_PHASES.items():

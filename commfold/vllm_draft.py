@@ -17,16 +17,33 @@ With ``use_local_argmax_reduction`` vLLM calls the drafter's own ``get_top_token
 logits to another tokenizer's vocab (``use_heterogeneous_vocab``) keep vLLM's pick.
 Which passes the pick may use follows COMMFOLD_PASSES (replicate_vocab_parallel,
 local_argmax; neither: vLLM's pick).
+
+Both hooks patch V1's proposers (Model Runner V2 has its own speculator, which
+they do not reach) and log one line each at install, on or off and why
+(commfold.vllm_runtime); each checks the lines of vLLM's code it relies on.
 """
 from __future__ import annotations
 
 import logging
+import os
 
+from . import vllm_hook_points, vllm_runtime
 from .config import Config
 
 log = logging.getLogger("commfold")
 
 PICK_PASSES = ("replicate_vocab_parallel", "local_argmax")
+PICK, TOP_TOKENS = "draft pick", "draft get_top_tokens"
+_BASE = "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer"
+# what vLLM's proposers must still say for each hook to be right (see vllm_hook_points)
+HOOK_POINTS = {
+    PICK: ((f"{_BASE}._greedy_sample",
+            "return self.model.compute_logits(hidden_states).argmax(dim=-1)"),),
+    TOP_TOKENS: ((f"{_BASE}._greedy_sample", "return self.model.get_top_tokens(hidden_states)"),
+                 (f"{_BASE}.load_model", "self.model = self._get_model()"),
+                 (f"{_BASE}._get_model", None),
+                 ("vllm.v1.spec_decode.draft_model:DraftModelProposer._get_model", None)),
+}
 
 
 def pick_config(config: Config) -> Config | None:
@@ -50,27 +67,38 @@ def choose_pick(proposer, config: Config | None):
     return draft_top_tokens(model, config)
 
 
-def hook_proposers(config: Config) -> None:
+def states(config: Config, environ=os.environ, runner=None) -> list:
+    """The two hooks' states (vllm_runtime.HookState), installing nothing."""
+    off = None if pick_config(config) else \
+        f"COMMFOLD_PASSES has none of {', '.join(PICK_PASSES)}"
+    return [vllm_runtime.gate(hook, off=off, environ=environ, runner=runner,
+                              missing=lambda points=points: vllm_hook_points.missing(points))
+            for hook, points in HOOK_POINTS.items()]
+
+
+def hook_proposers(config: Config, environ=os.environ, runner=None) -> list:
     """Patch vLLM's draft proposers (idempotent): the greedy draft pick, and a
-    get_top_tokens for drafters without one under use_local_argmax_reduction."""
+    get_top_tokens for drafters without one under use_local_argmax_reduction; each
+    hook logs its line. Returns their states."""
     from vllm.v1.spec_decode import draft_model, llm_base_proposer
 
     from .vllm_top_tokens import install_get_top_tokens
 
+    pick, top_tokens = found = [s.log() for s in states(config, environ, runner)]
     chosen = pick_config(config)
     base = llm_base_proposer.SpecDecodeBaseProposer
     original_sample = base.__dict__.get("_greedy_sample")
-    if original_sample is not None and not getattr(original_sample, "_commfold", False):
+    if pick.on and not getattr(original_sample, "_commfold", False):
         def _greedy_sample(self, hidden_states, _original=original_sample):
             pick = self.__dict__.get("_commfold_pick", _UNSET)
             if pick is _UNSET:
                 pick = self._commfold_pick = choose_pick(self, chosen)
             return _original(self, hidden_states) if pick is None else pick(hidden_states)
 
-        _greedy_sample._commfold = True
+        _greedy_sample._commfold, _greedy_sample.__wrapped__ = True, original_sample
         base._greedy_sample = _greedy_sample
 
-    for cls in (base, draft_model.DraftModelProposer):
+    for cls in (base, draft_model.DraftModelProposer) if top_tokens.on else ():
         original = cls.__dict__.get("_get_model")
         if original is None or getattr(original, "_commfold", False):
             continue
@@ -81,8 +109,9 @@ def hook_proposers(config: Config) -> None:
                 install_get_top_tokens(model, chosen)
             return model
 
-        _get_model._commfold = True
+        _get_model._commfold, _get_model.__wrapped__ = True, original
         cls._get_model = _get_model
+    return found
 
 
 _UNSET = object()

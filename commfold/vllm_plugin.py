@@ -7,7 +7,9 @@
    (entry point group ``vllm.general_plugins``), adds the pass to every VllmConfig
    (composed with a post-grad pass already there) and hooks the speculative drafter
    (commfold.vllm_draft): its greedy pick without a full-vocab gather, and a
-   ``get_top_tokens`` for drafters that lack one.
+   ``get_top_tokens`` for drafters that lack one; and the target's pick
+   (commfold.vllm_target_pick). Every hook logs one line at load, on or off and why
+   (the table `commfold doctor` prints; commfold.vllm_runtime).
 
 Options come from the environment, read when the pass is first used (its uuid() or a
 run; vLLM asks for the uuid when it builds its config, before it pickles the pass into
@@ -32,15 +34,18 @@ import copy
 import os
 import sys
 
-from . import vllm_comm_log, vllm_target_pick
+from . import vllm_comm_log, vllm_draft, vllm_runtime, vllm_target_pick
 from .config import ALL_PASSES, Config, unknown_passes
 from .manager import CommfoldPass
+from .vllm_runtime import HookState
 
 ENV_ON = "COMMFOLD_VLLM"
 ENV_PASSES = "COMMFOLD_PASSES"
 ENV_REPLICATE = "COMMFOLD_REPLICATE_MAX_BYTES"
 PASS_KEY = "post_grad_custom_post_pass"
 _INDUCTOR_PASS_MODULE = "vllm.compilation.passes.inductor_pass"
+PASSES_HOOK = "graph passes"
+_runner: vllm_runtime.Runner | None = None  # the runner the hooks assumed at register()
 
 
 def enabled(environ=os.environ) -> bool:
@@ -117,19 +122,51 @@ def configure(vllm_config) -> None:
         compile_config[PASS_KEY] = unwrapped
     elif enabled():
         compile_config[PASS_KEY] = VllmCommfoldPass(then=current)  # options: environment
+    if enabled() and _runner is not None:
+        vllm_runtime.confirm_runner(vllm_config, _runner)
 
 
 def register() -> None:
-    """vLLM general-plugin entry point; vLLM calls it in every process it starts."""
+    """vLLM general-plugin entry point; vLLM calls it in every process it starts. Each
+    hook logs one line, on or off and why (the table `commfold doctor` prints)."""
     import importlib
 
+    global _runner
     importlib.import_module(_INDUCTOR_PASS_MODULE)
     register_inductor_pass()
     _hook_vllm_config()
-    vllm_comm_log.install()  # only with COMMFOLD_COMM_LOG_DIR set
+    _runner = vllm_runtime.runner_choice()
+    passes_state().log()
+    vllm_comm_log.install(runner=_runner)  # only with COMMFOLD_COMM_LOG_DIR set
     if enabled():
-        _hook_draft_models()
-        vllm_target_pick.install()  # COMMFOLD_TARGET_PICK=0 leaves it off
+        vllm_draft.hook_proposers(config_from_env(), runner=_runner)
+        vllm_target_pick.install(runner=_runner)  # COMMFOLD_TARGET_PICK=0 leaves it off
+    else:
+        for state in _unwanted():
+            state.log()
+
+
+def passes_state(environ=os.environ) -> HookState:
+    if enabled(environ):
+        return HookState(PASSES_HOOK, True, f"{ENV_ON}=1: added to every VllmConfig's "
+                         "post-grad passes (V1 and V2 runners alike)")
+    return HookState(PASSES_HOOK, False, f"{ENV_ON} unset (a compilation_config naming "
+                     "commfold.vllm_pass still runs them)")
+
+
+def _unwanted() -> list[HookState]:
+    return [HookState(hook, False, f"{ENV_ON} unset")
+            for hook in (*vllm_draft.HOOK_POINTS, vllm_target_pick.HOOK)]
+
+
+def hook_states(environ=os.environ, runner=None) -> list[HookState]:
+    """Every hook's state in `environ`, installing nothing: what register() logs."""
+    runner = runner or vllm_runtime.runner_choice(environ)
+    states = [passes_state(environ), vllm_comm_log.state(environ, runner)]
+    if not enabled(environ):
+        return states + _unwanted()
+    return states + vllm_draft.states(config_from_env(environ), environ, runner) \
+        + [vllm_target_pick.state(environ, runner)]
 
 
 def _hook_vllm_config() -> None:
@@ -145,14 +182,6 @@ def _hook_vllm_config() -> None:
 
     __post_init__._commfold = True
     VllmConfig.__post_init__ = __post_init__
-
-
-def _hook_draft_models() -> None:
-    """The drafter's greedy pick without a full-vocab gather, and a get_top_tokens for
-    drafters without one (commfold.vllm_draft)."""
-    from .vllm_draft import hook_proposers
-
-    hook_proposers(config_from_env())
 
 
 # The pass vLLM's compilation config names as "commfold.vllm_pass" (re-exported by

@@ -131,8 +131,9 @@ def pytest_sessionfinish(session, exitstatus):
 # one worker runs them all, in file order. Every other module is a group of its own,
 # so its module fixtures run once.
 VLLM_MODULES = {"test_cpu_portability", "test_fuse_vllm_shm", "test_fuse_vllm_spellings",
-                "test_vllm_draft_pick", "test_vllm_engine", "test_vllm_registration",
-                "test_vllm_spec_decode", "test_vllm_target_pick", "test_vllm_top_tokens"}
+                "test_vllm_draft_pick", "test_vllm_engine", "test_vllm_hook_states",
+                "test_vllm_registration", "test_vllm_spec_decode", "test_vllm_target_pick",
+                "test_vllm_top_tokens"}
 # The longest modules after the vLLM group, longest first (as measured on 2 cores),
 # handed out first so that no worker starts one of them when the other is nearly done.
 LONG_MODULES = ["test_examples", "test_fuse_allreduce_rmsnorm", "test_cli",

