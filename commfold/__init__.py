@@ -8,12 +8,15 @@ out of LLM inference graphs, without touching model source.
 Importing commfold registers its custom ops (namespace ``commfold``); it never
 imports vLLM.
 """
+from . import checkout
 from . import ops  # noqa: F401  (registers torch.ops.commfold.*)
 from .backend import backend
 from .config import ALL_PASSES, Config
 from .manager import CommfoldPass
 from .report import Comm, NearMiss, Report, Rewrite, clear_reports, last_report, reports
 from .vllm_plugin import vllm_pass  # vLLM resolves "commfold.vllm_pass" in this namespace
+
+checkout.install()  # run from a checkout (PYTHONPATH=.): commfold.passes, .patterns beside it
 
 __version__ = "0.1.0"
 
