@@ -16,6 +16,7 @@ engine's config once it exists.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ class Runner:
     why: str
 
 
+@functools.cache  # read once a process (~0.5 s: every installed distribution's files)
 def installed_vllm() -> tuple[str, str] | None:
     """(distribution, version) that provides the `vllm` package, from its metadata."""
     from importlib import metadata
