@@ -61,7 +61,18 @@ constexpr int64_t kOffsetInWeightDtype = COMMFOLD_OFFSET_IN_WEIGHT_DTYPE;
 constexpr int64_t kRoundBeforeWeight = COMMFOLD_ROUND_BEFORE_WEIGHT;
 constexpr int64_t kRoundSum = COMMFOLD_ROUND_SUM;
 constexpr int64_t kOutF32 = COMMFOLD_OUT_F32;
+constexpr int64_t kScaleDivides = COMMFOLD_SCALE_DIVIDES;
+constexpr int64_t kRoundScaled = COMMFOLD_ROUND_SCALED;
 constexpr int64_t kTwoShotShift = COMMFOLD_TWO_SHOT_SHIFT;
+
+// The scale on x before the residual add (a scaled residual branch): m = x * c or
+// x / c in f32, c rounded to f32 (Inductor's static_cast<float>(c)), m rounded to T
+// when `round`. `on` is false for the identity (x * 1, x / 1 are exact).
+struct ScaleArg {
+  float c = 1.f;
+  bool divides = false, round = false;
+  bool on() const { return divides || c != 1.f; }
+};
 
 // kInPlace: h is x (same rows). Spelled as one pointer so the compiler sees a read and
 // a write of the same element and vectorizes; as two equal pointers its run-time alias
@@ -133,13 +144,15 @@ static void add_rmsnorm_impl(const typename Conv<T>::S* x, int64_t sx,
                              const typename Conv<T>::S* res, int64_t sr,
                              typename Conv<T>::S* h, int64_t sh, typename Conv<O>::S* out,
                              int64_t so, const float* w, int64_t N, int64_t H, float eps,
-                             bool round_h) {
+                             bool round_h, ScaleArg sc) {
   using TS = typename Conv<T>::S;
   using OS = typename Conv<O>::S;
   constexpr bool kF32 = std::is_same<T, float>::value;  // h is the f32 sum itself
   const float inv_h = 1.0f / static_cast<float>(H);
+  const bool scaled = sc.on();
   at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(res && !kF32 ? H : 0);  // the unrounded f32 sum of a row
+    // the unrounded f32 sum of a row (with a scale: first the scaled row)
+    std::vector<float> scratch((res && !kF32) || scaled ? H : 0);
     float* s32 = scratch.data();
     for (int64_t i = begin; i < end; ++i) {
       TS* hr = h + i * sh;
@@ -148,8 +161,10 @@ static void add_rmsnorm_impl(const typename Conv<T>::S* x, int64_t sx,
       OS* orow = out + i * so;
 #if defined(__F16C__) && defined(__AVX__)
       if constexpr (std::is_same<T, c10::Half>::value) {
-        half_row<O, R>(xr, rr, hr, orow, s32, w, H, inv_h, eps, round_h);
-        continue;
+        if (!scaled) {
+          half_row<O, R>(xr, rr, hr, orow, s32, w, H, inv_h, eps, round_h);
+          continue;
+        }
       }
 #endif
       // Sweep 1: the sum, its rounded store and the sum of squares. An OpenMP simd
@@ -169,8 +184,40 @@ static void add_rmsnorm_impl(const typename Conv<T>::S* x, int64_t sx,
         }
         return s;
       };
+      // The scaled forms: sweep 0 puts m = x * c (x / c) into s32, sweep 1 adds the
+      // residual (if any) to it, writes h and takes the sum of squares.
+      auto scale_row = [&](auto divides, auto round) {
+        const float c = sc.c;
+#pragma omp simd
+        for (int64_t j = 0; j < H; ++j) {
+          const float v = Conv<T>::load(xr[j]);
+          float m = decltype(divides)::value ? v / c : v * c;
+          if constexpr (!kF32 && decltype(round)::value) m = round_to<T>(m);
+          s32[j] = m;
+        }
+      };
+      auto scaled_sumsq = [&](auto round, auto with_res) {
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t j = 0; j < H; ++j) {
+          float v = s32[j];
+          if constexpr (decltype(with_res)::value) v = v + Conv<T>::load(rr[j]);
+          hr[j] = Conv<T>::store(v);
+          if constexpr (!kF32 && decltype(round)::value) v = round_to<T>(v);
+          s32[j] = v;
+          s += v * v;
+        }
+        return s;
+      };
       float s = 0.f;
-      if (rr) {
+      if (scaled) {
+        using Yes = std::true_type;
+        using No = std::false_type;
+        if (sc.divides) sc.round ? scale_row(Yes{}, Yes{}) : scale_row(Yes{}, No{});
+        else sc.round ? scale_row(No{}, Yes{}) : scale_row(No{}, No{});
+        if (rr) s = round_h ? scaled_sumsq(Yes{}, Yes{}) : scaled_sumsq(No{}, Yes{});
+        else s = round_h ? scaled_sumsq(Yes{}, No{}) : scaled_sumsq(No{}, No{});
+      } else if (rr) {
         s = round_h ? add_sumsq(std::true_type{}) : add_sumsq(std::false_type{});
       } else {
 #pragma omp simd reduction(+ : s)
@@ -178,7 +225,7 @@ static void add_rmsnorm_impl(const typename Conv<T>::S* x, int64_t sx,
       }
       // Sweep 2: y = round_O(round_R(s * r) * w), from the f32 row (in cache).
       const float r = 1.0f / std::sqrt(s * inv_h + eps);
-      if (rr && !kF32) {
+      if ((rr && !kF32) || scaled) {
         if (w) {
 #pragma omp simd
           for (int64_t k = 0; k < H; ++k)
@@ -204,7 +251,8 @@ static void add_rmsnorm_impl(const typename Conv<T>::S* x, int64_t sx,
 
 template <typename T, typename O, typename R>
 static void call(const at::Tensor& x, const c10::optional<at::Tensor>& res, at::Tensor& h,
-                 at::Tensor& out, const c10::optional<at::Tensor>& w, double eps, bool round_h) {
+                 at::Tensor& out, const c10::optional<at::Tensor>& w, double eps, bool round_h,
+                 ScaleArg sc) {
   const bool in_place = x.data_ptr() == h.data_ptr() && x.stride(0) == h.stride(0);
   auto impl = in_place ? add_rmsnorm_impl<T, O, R, true> : add_rmsnorm_impl<T, O, R, false>;
   using TS = typename Conv<T>::S;
@@ -214,35 +262,40 @@ static void call(const at::Tensor& x, const c10::optional<at::Tensor>& res, at::
        res ? res->stride(0) : 0, reinterpret_cast<TS*>(h.data_ptr<T>()), h.stride(0),
        reinterpret_cast<OS*>(out.data_ptr<O>()), out.stride(0),
        w ? w->data_ptr<float>() : nullptr, x.size(0), x.size(1), static_cast<float>(eps),
-       round_h);
+       round_h, sc);
 }
 
 template <typename T>
 static void dispatch_out(const at::Tensor& x, const c10::optional<at::Tensor>& res,
                          at::Tensor& h, at::Tensor& out, const c10::optional<at::Tensor>& w,
-                         double eps, bool round_before_weight, bool round_h) {
+                         double eps, bool round_before_weight, bool round_h, ScaleArg sc) {
   if (out.scalar_type() == at::kFloat) {
-    if (round_before_weight) call<T, float, T>(x, res, h, out, w, eps, round_h);
-    else call<T, float, float>(x, res, h, out, w, eps, round_h);
+    if (round_before_weight) call<T, float, T>(x, res, h, out, w, eps, round_h, sc);
+    else call<T, float, float>(x, res, h, out, w, eps, round_h, sc);
   } else {
     TORCH_CHECK(out.scalar_type() == x.scalar_type(), "out dtype must be f32 or x's dtype");
-    if (round_before_weight) call<T, T, T>(x, res, h, out, w, eps, round_h);
-    else call<T, T, float>(x, res, h, out, w, eps, round_h);
+    if (round_before_weight) call<T, T, T>(x, res, h, out, w, eps, round_h, sc);
+    else call<T, T, float>(x, res, h, out, w, eps, round_h, sc);
   }
 }
 
 // x, res, h, out: [N, H] with unit stride in the last dim; w: [H] f32 contiguous.
-// h may be x itself (in place); with no residual h is not written.
+// h may be x itself (in place); with no residual and no scale h is not written.
+// scale, divides, round_scaled: the scale on x before the add (see ScaleArg).
 void add_rmsnorm(at::Tensor x, c10::optional<at::Tensor> res, at::Tensor h, at::Tensor out,
                  c10::optional<at::Tensor> w, double eps, bool round_before_weight,
-                 bool round_h) {
+                 bool round_h, double scale, bool divides, bool round_scaled) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.stride(1) == 1 && h.stride(1) == 1);
   if (res) TORCH_CHECK(res->stride(1) == 1 && res->scalar_type() == x.scalar_type());
   if (w) TORCH_CHECK(w->is_contiguous() && w->scalar_type() == at::kFloat);
+  ScaleArg sc;
+  sc.c = static_cast<float>(scale);
+  sc.divides = divides;
+  sc.round = round_scaled;
   switch (x.scalar_type()) {
-    case at::kFloat: call<float, float, float>(x, res, h, out, w, eps, false); break;
-    case at::kBFloat16: dispatch_out<c10::BFloat16>(x, res, h, out, w, eps, round_before_weight, round_h); break;
-    case at::kHalf: dispatch_out<c10::Half>(x, res, h, out, w, eps, round_before_weight, round_h); break;
+    case at::kFloat: call<float, float, float>(x, res, h, out, w, eps, false, sc); break;
+    case at::kBFloat16: dispatch_out<c10::BFloat16>(x, res, h, out, w, eps, round_before_weight, round_h, sc); break;
+    case at::kHalf: dispatch_out<c10::Half>(x, res, h, out, w, eps, round_before_weight, round_h, sc); break;
     default: TORCH_CHECK(false, "add_rmsnorm: unsupported dtype ", x.scalar_type());
   }
 }
@@ -272,10 +325,15 @@ using ArgsT = at::Tensor(at::Tensor&, const std::optional<at::Tensor>&,
 
 constexpr int kPollUs = 15;  // see the wait below
 
-static at::Tensor allreduce_rmsnorm_cpu(
+using ScaledArgsT = at::Tensor(at::Tensor&, const std::optional<at::Tensor>&,
+                               const std::optional<at::Tensor>&, double, double, int64_t,
+                               c10::string_view, double);
+
+// scale: the scaled overload's scale, or nullopt (the plain overload)
+static at::Tensor run_allreduce_rmsnorm(
     at::Tensor& x, const std::optional<at::Tensor>& residual,
     const std::optional<at::Tensor>& weight, double eps, double offset, int64_t flags,
-    c10::string_view comm) {
+    c10::string_view comm, std::optional<double> scale) {
   // vLLM CPU's shared-memory all-reduce (in place, synchronous), when vLLM's _C is loaded
   static std::optional<c10::OperatorHandle> shm_op;
   const bool is_shm = comm.substr(0, 9) == "vllm_shm:";
@@ -285,6 +343,12 @@ static at::Tensor allreduce_rmsnorm_cpu(
       x.numel() > 0 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
                         x.scalar_type() == at::kHalf);
   if (!fast) {
+    if (scale) {
+      static auto eager_scaled = c10::Dispatcher::singleton()
+          .findSchemaOrThrow("commfold::allreduce_rmsnorm_eager", "scaled")
+          .typed<ScaledArgsT>();
+      return eager_scaled.call(x, residual, weight, eps, offset, flags, comm, *scale);
+    }
     static auto eager = c10::Dispatcher::singleton()
         .findSchemaOrThrow("commfold::allreduce_rmsnorm_eager", "").typed<ArgsT>();
     return eager.call(x, residual, weight, eps, offset, flags, comm);
@@ -357,13 +421,30 @@ static at::Tensor allreduce_rmsnorm_cpu(
     work->wait();
   }
   no_gil.reset();
-  add_rmsnorm(h, res, h, out, wf, eps, flags & kRoundBeforeWeight, flags & kRoundSum);
+  add_rmsnorm(h, res, h, out, wf, eps, flags & kRoundBeforeWeight, flags & kRoundSum,
+              scale.value_or(1.0), scale && (flags & kScaleDivides),
+              scale && (flags & kRoundScaled));
   if (!contiguous) x.copy_(h.view(x.sizes()));
   return x.dim() == 2 ? out : out.view(x.sizes());
 }
 
+static at::Tensor allreduce_rmsnorm_cpu(
+    at::Tensor& x, const std::optional<at::Tensor>& residual,
+    const std::optional<at::Tensor>& weight, double eps, double offset, int64_t flags,
+    c10::string_view comm) {
+  return run_allreduce_rmsnorm(x, residual, weight, eps, offset, flags, comm, std::nullopt);
+}
+
+static at::Tensor allreduce_rmsnorm_scaled_cpu(
+    at::Tensor& x, const std::optional<at::Tensor>& residual,
+    const std::optional<at::Tensor>& weight, double eps, double offset, int64_t flags,
+    c10::string_view comm, double scale) {
+  return run_allreduce_rmsnorm(x, residual, weight, eps, offset, flags, comm, scale);
+}
+
 TORCH_LIBRARY_IMPL(commfold, CPU, m) {
   m.impl("allreduce_rmsnorm", &allreduce_rmsnorm_cpu);
+  m.impl("allreduce_rmsnorm.scaled", &allreduce_rmsnorm_scaled_cpu);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -3,6 +3,13 @@
     s   = all_reduce(x) (+ residual)  in f32;  h = round_D(s) is written into x
     out = round_O(round_R(s * rsqrt(mean(s^2, -1) + eps)) * (w + offset))
 
+The ``.scaled`` overload scales the reduced value first, as decoders with a scaled
+residual branch do (Granite's ``residual + x * multiplier``):
+s = m (+ residual) with m = all_reduce(x) * scale (or / scale, SCALE_DIVIDES) in f32,
+rounded to D first only when the graph rounds it there (ROUND_SCALED: emulated casts,
+or an eager norm that reads m). A separate overload, so the unscaled call keeps its
+argument count (each argument costs per call: norm_flags).
+
 computed in f32, rounding only where asked: Inductor's CPU code keeps low-precision
 intermediates in f32 (a cast down and up again is not rounded unless
 ``emulate_precision_casts``) but rounds what it stores, so the pass asks for
@@ -26,13 +33,15 @@ Paths, chosen per call from shapes and arguments only (same on every rank):
 """
 from __future__ import annotations
 
+from typing import NamedTuple
 
 import torch
 
 from ..collectives import CommKind, communicator
 from . import add_rmsnorm_cpu, flashinfer_norm
 from .norm_flags import (OFFSET_IN_WEIGHT_DTYPE, OUT_F32, ROUND_BEFORE_WEIGHT,  # noqa: F401
-                         ROUND_SUM, TWO_SHOT_DEFAULT_MIN_BYTES, TWO_SHOT_SHIFT, pack_flags)
+                         ROUND_SCALED, ROUND_SUM, SCALE_DIVIDES, TWO_SHOT_DEFAULT_MIN_BYTES,
+                         TWO_SHOT_SHIFT, pack_flags)
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -50,24 +59,27 @@ def out_dtype_of(x: torch.Tensor, flags: int) -> torch.dtype:
 # C++ (registered when commfold.ops.add_rmsnorm_cpu builds, on first use) and hands
 # what it does not do in C++ to allreduce_rmsnorm_eager, the Python implementation.
 # torch.library.Library, not custom_op: the per-call overhead is ~3 us, not ~11 us.
-_SCHEMA = ("(Tensor(a!) x, Tensor? residual, Tensor? weight, float eps, "
-           "float weight_offset, int flags, str comm) -> Tensor")
+_ARGS = ("Tensor(a!) x, Tensor? residual, Tensor? weight, float eps, float weight_offset, "
+         "int flags, str comm")
+_SCHEMA = f"({_ARGS}) -> Tensor"
 _lib = torch.library.Library("commfold", "FRAGMENT")
-_lib.define("allreduce_rmsnorm" + _SCHEMA)
-_lib.define("allreduce_rmsnorm_eager" + _SCHEMA)
+for _name in ("allreduce_rmsnorm", "allreduce_rmsnorm_eager"):
+    _lib.define(_name + _SCHEMA)
+    _lib.define(f"{_name}.scaled({_ARGS}, float scale) -> Tensor")
 
 
 def allreduce_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None,
                       weight: torch.Tensor | None, eps: float, weight_offset: float,
-                      flags: int, comm: str) -> torch.Tensor:
-    """RMSNorm(all_reduce_sum(x) [+ residual]), normed output returned; the new
-    residual all_reduce_sum(x) [+ residual] written into x."""
+                      flags: int, comm: str, scale: float = 1.0) -> torch.Tensor:
+    """RMSNorm(all_reduce_sum(x) [* scale] [+ residual]), normed output returned; the
+    new residual all_reduce_sum(x) [* scale] [+ residual] written into x."""
     c = communicator(comm)
     off_in_w, round_bw = bool(flags & OFFSET_IN_WEIGHT_DTYPE), bool(flags & ROUND_BEFORE_WEIGHT)
     round_sum, out_dtype = bool(flags & ROUND_SUM), out_dtype_of(x, flags)
+    sc = Scale.of(scale, flags)
     if x.device.type in flashinfer_norm.DEVICE_TYPES:
         done = flashinfer_norm.try_run(x, residual, weight, eps, weight_offset, off_in_w,
-                                       round_bw, out_dtype, c)
+                                       round_bw, out_dtype, c, scaled=sc is not None)
         if done is not None:
             x.copy_(done[1])
             return done[0]
@@ -84,13 +96,29 @@ def allreduce_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None,
         local = c.reduce_scatter(rows)
         part = rows.shape[0] // world
         res_local = res[rank * part:(rank + 1) * part] if res is not None else None
-        out_local = _add_norm(local, res_local, wf, eps, round_bw, round_sum, out_dtype)
+        out_local = _add_norm(local, res_local, wf, eps, round_bw, round_sum, out_dtype, sc)
         out, h = c.all_gather(out_local), c.all_gather(local)
     else:
         h = c.all_reduce(rows)
-        out = _add_norm(h, res, wf, eps, round_bw, round_sum, out_dtype)
+        out = _add_norm(h, res, wf, eps, round_bw, round_sum, out_dtype, sc)
     x.copy_(h.view(shape))
     return out.view(shape)
+
+
+class Scale(NamedTuple):
+    """The scaled overload's scale: m = s * value (s / value when divides), rounded to
+    s's dtype when round."""
+
+    value: float
+    divides: bool
+    round: bool
+
+    @staticmethod
+    def of(scale: float, flags: int) -> Scale | None:
+        """None when the scale is the identity (x * 1 and x / 1 are exact)."""
+        if scale == 1.0 and not flags & SCALE_DIVIDES:
+            return None
+        return Scale(float(scale), bool(flags & SCALE_DIVIDES), bool(flags & ROUND_SCALED))
 
 
 def _first_call(x, *args):
@@ -100,16 +128,25 @@ def _first_call(x, *args):
     return allreduce_rmsnorm(x, *args)
 
 
-_lib.impl("allreduce_rmsnorm_eager", allreduce_rmsnorm, "CompositeExplicitAutograd")
+def _first_call_scaled(x, *args):
+    if x.device.type == "cpu" and add_rmsnorm_cpu.module() is not None:
+        return torch.ops.commfold.allreduce_rmsnorm.scaled(x, *args)  # now C++
+    return allreduce_rmsnorm(x, *args)
+
+
+for _name in ("allreduce_rmsnorm_eager", "allreduce_rmsnorm_eager.scaled"):
+    _lib.impl(_name, allreduce_rmsnorm, "CompositeExplicitAutograd")
 _lib.impl("allreduce_rmsnorm", _first_call, "CompositeExplicitAutograd")
+_lib.impl("allreduce_rmsnorm.scaled", _first_call_scaled, "CompositeExplicitAutograd")
 
 
-def _fake(x, residual, weight, eps, weight_offset, flags, comm):
+def _fake(x, residual, weight, eps, weight_offset, flags, comm, scale=1.0):
     return x.new_empty(x.shape, dtype=out_dtype_of(x, flags))
 
 
-torch.library.register_fake("commfold::allreduce_rmsnorm", _fake)
-torch.library.register_fake("commfold::allreduce_rmsnorm_eager", _fake)
+for _name in ("allreduce_rmsnorm", "allreduce_rmsnorm_eager"):
+    torch.library.register_fake(f"commfold::{_name}", _fake)
+    torch.library.register_fake(f"commfold::{_name}.scaled", _fake)
 
 
 def _use_two_shot(c, rows: torch.Tensor, min_bytes: int) -> bool:
@@ -132,22 +169,29 @@ def _weight_f32(weight, offset: float, in_weight_dtype: bool):
 
 
 def _add_norm(h: torch.Tensor, res, wf, eps: float, round_before_weight: bool,
-              round_sum: bool, out_dtype: torch.dtype) -> torch.Tensor:
-    """In place h += res (rounded to h's dtype); returns the normed rows."""
+              round_sum: bool, out_dtype: torch.dtype, scale: Scale | None = None
+              ) -> torch.Tensor:
+    """In place h = h [* scale] + res (rounded to h's dtype); returns the normed rows."""
     out = torch.empty(h.shape, dtype=out_dtype, device=h.device)
     if h.device.type == "cpu" and h.shape[0] > 0 and add_rmsnorm_cpu.add_rmsnorm(
-            h, res, h, out, wf, eps, round_before_weight, round_sum):
+            h, res, h, out, wf, eps, round_before_weight, round_sum, scale):
         return out
     return composite_add_norm(h, res, wf, eps, round_before_weight, round_sum, out_dtype,
-                              out=out)
+                              out=out, scale=scale)
 
 
-def composite_add_norm(h, res, wf, eps, round_before_weight, round_sum, out_dtype, out=None):
+def composite_add_norm(h, res, wf, eps, round_before_weight, round_sum, out_dtype, out=None,
+                       scale: Scale | None = None):
     """The same math in eager torch ops (several passes over memory): the fallback
     path, and the reference the kernel is tested against."""
     hf = h.float()
-    if res is not None:
-        hf = hf + res.float()
+    if scale is not None:  # in f32 (the f32 scalar), as Inductor computes it
+        hf = hf / scale.value if scale.divides else hf * scale.value
+        if scale.round:
+            hf = hf.to(h.dtype).float()
+    if res is not None or scale is not None:
+        if res is not None:
+            hf = hf + res.float()
         h.copy_(hf)
         if round_sum:
             hf = h.float()

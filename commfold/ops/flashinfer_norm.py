@@ -6,6 +6,8 @@ installed and the call fits it; otherwise the caller takes the composite path.
 What decides (shapes, dtypes, the group, the environment: the same on every rank,
 so every rank takes the same path and the same collective):
 - a CUDA tensor, a c10d or vLLM group of at most 16 ranks;
+- no scale on the reduced value (FlashInfer's fusion has none: the scaled overload
+  takes the composite path; the pass leaves such sites on these devices unfused);
 - x in f32 / bf16 / fp16, the output in x's dtype, the weight (if any) in x's dtype,
   no cast before the weight multiply (FlashInfer normalizes and scales in f32);
   Gemma's ``1 + w`` goes in as ``weight_bias`` when the graph adds it in f32;
@@ -59,14 +61,19 @@ def flashinfer_comm():
     return fi if ok else None
 
 
+NO_SCALE = "scaled residual: FlashInfer fusion has no scale"
+
+
 def why_not(x: torch.Tensor, weight: torch.Tensor | None, weight_offset: float,
             offset_in_weight_dtype: bool, round_before_weight: bool,
-            out_dtype: torch.dtype, comm) -> str | None:
+            out_dtype: torch.dtype, comm, scaled: bool = False) -> str | None:
     """None when the call can go to FlashInfer, else the reason it cannot."""
     if x.device.type not in DEVICE_TYPES:
         return f"{x.device.type} tensor"
     if os.environ.get("COMMFOLD_FLASHINFER", "1") == "0":
         return "COMMFOLD_FLASHINFER=0"
+    if scaled:
+        return NO_SCALE
     if comm.kind not in (CommKind.C10D, CommKind.VLLM):
         return f"communicator kind {comm.kind.value!r}"
     if x.dtype not in DTYPES or out_dtype != x.dtype:
@@ -166,10 +173,10 @@ def _process_group(comm):
 
 
 def try_run(x, residual, weight, eps, weight_offset, offset_in_weight_dtype,
-            round_before_weight, out_dtype, comm):
+            round_before_weight, out_dtype, comm, scaled: bool = False):
     """(normed, new residual) through FlashInfer, or None (the reason is logged once)."""
     why = why_not(x, weight, weight_offset, offset_in_weight_dtype, round_before_weight,
-                  out_dtype, comm)
+                  out_dtype, comm, scaled)
     done = run(x, residual, weight, eps, weight_offset, comm) if why is None else None
     if done is None:
         why = why or "no FlashInfer workspace"

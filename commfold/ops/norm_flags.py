@@ -11,6 +11,8 @@ OFFSET_IN_WEIGHT_DTYPE = 1  # Gemma's 1 + w is computed (rounded) in the weight'
 ROUND_BEFORE_WEIGHT = 2     # the normalized value is rounded to x's dtype before * w
 ROUND_SUM = 4               # normalize the stored (rounded) new residual, not the f32 sum
 OUT_F32 = 8                 # the normed output is f32 (else x's dtype)
+SCALE_DIVIDES = 16          # the scaled overload divides the reduced value by its scale
+ROUND_SCALED = 32           # the scaled value is rounded to x's dtype before the add
 TWO_SHOT_SHIFT = 8          # flags >> 8: two-shot from this many bytes + 1 (0: never)
 
 # Config.two_shot_min_bytes' default. Measured on the 2-core CPU dev machine (gloo,
@@ -23,8 +25,11 @@ TWO_SHOT_DEFAULT_MIN_BYTES = -1
 
 def pack_flags(offset_in_weight_dtype: bool = False, round_before_weight: bool = False,
                round_sum: bool = False, out_f32: bool = False,
-               two_shot_min_bytes: int = -1) -> int:
+               two_shot_min_bytes: int = -1, scale_divides: bool = False,
+               round_scaled: bool = False) -> int:
     """The op's `flags` argument (two_shot_min_bytes < 0: one-shot only)."""
     return (OFFSET_IN_WEIGHT_DTYPE * bool(offset_in_weight_dtype)
             | ROUND_BEFORE_WEIGHT * bool(round_before_weight) | ROUND_SUM * bool(round_sum)
-            | OUT_F32 * bool(out_f32) | (max(two_shot_min_bytes, -1) + 1) << TWO_SHOT_SHIFT)
+            | OUT_F32 * bool(out_f32) | SCALE_DIVIDES * bool(scale_divides)
+            | ROUND_SCALED * bool(round_scaled)
+            | (max(two_shot_min_bytes, -1) + 1) << TWO_SHOT_SHIFT)
