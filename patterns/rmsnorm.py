@@ -1,7 +1,8 @@
 """Residual add + RMSNorm after a value, in the aten spellings Inductor's post-grad
 graphs hold (torch 2.13, CPU):
 
-    h = x + residual            (either operand order; optional)
+    h = x + residual            (either operand order; optional; vllm_ir.rms_norm(h):
+                                 patterns.rmsnorm_vllm)
     hf = h | convert(h, f32)    (bf16/fp16 norms upcast)
   or, vLLM's bf16/fp16 fused add + norm (its native decomposition):
     hf = convert(x, f32) + convert(residual, f32)   (the norm reads the f32 sum)
@@ -29,7 +30,7 @@ from commfold.graph import (arg, dtype_of, is_call, is_number, ndim, only_user, 
 
 from .common import Miss, aten, prims
 from .rmsnorm_match import RMSNorm
-from .rmsnorm_vllm import match_ir_norm
+from .rmsnorm_vllm import match_ir_norm, match_ir_norm_of_sum
 
 __all__ = ["RMSNorm", "match_rmsnorm"]  # RMSNorm: the match type, re-exported
 
@@ -70,6 +71,8 @@ def match_rmsnorm(x: fx.Node) -> RMSNorm | Miss | None:
             if isinstance(residual, fx.Node) and same_shape(residual, x) \
                     and dtype_of(residual) == dtype_of(x) == dtype_of(user):
                 m = _match_norm(x, residual, user)
+                if m is None:
+                    m = match_ir_norm_of_sum(x, residual, user)
                 if m:
                     return m
                 found = found or m

@@ -2,6 +2,8 @@
 match:
 
     vllm_ir.rms_norm.default(x, weight, epsilon[, variance_size=None])
+    vllm_ir.rms_norm.default(h, ...) with h = add.Tensor(x, residual): a model that
+        adds its (scaled) residual branch itself, then norms (Granite, MiniCPM)
     auto_functionalized(vllm_ir.fused_add_rms_norm.maybe_inplace, x=x, x_residual=r,
                         weight=w, epsilon=eps, variance_size=None)
         -> getitem 0 (normed), getitem 1 (new residual; absent when dead)
@@ -13,7 +15,8 @@ eagerly, so every cast rounds): s = f32(x) [+ f32(r)], new residual = round_D(s)
 n = s * rsqrt(mean(s^2) + eps), out = round_D(round_W(n) * w) where W is the weight's
 dtype. So: the norm reads the f32 sum, and the normalized value is rounded to the
 weight's dtype before the multiply. A weight whose dtype is neither f32 nor x's is not
-matched (the product would be rounded twice, in two dtypes).
+matched (the product would be rounded twice, in two dtypes). After a graph's own add,
+rms_norm reads the sum rounded to D (the add's stored output): sum_in_f32 is False.
 vLLM's ops are looked up by name and only when registered (commfold never imports vLLM).
 """
 from __future__ import annotations
@@ -51,6 +54,19 @@ def _rms_norm(x, node):
     return _build(x, None, node, a, out=node, h=x, inner=())  # h: x is the residual
 
 
+def match_ir_norm_of_sum(x: fx.Node, residual: fx.Node, h: fx.Node):
+    """vllm_ir.rms_norm reading h = x + residual (the graph's add): an RMSNorm, a
+    Miss, or None when no vllm_ir.rms_norm reads h."""
+    rms = optional_op("vllm_ir", "rms_norm")
+    node = next((u for u in h.users if rms is not None and is_call(u, rms)), None)
+    if node is None:
+        return None
+    a = {name: arg(node, name) for name in _ARGS}
+    if a.get("x") is not h:
+        return None
+    return _build(x, residual, node, a, out=node, h=h, inner=(), sum_in_f32=False)
+
+
 def _fused_add(x, af):
     a = functional_kwargs(af)
     if a is None:
@@ -77,7 +93,7 @@ def _fused_add(x, af):
     return _build(x, residual, af, a, out=outs[0], h=outs.get(1), inner=(af, *extra))
 
 
-def _build(x, residual, node, a, out, h, inner):
+def _build(x, residual, node, a, out, h, inner, sum_in_f32=True):
     eps, weight = a.get("epsilon"), a.get("weight")
     if a.get("variance_size") is not None:
         return Miss("vllm_ir norm with variance_size (a partial-row variance)", node)
@@ -93,4 +109,4 @@ def _build(x, residual, node, a, out, h, inner):
             return Miss(f"vllm_ir norm weight in {v.dtype}, input in {dtype}", node)
         round_before = v.dtype != torch.float32
     return RMSNorm(x, residual, h, weight, float(eps), 0.0, False, round_before, dtype,
-                   out, tuple(inner), sum_in_f32=True, eager=True)
+                   out, tuple(inner), sum_in_f32=sum_in_f32, eager=True)

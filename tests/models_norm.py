@@ -69,7 +69,9 @@ def norm_vllm_ir(h, w, eps, residual=None):
 
 NORMS = {"hand": norm_hand, "functional": norm_functional, "gemma": norm_gemma,
          "gemma_lowp": norm_gemma_lowp, "vllm": norm_vllm, "vllm_w32": norm_vllm_w32,
-         "vllm_ir": norm_vllm_ir}
+         "vllm_ir": norm_vllm_ir,
+         # the model adds its (scaled) residual branch itself, then vllm_ir.rms_norm (Granite)
+         "vllm_ir_rms": norm_vllm_ir}
 FUSED_ADD = {"vllm", "vllm_w32", "vllm_ir"}  # norms that take the residual themselves
 OFFSET = {"gemma": 1.0, "gemma_lowp": 1.0}
 
@@ -92,16 +94,36 @@ def ar_inplace(x):
 ALL_REDUCES = {"funcol": ar_funcol, "funcol_wait": ar_funcol_wait, "inplace": ar_inplace}
 
 
+def scale_branch(y, scale, spelling="mul"):
+    """A scaled residual branch, as decoders write it: Granite's
+    ``y * residual_multiplier`` ("mul"), ``c * y`` ("rmul"), ``y / c`` ("div"), the
+    in-place ``y *= c`` of Granite's embedding ("imul")."""
+    if spelling == "mul":
+        return y * scale
+    if spelling == "rmul":
+        return scale * y
+    if spelling == "div":
+        return y / scale
+    if spelling == "imul":
+        y *= scale
+        return y
+    raise ValueError(spelling)
+
+
 def make_block(norm: str, coll: str, residual: bool, res_first: bool, eps: float,
-               weight: bool = True, dead_residual: bool = False):
-    """fn(x, r, w) -> (normed, new residual): all_reduce(x) [+ r] -> RMSNorm.
+               weight: bool = True, dead_residual: bool = False, scale: float | None = None,
+               scale_spelling: str = "mul"):
+    """fn(x, r, w) -> (normed, new residual): all_reduce(x) [* scale] [+ r] -> RMSNorm.
     weight=False: a norm without weight (w is ignored); dead_residual: the new
-    residual is not returned (a final norm; r is returned in its place)."""
+    residual is not returned (a final norm; r is returned in its place); scale: a
+    scaled residual branch (scale_branch's spellings)."""
     nfn, afn = NORMS[norm], ALL_REDUCES[coll]
 
     def block(x, r, w):
         w = w if weight else None
         y = afn(x * 1)  # x * 1: in-place all_reduce on an intermediate, not the input
+        if scale is not None:
+            y = scale_branch(y, scale, scale_spelling)
         if residual and norm in FUSED_ADD:  # r * 1: vLLM's residual is no graph input
             out, y = nfn(r * 1, w, eps, y) if res_first else nfn(y, w, eps, r * 1)
         else:
@@ -160,11 +182,15 @@ class TPDecoder(nn.Module):
     vLLM's norms (FUSED_ADD) take the residual themselves, as in vLLM's models.
 
     coll: "funcol" | "funcol_wait" | "inplace" (manual shards) or "dtensor"
-    (ColwiseParallel / RowwiseParallel via parallelize_module)."""
+    (ColwiseParallel / RowwiseParallel via parallelize_module). residual_scale: every
+    reduced branch scaled before it joins the residual stream, the input projection's
+    too (Granite's residual and embedding multipliers)."""
 
-    def __init__(self, layers, hidden, inter, norm, coll, world, eps=1e-6, res_first=False):
+    def __init__(self, layers, hidden, inter, norm, coll, world, eps=1e-6, res_first=False,
+                 residual_scale=None):
         super().__init__()
         self.coll, self.world, self.res_first = coll, world, res_first
+        self.residual_scale = residual_scale
         self.fused_add = norm in FUSED_ADD
         div = 1 if coll == "dtensor" else world
         self.hidden, self.layers = hidden, layers
@@ -178,8 +204,12 @@ class TPDecoder(nn.Module):
     def _ar(self, x):
         return x if self.coll == "dtensor" else ALL_REDUCES[self.coll](x)
 
+    def _scaled(self, a):
+        return a if self.residual_scale is None else a * self.residual_scale
+
     def _add_norm(self, k, a, residual):
-        """(normed, new residual) of norms[k] over a + residual."""
+        """(normed, new residual) of norms[k] over a [* residual_scale] + residual."""
+        a = self._scaled(a)
         if self.fused_add:
             return self.norms[k](residual, a) if self.res_first else self.norms[k](a, residual)
         residual = (residual + a) if self.res_first else (a + residual)
@@ -188,7 +218,7 @@ class TPDecoder(nn.Module):
     def forward(self, x):
         cols = x.shape[-1] // self.world
         x_local = x.narrow(-1, dist.get_rank() * cols, cols)
-        h = self._ar(self.inp(x_local))
+        h = self._scaled(self._ar(self.inp(x_local)))
         residual, h = h, self.norms[0](h)
         k = 1
         for i in range(self.layers):
@@ -202,11 +232,13 @@ class TPDecoder(nn.Module):
         return self._add_norm(k, h, residual)[0]
 
 
-def build_decoder(layers, hidden, inter, norm, coll, dtype, seed=0, res_first=False):
+def build_decoder(layers, hidden, inter, norm, coll, dtype, seed=0, res_first=False,
+                  residual_scale=None):
     """The same decoder on every rank (weights from one seed, then sharded)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(seed)
-    full = TPDecoder(layers, hidden, inter, norm, "dtensor", world, res_first=res_first)
+    full = TPDecoder(layers, hidden, inter, norm, "dtensor", world, res_first=res_first,
+                     residual_scale=residual_scale)
     with torch.no_grad():
         for p in full.parameters():
             p.copy_(torch.randn_like(p) * (0.3 if p.dim() > 1 else 0.1)
@@ -223,7 +255,8 @@ def build_decoder(layers, hidden, inter, norm, coll, dtype, seed=0, res_first=Fa
         full = full.to(dtype)
         parallelize_module(full, mesh, plan)
         return full
-    m = TPDecoder(layers, hidden, inter, norm, coll, world, res_first=res_first)
+    m = TPDecoder(layers, hidden, inter, norm, coll, world, res_first=res_first,
+                  residual_scale=residual_scale)
     with torch.no_grad():
         hs, it = hidden // world, inter // world
         m.inp.weight.copy_(full.inp.weight[:, rank * hs:(rank + 1) * hs])

@@ -1,0 +1,129 @@
+"""The near-miss rule of the all-reduce + RMSNorm fusion: a reduced value that an
+RMSNorm reads within a few elementwise ops, but that no recognizer matched, is a
+near-miss naming the op on the way that no spelling takes (a tanh, a second scale, a
+view, a broadcast add, ...): an untaken site is never silent.
+
+"On the way" is the shortest path of elementwise ops (ops tagged pointwise, casts,
+views, getitem) from the value to where a norm starts: the square that mean.dim
+reads (pow(., 2) or x * x), one of vLLM's IR norms, or commfold's fused norm (the
+value reaches it as a residual). The spellings take, in this order: one scale by a
+number (patterns.residual_scale), one residual add of a same-shape tensor of the same
+dtype, casts to f32 anywhere. The first op that breaks this order is named; when the
+path fits it and still nothing matched, the norm's first op is.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from commfold.graph import dtype_of, is_call, same_shape
+
+from .common import AUTO_FUNCTIONALIZED, Miss, aten, is_functionalized, op_name, optional_op, prims
+from .residual_scale import scale_of
+
+HOPS = 4  # ops between the value and the norm's first op, at most
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+          aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default, aten.expand.default,
+          aten.permute.default, aten.slice.Tensor, aten.select.int, aten._to_copy.default,
+          aten.alias.default)
+
+
+def unmatched_norm(value: fx.Node, hops: int = HOPS) -> Miss | None:
+    """A Miss naming what stops the fusion when an RMSNorm is within `hops`
+    elementwise ops of value (call it when no recognizer matched); else None."""
+    path = norm_path(value, hops)
+    if path is None:
+        return None
+    stop = _first_off_spelling(path)
+    if stop is not None:
+        return Miss(f"{op_label(stop)} between all_reduce and rmsnorm", stop)
+    return Miss(f"rmsnorm starting at {op_label(path[-1])} matched no spelling", path[-1])
+
+
+def norm_path(value: fx.Node, hops: int = HOPS) -> list[fx.Node] | None:
+    """[value, ..., the norm's first op]: the shortest path through elementwise ops
+    with at most `hops` of them between the two ends; None when there is none."""
+    parent = {value: None}
+    frontier = [value]
+    for _ in range(hops + 1):
+        nxt = []
+        for n in frontier:
+            for u in n.users:
+                if u in parent:
+                    continue
+                parent[u] = n
+                if norm_start(u):
+                    path = [u]
+                    while parent[path[-1]] is not None:
+                        path.append(parent[path[-1]])
+                    return path[::-1]
+                if _elementwise(u):
+                    nxt.append(u)
+        frontier = nxt
+    return None
+
+
+def norm_start(node: fx.Node) -> bool:
+    """node is where an RMSNorm begins: the square mean.dim reads, or a norm op."""
+    if is_call(node, aten.pow.Tensor_Scalar) and node.args[1] == 2 or \
+            is_call(node, aten.mul.Tensor) and node.args[0] is node.args[1]:
+        return any(is_call(u, aten.mean.dim) for u in node.users)
+    rms = optional_op("vllm_ir", "rms_norm")
+    if rms is not None and is_call(node, rms):
+        return True
+    return any(is_functionalized(node, op) for op in (
+        optional_op("vllm_ir", "fused_add_rms_norm", "maybe_inplace"),
+        optional_op("commfold", "allreduce_rmsnorm"),
+        optional_op("commfold", "allreduce_rmsnorm", "scaled")))
+
+
+def op_label(node: fx.Node) -> str:
+    """The op as reasons name it: 'aten.tanh.default', a functionalized op's own name."""
+    if is_call(node, *AUTO_FUNCTIONALIZED) and node.args:
+        return str(node.args[0])
+    if isinstance(node.target, torch._ops.OpOverload):
+        return str(node.target)
+    return op_name(node)
+
+
+def _elementwise(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    t = node.target
+    if t is operator.getitem or t in _VIEWS:
+        return True
+    return isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags
+
+
+def _first_off_spelling(path: list[fx.Node]) -> fx.Node | None:
+    """The first op between the ends of path that the spellings do not take there."""
+    scale_ok, add_ok = True, True
+    prev = path[0]
+    for n in path[1:-1]:
+        if scale_ok and scale_of(n, prev) is not None:
+            scale_ok = False
+        elif add_ok and _residual_add(n, prev):
+            scale_ok = add_ok = False
+        elif _upcast(n):
+            scale_ok = False
+        else:
+            return n
+        prev = n
+    return None
+
+
+def _residual_add(node: fx.Node, x: fx.Node) -> bool:
+    if not is_call(node, aten.add.Tensor) or len(node.args) != 2 or node.kwargs:
+        return False
+    a, b = node.args
+    other = b if a is x else a if b is x else None
+    return isinstance(other, fx.Node) and other is not x and same_shape(other, x) \
+        and dtype_of(other) == dtype_of(x) == dtype_of(node)
+
+
+def _upcast(node: fx.Node) -> bool:
+    if is_call(node, prims.convert_element_type.default):
+        return node.args[1] == torch.float32
+    return is_call(node, aten._to_copy.default) and node.kwargs.get("dtype") == torch.float32

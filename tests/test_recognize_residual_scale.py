@@ -1,0 +1,147 @@
+"""patterns.residual_scale (a scaled residual branch), vllm_ir.rms_norm after the
+graph's own add (patterns.rmsnorm_vllm) and the near-miss rule (patterns.norm_reach)
+on post-grad graphs, without ranks: each scale spelling gives its ResidualScale and
+the norm after it, each op that stops the fusion is named."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from post_grad import assert_miss, node, nodes, placeholders, post_grad, vllm_ir_ops
+
+from models_norm import scale_branch
+from commfold.patterns.common import aten
+from commfold.patterns.norm_reach import HOPS, norm_path, unmatched_norm
+from commfold.patterns.residual_scale import ResidualScale, match_residual_scale
+from commfold.patterns.rmsnorm import RMSNorm, match_rmsnorm
+
+T, H, EPS = 3, 16, 1e-6
+f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+
+
+def _inputs(dtype=bf16):
+    return (torch.randn(T, H, dtype=dtype), torch.randn(T, H, dtype=dtype),
+            torch.randn(H, dtype=dtype))
+
+
+def _rms(h, w):
+    return F.rms_norm(h, (H,), w, EPS)
+
+
+@pytest.mark.parametrize("dtype", [f32, bf16, f16], ids=["f32", "bf16", "fp16"])
+@pytest.mark.parametrize("spelling,value,divides", [
+    ("mul", 0.22, False), ("rmul", -3.7, False), ("div", 3.0, True), ("imul", 12.0, False)])
+def test_scale_spellings(dtype, spelling, value, divides):
+    """x * c, c * x, x / c and the in-place x *= c (of an intermediate: here -x)."""
+    g = post_grad(lambda x, r, w: (lambda y: (_rms(r + y, w), r + y))(
+        scale_branch(-x, value, spelling)), *_inputs(dtype))
+    x = node(g, aten.neg.default)
+    sc = match_residual_scale(x)
+    op = aten.div.Tensor if divides else aten.mul.Tensor
+    assert sc == ResidualScale(x, nodes(g, op)[0], value, divides) and not sc.identity
+    norm = match_rmsnorm(sc.scaled)
+    assert isinstance(norm, RMSNorm) and norm.x is sc.scaled
+    assert norm.residual is placeholders(g)[1] and norm.weight is placeholders(g)[2]
+
+
+def test_identity_and_not_a_scale():
+    g = post_grad(lambda x, r, w: (x * 1, x * r, 2.0 / x, x.float() * 0.5), *_inputs())
+    x = placeholders(g)[0]
+    sc = match_residual_scale(x)  # x * 1 (an int) stays in the graph: the identity
+    assert sc.identity and sc.value == 1.0 and sc.scaled.args == (x, 1)
+    g = post_grad(lambda x, r, w: (x * r, 2.0 / x, x.float() * 0.5, x * w[0]), *_inputs())
+    assert match_residual_scale(placeholders(g)[0]) is None  # tensors, a reciprocal, an upcast
+
+
+def test_scaled_f32_sum_and_no_residual():
+    """vLLM's fused add + norm of a scaled branch (the norm reads the f32 sum), and
+    Granite's scaled embedding normed directly (no residual: m is the new residual)."""
+    def vllm_fused(x, r, w):
+        s = (x * 0.5).float() + r.float()
+        n = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + EPS)
+        return n.to(x.dtype) * w, s.to(x.dtype)
+
+    g = post_grad(vllm_fused, *_inputs())
+    norm = match_rmsnorm(match_residual_scale(placeholders(g)[0]).scaled)
+    assert norm.sum_in_f32 and norm.residual is placeholders(g)[1]
+    g = post_grad(lambda x, r, w: (_rms(m := x * 12.0, w), m), *_inputs())
+    sc = match_residual_scale(placeholders(g)[0])
+    norm = match_rmsnorm(sc.scaled)
+    assert norm.residual is None and norm.h is sc.scaled
+
+
+@pytest.mark.parametrize("w_dtype", [bf16, f32], ids=["w_bf16", "w_f32"])
+def test_vllm_ir_rms_norm_of_the_graphs_sum(w_dtype):
+    """vllm_ir.rms_norm(residual + x * c): the eager op reads the add's stored (rounded)
+    output, so the norm does not read the f32 sum."""
+    vllm_ir_ops()
+    ir = torch.ops.vllm_ir
+
+    def granite(x, r, w):
+        h = r + x * 0.22
+        return ir.rms_norm(h, w, EPS), h
+
+    g = post_grad(granite, *_inputs(bf16)[:2], torch.randn(H, dtype=w_dtype))
+    x, r, w = placeholders(g)
+    sc = match_residual_scale(x)
+    add, op = node(g, aten.add.Tensor), node(g, ir.rms_norm.default)
+    assert match_rmsnorm(sc.scaled) == RMSNorm(sc.scaled, r, add, w, EPS, 0.0, False,
+                                               w_dtype == bf16, bf16, op, (), eager=True)
+
+
+# ------------------------------------------------------------------ the near-miss rule
+
+def _miss(fn, reason, at, inputs=None):
+    """match_rmsnorm finds nothing after the graph's first input; the rule names `at`."""
+    g = post_grad(fn, *(inputs or _inputs()))
+    x = placeholders(g)[0]
+    assert match_rmsnorm(x) is None and match_residual_scale(x) is None or \
+        match_rmsnorm(match_residual_scale(x).scaled) is None
+    found = at(g)
+    assert_miss(unmatched_norm(x), reason, found)
+
+
+def test_the_op_in_the_way_is_named():
+    _miss(lambda x, r, w: _rms(r + torch.tanh(x), w),
+          "aten.tanh.default between all_reduce and rmsnorm", lambda g: node(g, aten.tanh.default))
+    _miss(lambda x, r, w: _rms((x + r) * 0.5, w),  # the scale after the add
+          "aten.mul.Tensor between all_reduce and rmsnorm", lambda g: nodes(g, aten.mul.Tensor)[0])
+    _miss(lambda x, r, w: _rms(x * 2.0 * 3.0 + r, w),  # a second scale
+          "aten.mul.Tensor between all_reduce and rmsnorm", lambda g: nodes(g, aten.mul.Tensor)[1])
+    _miss(lambda x, r, w: _rms(x + w, w),  # a broadcast add: no residual
+          "aten.add.Tensor between all_reduce and rmsnorm", lambda g: nodes(g, aten.add.Tensor)[0])
+    _miss(lambda x, r, w: _rms(x + r.float(), w.float()),  # the residual in another dtype
+          "aten.add.Tensor between all_reduce and rmsnorm", lambda g: nodes(g, aten.add.Tensor)[0])
+    _miss(lambda x, r, w: _rms(x.unsqueeze(0) + r, w)[0],
+          "aten.unsqueeze.default between all_reduce and rmsnorm",
+          lambda g: node(g, aten.unsqueeze.default))
+
+
+def test_a_norm_no_spelling_takes_names_its_first_op():
+    def read_twice(x, r, w):  # the square is read besides the mean
+        sq = x.pow(2)
+        return x * torch.rsqrt(sq.mean(-1, keepdim=True) + EPS) * w, sq.sum()
+
+    _miss(read_twice, "rmsnorm starting at aten.pow.Tensor_Scalar matched no spelling",
+          lambda g: node(g, aten.pow.Tensor_Scalar), _inputs(f32))
+
+
+def test_only_a_near_norm_is_a_near_miss():
+    def chain(n):
+        def fn(x, r, w):
+            for op in (torch.sin, torch.cos, torch.exp, torch.neg, torch.sigmoid)[:n]:
+                x = op(x)
+            return _rms(x, w)
+        return fn
+
+    for n in range(HOPS + 2):
+        g = post_grad(chain(n), *_inputs(f32))
+        x = placeholders(g)[0]
+        if n == 0:
+            assert isinstance(match_rmsnorm(x), RMSNorm)
+        else:
+            assert (unmatched_norm(x) is not None) == (n <= HOPS), n
+    g = post_grad(lambda x, r, w: _rms(x @ r.t() @ r, w), *_inputs(f32))  # a matmul: far
+    assert norm_path(placeholders(g)[0]) is None and unmatched_norm(placeholders(g)[0]) is None
+    g = post_grad(lambda x, r, w: (x + r).sum(-1), *_inputs(f32))  # no norm at all
+    assert unmatched_norm(placeholders(g)[0]) is None
