@@ -231,12 +231,15 @@ class RankPool:
     every rank (fn must be importable: a module-level function) and returns the ranks'
     return values in rank order. With `compile_once` (the default) the ranks lower a
     graph they all compile once between them, through Inductor's FX graph cache
-    (commfold.compile_once); False: every rank lowers its own."""
+    (commfold.compile_once); False: every rank lowers its own. ``spawn=True`` starts
+    every rank in a fresh interpreter, never forked: for ranks that use a CUDA GPU, whose
+    driver must not have been touched before a fork (by imports the forkserver made)."""
 
     def __init__(self, world_size: int, timeout: float = 300.0, threads: int | None = None,
-                 compile_once: bool = True):
+                 compile_once: bool = True, spawn: bool = False):
         self.world_size, self.timeout = world_size, timeout
-        ctx, self.spawn_reason = _context()  # why ranks are spawned; None: forked
+        ctx, self.spawn_reason = ((mp.get_context("spawn"), "spawn=True") if spawn
+                                  else _context())  # why ranks are spawned; None: forked
         self.start_method = ctx.get_start_method()  # "forkserver" or "spawn"
         if self.spawn_reason:
             _log.info("rank pool spawns its ranks (~10 s of imports each): %s",

@@ -169,3 +169,18 @@ def test_pools_here_fork_from_the_preloaded_server():
         assert pool.start_method == "forkserver", pool.spawn_reason
     finally:
         pool.close()
+
+
+def inductor_preloaded() -> bool:
+    return "torch._inductor.compile_fx" in sys.modules
+
+
+def test_spawn_starts_ranks_in_fresh_interpreters():
+    """spawn=True (the GPU check's pools): no rank forked from the preloaded server,
+    whatever the environment."""
+    pool = RankPool(1, timeout=120, compile_once=False, spawn=True)
+    try:
+        assert (pool.start_method, pool.spawn_reason) == ("spawn", "spawn=True")
+        assert pool.run(inductor_preloaded) == [False]
+    finally:
+        pool.close()
