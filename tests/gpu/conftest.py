@@ -1,6 +1,8 @@
 """The GPU check's fixtures and its table rows.
 
-``gpu_ranks``: 2 gloo ranks sharing the one device (a new pool after a failed call).
+``gpu_ranks``: 2 gloo ranks sharing the one device (a new pool after a failed call),
+spawned: a rank forked from a server whose imports touched the CUDA driver could not
+use the GPU.
 Rows: with COMMFOLD_GPU_CHECK_ROWS set, each test appends one JSON line - check,
 result (passed / FAILED: why / skipped: why), numbers (the test's ``numbers``
 property, set through ``record_property``) - for tools/gpu_check_table.py.
@@ -21,7 +23,7 @@ if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
 
 WORLD = 2
-CALL_TIMEOUT_S = 240.0
+CALL_TIMEOUT_S = 180.0  # a hung collective fails within the check's 5 minutes
 
 
 class GpuRanks:
@@ -36,7 +38,7 @@ class GpuRanks:
         from commfold.ranks import RankPool
 
         if self._pool is None or not self._pool.alive:
-            self._pool = RankPool(WORLD, timeout=CALL_TIMEOUT_S)
+            self._pool = RankPool(WORLD, timeout=CALL_TIMEOUT_S, spawn=True)
         return self._pool.run(fn, *args, **kwargs)
 
     def close(self) -> None:

@@ -1,15 +1,15 @@
-"""commfold's local selection ops on the device, on 2 ranks: local_argmax and
-local_topk bit-identical to the full-row rule (torch.argmax's first max, NaN the
-maximum; a stable descending sort's first k), softmax_stats' maximum and first max
-identical and its sum / logprobs within an ulp of the same op on CPU tensors, and
-local_logprobs (vLLM's logprobs) against log_softmax over the whole row. Logit rows
-from tests/logit_cases.py: ties, NaN, +-inf, -inf rows, ties across the shard
-boundary, signed zeros, bait in the padding column; f32 / bf16 / fp16; and rows of
-Qwen's vocab (151936). On CPU (COMMFOLD_GPU_CHECK_DEVICE=cpu) the device calls run
-the ops' torch implementation - the code CUDA runs - and the reference calls their
-C++ kernels."""
+"""commfold's local selection ops on the device, on 2 ranks, one rank call per op:
+local_argmax and local_topk bit-identical to the full-row rule (torch.argmax's first
+max, NaN the maximum; a stable descending sort's first k), softmax_stats' maximum and
+first max identical and its sum / logprobs within 2 ulps of the same op on CPU
+tensors. Logit rows from tests/logit_cases.py: ties, NaN, +-inf, -inf rows, ties
+across the shard boundary, signed zeros, bait in the padding column; f32 / bf16 /
+fp16; and rows of Qwen's vocab (151936). On CPU (COMMFOLD_GPU_CHECK_DEVICE=cpu) the
+device calls run the ops' torch implementation - the code CUDA runs - and the
+reference calls their C++ kernels."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -27,6 +27,7 @@ SPECIALS = ("normal", "ties", "nan", "inf", "neginf_row", "boundary_tie", "signe
             "padding_bait")
 CHAINS = {"none": [], "temperature": [("div", 0.7)]}
 KS = (1, 5, 64)
+OPS = ("local_argmax", "local_topk", "softmax_stats")
 
 
 def fixed_cases() -> list[dict]:
@@ -58,63 +59,74 @@ def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
     return a.shape == b.shape and torch.allclose(a, b, rtol=tol, atol=tol, equal_nan=True)
 
 
-def scan_ops_on_rank(device: str, cases: list[dict]) -> dict:
-    """Rank body: each op on the device against its reference; mismatches listed."""
+def _inputs(c: dict, world: int, rank: int) -> dict:
+    """A case's logits, this rank's shard and the full-row references (on CPU)."""
     from commfold.ops import scan_chain
+
+    dtype = DTYPES[c["dtype"]]
+    full, vocab = make_logits(dict(c, dtype=dtype), world)
+    chain = scan_chain.encode(CHAINS[c["chain"]], dtype)
+    out = scan_chain.out_dtype(chain, dtype)
+    seen = scan_chain.apply(full[:, :vocab], chain) if chain else full[:, :vocab]
+    value, index = seen.max(dim=-1)  # torch.argmax's rule
+    return {"shard": shard_of(full, world, rank), "vocab": vocab, "chain": chain, "out": out,
+            "k": min(c["k"], vocab), "value": scan_chain.stored(value, out) if chain else value,
+            "index": index, "order": torch.sort(scan_chain.stored(seen, out) if chain else seen,
+                                                dim=-1, descending=True, stable=True),
+            "picks": torch.randint(0, vocab, (c["rows"], 2),
+                                   generator=torch.Generator().manual_seed(c["seed"]))}
+
+
+def _checks(op: str, c: dict, x: dict, dev: torch.device, comm: str) -> dict:
+    """op on the device shard against the full-row rule (softmax_stats' sum and logprobs:
+    against the same op on the CPU shard, the suite-tested kernels)."""
     from commfold.ops.local_argmax import local_argmax
     from commfold.ops.local_topk import local_topk
     from commfold.ops.softmax_stats import softmax_stats
 
+    shard, vocab, chain, out = x["shard"], x["vocab"], x["chain"], x["out"]
+    with _torch_path(dev):
+        if op == "local_argmax":
+            v, i = local_argmax(shard.to(dev), vocab, comm, False, chain)
+            return {"index": torch.equal(i.cpu(), x["index"]), "value": same_bits(v, x["value"])}
+        if op == "local_topk":
+            v, i = local_topk(shard.to(dev), vocab, comm, x["k"], chain)
+            return {"indices": torch.equal(i.cpu(), x["order"].indices[:, :x["k"]]),
+                    "values": same_bits(v, x["order"].values[:, :x["k"]].to(out))}
+        args = (vocab, comm, c["finite_shift"], True, chain)
+        got = softmax_stats(shard.to(dev), x["picks"].to(dev), *args)
+    want = softmax_stats(shard, x["picks"], *args)
+    return {"max": same_bits(got[0], want[0]), "first max": torch.equal(got[2].cpu(), x["index"]),
+            "sum": _close(got[1], want[1], out), "logprobs at picks": _close(got[3], want[3], out)}
+
+
+def scan_op_on_rank(device: str, op: str, cases: list[dict]) -> dict:
+    """Rank body: one op on every case; mismatches listed."""
     dev = rank_device(device)
     world, rank, comm = dist.get_world_size(), dist.get_rank(), world_comm()
     bad = []
     for c in cases:
-        dtype = DTYPES[c["dtype"]]
-        full, vocab = make_logits(dict(c, dtype=dtype), world)
-        shard = shard_of(full, world, rank)
-        chain = scan_chain.encode(CHAINS[c["chain"]], dtype)
-        k = min(c["k"], vocab)
-        picks = torch.randint(0, vocab, (c["rows"], 2),
-                              generator=torch.Generator().manual_seed(c["seed"]))
-        seen = scan_chain.apply(full[:, :vocab], chain) if chain else full[:, :vocab]
-        out = scan_chain.out_dtype(chain, dtype)
-        want_v, want_i = seen.max(dim=-1)  # CPU: torch.argmax's rule
-        order = torch.sort(scan_chain.stored(seen, out) if chain else seen, dim=-1,
-                           descending=True, stable=True)
-        args = (vocab, comm, c["finite_shift"], True, chain)
-        with _torch_path(dev):
-            av, ai = local_argmax(shard.to(dev), vocab, comm, False, chain)
-            tv, ti = local_topk(shard.to(dev), vocab, comm, k, chain)
-            st_dev = softmax_stats(shard.to(dev), picks.to(dev), *args)
-        st_cpu = softmax_stats(shard, picks, *args)  # the suite-tested CPU op
-        checks = {
-            "argmax index": torch.equal(ai.cpu(), want_i),
-            "argmax value": same_bits(av, scan_chain.stored(want_v, out) if chain else want_v),
-            "topk indices": torch.equal(ti.cpu(), order.indices[:, :k]),
-            "topk values": same_bits(tv, order.values[:, :k].to(out)),
-            "softmax max": same_bits(st_dev[0], st_cpu[0]),
-            "softmax first max": torch.equal(st_dev[2].cpu(), want_i),
-            "softmax sum": _close(st_dev[1], st_cpu[1], out),
-            "logprobs at picks": _close(st_dev[3], st_cpu[3], out),
-        }
+        checks = _checks(op, c, _inputs(c, world, rank), dev, comm)
         bad += [(name, c) for name, ok in checks.items() if not ok]
-    return {"bad": bad, "cases": len(cases)}
+    return {"bad": bad}
 
 
-def _check(gpu_ranks, record_property, cases, tally=None):
+def _check(gpu_ranks, record_property, op, cases, tally=None):
+    """One rank call per op: an op that fails on the device leaves the others' rows."""
     tally = tally if tally is not None else {"cases": 0, "bad": 0}
-    results = gpu_ranks.run(scan_ops_on_rank, DEVICE, cases)
+    results = gpu_ranks.run(scan_op_on_rank, DEVICE, op, cases)
     bad = [b for r in results for b in r["bad"]]
     tally["cases"] += len(cases)
     tally["bad"] += len(bad)
-    record_property("numbers", f"{tally['cases']} cases x 3 ops x {len(results)} ranks, "
+    record_property("numbers", f"{tally['cases']} cases x {len(results)} ranks, "
                                f"{tally['bad']} mismatches")
     assert bad == [], bad[:3]
 
 
-def test_edge_rows(gpu_ranks, record_property):
-    """local_argmax, local_topk, softmax_stats on every edge kind and dtype."""
-    _check(gpu_ranks, record_property, fixed_cases())
+@pytest.mark.parametrize("op", OPS)
+def test_edge_rows(gpu_ranks, record_property, op):
+    """Every edge kind in every dtype, and rows of Qwen's vocab."""
+    _check(gpu_ranks, record_property, op, fixed_cases())
 
 
 if st is not None:
@@ -123,18 +135,17 @@ if st is not None:
         "seed": st.integers(0, 2**31 - 1), "special": st.sampled_from(SPECIALS),
         "dtype": st.sampled_from(sorted(DTYPES)), "k": st.integers(1, 64),
         "finite_shift": st.booleans(), "chain": st.sampled_from(sorted(CHAINS))})
+    _DRAWN = {op: {"cases": 0, "bad": 0} for op in OPS}  # summed over examples, for the table
 
-    @settings(max_examples=4, derandomize=True, deadline=None, database=None,
+    @pytest.mark.parametrize("op", OPS)
+    @settings(max_examples=3, derandomize=True, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))
     @given(cases=st.lists(_case, min_size=4, max_size=4))
-    def test_drawn_rows(gpu_ranks, record_property, cases):
-        """The same ops on rows hypothesis draws (4 examples of 4 cases)."""
-        _check(gpu_ranks, record_property, cases, _DRAWN)
-
-    _DRAWN = {"cases": 0, "bad": 0}  # summed over the examples, for the table
+    def test_drawn_rows(gpu_ranks, record_property, op, cases):
+        """Rows hypothesis draws (3 examples of 4 cases)."""
+        _check(gpu_ranks, record_property, op, cases, _DRAWN[op])
 else:
-    def test_drawn_rows():
-        """The same ops on rows hypothesis draws: needs hypothesis."""
-        import pytest
-
+    @pytest.mark.parametrize("op", OPS)
+    def test_drawn_rows(op):
+        """Rows hypothesis draws: needs hypothesis."""
         pytest.skip("hypothesis is not installed")
