@@ -75,12 +75,16 @@ run_checks() {
   "$PY" -c 'import torch; gpu = torch.cuda.is_available()
 print("gpu check: torch", torch.__version__, "| CUDA GPU:",
       torch.cuda.get_device_name(0) if gpu else "none")' || return 2
-  local timeout=()
+  local timeout=() files=() f
   command -v timeout >/dev/null && timeout=(timeout -k 10 "$LIMIT")
+  # most telling first, the dearest (compiles) late, the likeliest crash last; then any
+  # module not named here
+  for f in env layer_ops scan_ops passes speed logprobs; do files+=("tests/gpu/test_gpu_$f.py"); done
+  for f in tests/gpu/test_gpu_*.py; do [[ " ${files[*]} " == *" $f "* ]] || files+=("$f"); done
   start=$SECONDS
   COMMFOLD_GPU_CHECK_ROWS="$rows" PYTHONPATH=".:$DEPS${PYTHONPATH:+:$PYTHONPATH}" \
     ${timeout[@]+"${timeout[@]}"} "$PY" -m pytest -q -o addopts="" -p no:cacheprovider \
-      --confcutdir=tests/gpu --tb=short tests/gpu 2>&1 | tee "$log"
+      --confcutdir=tests/gpu --tb=short "${files[@]}" 2>&1 | tee "$log"
   status=${PIPESTATUS[0]}
   echo
   echo "gpu check: pytest exit status $status after $((SECONDS - start)) s"
