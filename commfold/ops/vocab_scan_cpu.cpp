@@ -11,6 +11,7 @@
 #include <torch/library.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/headeronly/version.h>
 #include <mutex>
 #include <unordered_map>
 
@@ -191,7 +192,11 @@ at::Tensor all_gather(const Comm& c, at::Tensor send) {
   std::optional<pybind11::gil_scoped_release> no_gil;
   if (PyGILState_Check()) no_gil.emplace();
   if (c.pg) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
     c.pg->all_gather_single(out, send)->wait();
+#else  // torch 2.11-2.12 name it _allgather_base (an alias from 2.13 on, deprecated)
+    c.pg->_allgather_base(out, send)->wait();
+#endif
   } else {  // shm_all_gather takes f32/bf16/f16: 8-byte elements travel as two f32
     static auto op = shm_gather_op()->typed<void(int64_t, const at::Tensor&, at::Tensor&)>();
     const at::Tensor s = send.view(at::kFloat);
