@@ -1,10 +1,10 @@
 """commfold's layer ops on the device, on 2 ranks: allreduce_rmsnorm (the residual
-written back equal to the same op on CPU tensors, bit for bit; the normed output
-within an ulp of it and within a few ulps of float64 math; f32 / bf16 / fp16, with
-and without residual, Gemma's 1 + w, each rounding flag) and which path it took
-(FlashInfer or composite); replicated_embedding bit-identical to the masked lookup +
-all_reduce it replaces, replicated_lm_head within float32 matmul rounding of the
-matmul + all_gather."""
+written back bit-equal to the unfused math on CPU tensors, the normed output within 4
+ulps of it and 8 ulps of float64 math; f32 / bf16 / fp16, with and without residual,
+Gemma's 1 + w, each rounding flag) and which path it took (FlashInfer or composite);
+replicated_embedding bit-identical to the masked lookup + all_reduce it replaces,
+replicated_lm_head within float32 matmul rounding of the matmul + all_gather. No C++
+CPU kernel is built for the references (a GPU machine need not have a compiler)."""
 from __future__ import annotations
 
 import itertools
@@ -38,41 +38,53 @@ def _exact(xs, res, w, offset):
     return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * (w.double() + offset)
 
 
+def _composite(xs, res, w, offset, flags, comm):
+    """The unfused math on CPU tensors, no C++ kernel: the sum all-reduce (gloo), then
+    composite_add_norm (the reference the CPU kernel is tested against). Returns
+    (normed, new residual)."""
+    from commfold.collectives import communicator
+    from commfold.ops.allreduce_rmsnorm import composite_add_norm, out_dtype_of
+    from commfold.ops.norm_flags import OFFSET_IN_WEIGHT_DTYPE, ROUND_BEFORE_WEIGHT, ROUND_SUM
+
+    h = communicator(comm).all_reduce(xs[dist.get_rank()])
+    wf = ((w + offset) if flags & OFFSET_IN_WEIGHT_DTYPE else w.float() + offset).float()
+    out = composite_add_norm(h, res, wf, EPS, bool(flags & ROUND_BEFORE_WEIGHT),
+                             bool(flags & ROUND_SUM), out_dtype_of(xs, flags))
+    return out, h
+
+
 def norm_op_on_rank(device: str) -> dict:
+    from commfold.collectives import communicator
     from commfold.ops import flashinfer_norm
     from commfold.ops.allreduce_rmsnorm import out_dtype_of
 
     dev = rank_device(device)
     world, rank, comm = dist.get_world_size(), dist.get_rank(), world_comm()
     op = torch.ops.commfold.allreduce_rmsnorm.default
-    bad, worst_ulps = [], 0.0
-    for i, (dtype, residual, offset, flags) in enumerate(_norm_cases()):
-        g = torch.Generator().manual_seed(i)
+    bad, worst_ulps, n = [], 0.0, 0
+    for n, (dtype, residual, offset, flags) in enumerate(_norm_cases(), 1):
+        g = torch.Generator().manual_seed(n)
         xs = torch.randn(world, TOKENS, HIDDEN, generator=g).to(dtype)
         res = torch.randn(TOKENS, HIDDEN, generator=g).to(dtype) if residual else None
         w = (torch.randn(HIDDEN, generator=g) * 0.5 + 1 - offset).to(dtype)
-
-        def run(d, xs=xs, res=res, w=w, offset=offset, flags=flags):
-            x = xs[rank].clone().to(d)
-            out = op(x, None if res is None else res.to(d), w.to(d), EPS, offset, flags, comm)
-            return out.cpu(), x.cpu()
-
-        (out, new_res), (out_cpu, new_res_cpu) = run(dev), run(torch.device("cpu"))
+        x = xs[rank].clone().to(dev)  # the op writes the new residual into it
+        out = op(x, None if res is None else res.to(dev), w.to(dev), EPS, offset, flags,
+                 comm).cpu()
+        want, want_res = _composite(xs, res, w, offset, flags, comm)
         exact = _exact(xs, res, w, offset)
         err = ((out.double() - exact).abs() / exact.abs().clamp_min(1.0)).max().item()
         worst_ulps = max(worst_ulps, err / ulp(out_dtype_of(xs, flags)))
-        tol = 2 * ulp(dtype)
-        checks = {"residual written back": same_bits(new_res, new_res_cpu),
-                  "normed output vs CPU op": torch.allclose(out.double(), out_cpu.double(),
-                                                            rtol=tol, atol=tol),
-                  "normed output vs float64": err <= 4 * ulp(dtype)}
+        tol = 4 * ulp(dtype)
+        checks = {"residual written back": same_bits(x, want_res),
+                  "normed output vs composite on CPU": torch.allclose(
+                      out.double(), want.double(), rtol=tol, atol=tol),
+                  "normed output vs float64": err <= 8 * ulp(dtype)}
         bad += [(name, str(dtype), residual, offset, flags)
                 for name, ok in checks.items() if not ok]
-    x = torch.zeros(TOKENS, HIDDEN, dtype=torch.bfloat16, device=dev)
-    from commfold.collectives import communicator
-
-    why = flashinfer_norm.why_not(x, None, 0.0, False, False, x.dtype, communicator(comm))
-    return {"bad": bad, "cases": i + 1, "worst_ulps": worst_ulps,
+    probe = torch.zeros(TOKENS, HIDDEN, dtype=torch.bfloat16, device=dev)
+    why = flashinfer_norm.why_not(probe, None, 0.0, False, False, probe.dtype,
+                                  communicator(comm))
+    return {"bad": bad, "cases": n, "worst_ulps": worst_ulps,
             "path": "FlashInfer" if why is None else f"composite ({why})"}
 
 
