@@ -84,9 +84,35 @@ class CommLog:
         return f"CommLog({events})"
 
 
+# A collective that reaches no profiler event of its own (NCCL called through ctypes by
+# vLLM's PyNccl, CUDA custom all-reduce kernels): the communicator's method is wrapped
+# in a record_function span (``marked``) whose name carries kind, dtype and shapes.
+# Backend events inside such a span (a communicator falling back to torch.distributed)
+# are the same collective: counted once, as the span.
+_MARK = "commfold.comm:"
+_DTYPE_NAMES = {"float32": "float", "float64": "double", "float16": "c10::Half",
+                "bfloat16": "c10::BFloat16", "int64": "long int", "int32": "int",
+                "int16": "short int", "int8": "signed char", "uint8": "unsigned char",
+                "bool": "bool"}
+
+
+def marked(kind: str, tensors):
+    """Profiler span naming a collective of `kind` sending `tensors` (this rank's)."""
+    import torch
+
+    tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+    dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else "?"
+    shapes = json.dumps([list(t.shape) for t in tensors], separators=(",", ":"))
+    return torch.autograd.profiler.record_function(
+        f"{_MARK}{kind}|{_DTYPE_NAMES.get(dtype, dtype)}|{shapes}")
+
+
 def collective_event(e, phase: str | None = None) -> CommEvent | None:
     """The CommEvent of one kineto event, or None if it is not a leaf collective."""
     name = e.name()
+    if name.startswith(_MARK):
+        kind, dtype, shapes = name[len(_MARK):].split("|", 2)
+        return CommEvent(kind, tuple(tuple(s) for s in json.loads(shapes)), dtype, phase)
     if name.startswith(_BACKENDS):
         shapes = tuple(tuple(s) for s in e.shapes() if s)
         dtypes = [d for d in e.dtypes() if d]
@@ -99,6 +125,22 @@ def collective_event(e, phase: str | None = None) -> CommEvent | None:
     return None
 
 
+def collective_events(events, phase_of=lambda t: None) -> list[CommEvent]:
+    """The CommEvents of kineto events, each collective once (a leaf inside a marked
+    span is that span's); phase_of(start_ns) names each one's phase."""
+    events = list(events)
+    spans = [(e.start_ns(), e.start_ns() + e.duration_ns()) for e in events
+             if e.name().startswith(_MARK)]
+    out = []
+    for e in events:
+        t, own = e.start_ns(), (e.start_ns(), e.start_ns() + e.duration_ns())
+        inside = any(a <= t <= b and (a, b) != own for a, b in spans)  # a nested one
+        c = None if inside else collective_event(e, phase_of(t))
+        if c is not None:
+            out.append(c)
+    return out
+
+
 @contextmanager
 def record_collectives():
     """with record_collectives() as log: ...  then log.calls("all_gather"), log.bytes()."""
@@ -107,10 +149,7 @@ def record_collectives():
     log = CommLog()
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         yield log
-    for e in prof.profiler.kineto_results.events():
-        event = collective_event(e)
-        if event is not None:
-            log.events.append(event)
+    log.events.extend(collective_events(prof.profiler.kineto_results.events()))
 
 
 # --- per engine step logs written inside vLLM's workers ---------------------------

@@ -11,7 +11,10 @@ Collectives are read from torch.profiler's events, which see every dispatcher ca
 (compiled graphs, eager code, C++ ops calling other ops): vLLM CPU's shared-memory
 ops and the c10d backends' own events (gloo fallback; commfold's ops on c10d groups).
 Only those leaves are counted, so a collective reached through a wrapper (vLLM's
-custom ops, c10d's dispatcher ops, commfold's ops) is counted once.
+custom ops, c10d's dispatcher ops, commfold's ops) is counted once. vLLM's CUDA
+communicator (PyNccl through ctypes, custom all-reduce kernels) makes no such event:
+its collective methods are marked instead (comm_log.marked), each counted once; a
+collective replayed inside a CUDA graph runs no Python and is not seen.
 
 Phases (the outermost one that applies): ``forward`` (the runner's model forward),
 ``logits`` (a LogitsProcessor call outside the two below: the target's logits),
@@ -33,12 +36,16 @@ method it wraps gone, it stays off and says so in one line at install
 """
 from __future__ import annotations
 
+import importlib
 import json
+import logging
 import os
 from contextlib import nullcontext
 from dataclasses import replace
 from functools import wraps
 from pathlib import Path
+
+log = logging.getLogger("commfold")
 
 ENV_DIR = "COMMFOLD_COMM_LOG_DIR"
 PAUSED = "paused"  # while dir/paused exists no step is recorded (nor profiled)
@@ -51,6 +58,15 @@ _LOGITS = ("forward", "get_top_tokens", "get_top_k_tokens")
 # torch.compile's own spans: collectives dispatched inside them are traced on fake
 # tensors (a compile during the step), not run: phase "compile"
 _COMPILING = " (dynamo_timed)"
+
+# vLLM's CUDA communicator sends through PyNccl (NCCL via ctypes), custom / quick
+# all-reduce, symmetric memory or FlashInfer: no profiler event of their own, so its
+# collective methods are marked (comm_log.marked); recv is the peer's send
+DEVICE_COMMUNICATOR = "vllm.distributed.device_communicators.cuda_communicator:CudaCommunicator"
+DEVICE_METHODS = {"all_reduce": "all_reduce", "all_gather": "all_gather",
+                  "all_gatherv": "all_gather", "reduce_scatter": "reduce_scatter",
+                  "reduce_scatterv": "reduce_scatter", "broadcast": "broadcast",
+                  "send": "send"}
 
 HOOK = "step log"
 # what must exist in vLLM for every phase to be seen (see vllm_hook_points)
@@ -104,7 +120,7 @@ class _StepRecorder:
     def end(self) -> None:
         import torch.distributed as dist
 
-        from .comm_log import collective_event
+        from .comm_log import collective_events
 
         prof, self.prof = self.prof, None
         if prof is None:
@@ -116,13 +132,8 @@ class _StepRecorder:
                         for e in events if e.name().startswith(_PHASE)), key=lambda s: s[0])
         compiling = [(e.start_ns(), e.start_ns() + e.duration_ns()) for e in events
                      if e.name().endswith(_COMPILING)]
-        found = []
-        for e in events:
-            t = e.start_ns()
-            c = collective_event(e, "compile" if any(a <= t <= b for a, b in compiling)
-                                 else _phase_at(spans, t))
-            if c is not None:
-                found.append(c.to_json())
+        found = [c.to_json() for c in collective_events(events, lambda t: (
+            "compile" if any(a <= t <= b for a, b in compiling) else _phase_at(spans, t)))]
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         line = dict(rank=rank, pid=os.getpid(), step=self.step, **self.info, events=found)
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -149,8 +160,10 @@ def state(environ=os.environ, runner=None):
     hook = vllm_runtime.gate(HOOK, off=off, environ=environ, runner=runner,
                              missing=lambda: vllm_hook_points.missing(HOOK_POINTS))
     if hook.on:  # what it counts: collectives that reach a profiler event it knows
-        hook = replace(hook, reason=hook.reason + "; counts c10d (gloo) and vLLM CPU "
-                       "shared-memory collectives, not PyNccl's")
+        hook = replace(hook, reason=hook.reason + "; counts c10d (gloo, NCCL), vLLM CPU "
+                       "shared-memory and vLLM CUDA communicator (PyNccl, custom "
+                       "all-reduce) collectives, not those replayed inside a CUDA graph "
+                       "(log with enforce_eager=True)")
     return hook
 
 
@@ -172,7 +185,32 @@ def install(environ=os.environ, runner=None) -> bool:
         _wrap(GPUModelRunner, method, _in_phase(name))
     for method in _LOGITS:
         _wrap(LogitsProcessor, method, _in_phase("logits"))
+    module, _, name = DEVICE_COMMUNICATOR.partition(":")
+    try:
+        wrap_device_communicator(getattr(importlib.import_module(module), name))
+    except (ImportError, AttributeError) as e:  # a vLLM build without it: nothing to count
+        log.info("commfold: step log: %s not wrapped (%s)", DEVICE_COMMUNICATOR, e)
     return True
+
+
+def wrap_device_communicator(cls) -> None:
+    """Mark each collective method of a device communicator class (DEVICE_METHODS) for
+    the step log: what it sends, in the phase it runs in, counted once."""
+    for method, kind in DEVICE_METHODS.items():
+        _wrap(cls, method, _marked(kind))
+
+
+def _marked(kind: str):
+    def make(original):
+        def run(self, tensor, *args, **kwargs):
+            if _recorder is None or _recorder.prof is None:
+                return original(self, tensor, *args, **kwargs)
+            from .comm_log import marked
+
+            with marked(kind, tensor if isinstance(tensor, (list, tuple)) else [tensor]):
+                return original(self, tensor, *args, **kwargs)
+        return run
+    return make
 
 
 def _wrap(cls, method: str, make) -> None:
