@@ -2,9 +2,12 @@
 RMSNorm after it become one commfold::allreduce_rmsnorm call.
 
 Uses: patterns.allreduce.AllReduce (any spelling: c10d functional, in-place
-dist.all_reduce, DTensor, vLLM) and patterns.rmsnorm.RMSNorm (hand-written f32 /
-bf16 / fp16, F.rms_norm / nn.RMSNorm, Gemma's 1 + w, no weight, vLLM's f32-sum
-fused add + norm, vLLM's IR ops).
+dist.all_reduce, DTensor, vLLM), patterns.residual_scale.ResidualScale (a scaled
+residual branch, residual + all_reduce(x) * c: Granite, MiniCPM) and
+patterns.rmsnorm.RMSNorm (hand-written f32 / bf16 / fp16, F.rms_norm / nn.RMSNorm,
+Gemma's 1 + w, no weight, vLLM's f32-sum fused add + norm, vLLM's IR ops). A sum
+all-reduce that reaches an RMSNorm within a few elementwise ops but matches nothing
+is a near-miss naming the op in the way (patterns.norm_reach).
 
 Why it is safe:
 - the reduction is a sum (others are skipped), and the op runs the graph's own
@@ -16,14 +19,18 @@ Why it is safe:
   norm, just leaves it unread). A reader of the reduced value before the add would need a value
   the op does not return: skipped;
 - the norm's intermediates have no readers outside the norm (the recognizer checks);
+- a scale is applied by the op where the graph applies it (after the reduction,
+  before the add, in f32, rounded where the graph rounds it); the reduced value must
+  have no other reader, and with a residual neither may the scaled one. FlashInfer's
+  fusion (CUDA) has no scale: scaled sites on its devices stay unfused;
 - the kernel rounds where the compiled graph would (see commfold.ops.allreduce_rmsnorm);
 - the op writes the new residual over its input, but the graph holds it under
   auto_functionalized (functional): Inductor's reinplacing, not this pass, decides
   whether the input's buffer may be reused (it must be dead) or is copied first.
 The decision depends on the graph and the config only: rank-consistent.
 
-Writes: auto_functionalized(commfold::allreduce_rmsnorm, x, residual, weight, eps,
-offset, flags, comm) -> getitem 0 (normed), getitem 1 (new residual: the op writes it
+Writes: auto_functionalized(commfold::allreduce_rmsnorm[.scaled], x, residual, weight,
+eps, offset, flags, comm[, scale]) -> getitem 0 (normed), getitem 1 (new residual: the op writes it
 over x, in place when Inductor's reinplacing finds x dead, into a copy otherwise).
 """
 from __future__ import annotations
@@ -38,8 +45,11 @@ from torch._inductor.fx_utils import get_node_storage
 from commfold.context import PassContext
 from commfold.graph import nbytes, tensor_val
 from commfold.graph_edit import erase_if_dead, insert_call
+from commfold.ops import flashinfer_norm
 from commfold.ops.allreduce_rmsnorm import SUPPORTED_DTYPES, pack_flags
 from commfold.patterns.allreduce import AllReduce, allreduce_candidates, match_allreduce
+from commfold.patterns.norm_reach import norm_path, unmatched_norm
+from commfold.patterns.residual_scale import ResidualScale, match_residual_scale
 from commfold.patterns.rmsnorm import match_rmsnorm
 from commfold.patterns.rmsnorm_match import RMSNorm
 from commfold.report import Comm
@@ -49,33 +59,50 @@ PATTERN = "all_reduce->rmsnorm"
 
 def run(ctx: PassContext) -> None:
     two_shot = ctx.config.two_shot_min_bytes
-    for ar, norm in ctx.matches(PATTERN, allreduce_candidates(ctx.graph), _allreduce_norm):
-        why = _unsafe(ar, norm)
+    for ar, scale, norm in ctx.matches(PATTERN, allreduce_candidates(ctx.graph),
+                                       _allreduce_norm):
+        why = _unsafe(ar, scale, norm)
         if why:
             ctx.skipped(PATTERN, norm.output, why)
             continue
-        _rewrite(ctx, ar, norm, two_shot)
+        _rewrite(ctx, ar, scale, norm, two_shot)
 
 
 def _allreduce_norm(coll):
-    """(AllReduce, RMSNorm) for coll; None for an unusable all-reduce (e.g. no wait)
-    or one no RMSNorm reads (not near-misses); a Miss when the norm almost matches."""
+    """(AllReduce, ResidualScale or None, RMSNorm) for coll; a Miss when a norm almost
+    matches, or when a sum all-reduce reaches one within a few elementwise ops and
+    nothing matched (naming the op in the way); None otherwise (no near-miss: an
+    all-reduce no RMSNorm reads, or an unusable one far from any)."""
     ar = match_allreduce(coll)
     if not ar:
-        return None
+        return ar if norm_path(coll) is not None else None
     norm = match_rmsnorm(ar.reduced)
-    return (ar, norm) if norm else norm
+    if norm:
+        return ar, None, norm
+    scale = match_residual_scale(ar.reduced)
+    scaled = match_rmsnorm(scale.scaled) if scale is not None else None
+    if scaled:
+        return ar, scale, scaled
+    found = norm if norm is not None else scaled
+    if found is None and ar.reduce_op == "sum":
+        return unmatched_norm(ar.reduced)
+    return found
 
 
-def _unsafe(ar: AllReduce, norm: RMSNorm) -> str | None:
+def _unsafe(ar: AllReduce, scale: ResidualScale | None, norm: RMSNorm) -> str | None:
     if ar.reduce_op != "sum":
         return f"'{ar.reduce_op}' all-reduce (only a sum can be fused with the add)"
     dtype = tensor_val(ar.input).dtype
     if dtype not in SUPPORTED_DTYPES or norm.dtype != dtype:
         return f"unsupported dtype {dtype} (norm input {norm.dtype})"
-    if norm.residual is not None and len(ar.reduced.users) > 1:
-        return ("the reduced value is read besides the residual add (the op returns only "
-                "the sum with the residual)")
+    if scale is not None and len(ar.reduced.users) > 1:
+        return "the reduced value is read besides its scale (the op returns the scaled value)"
+    if norm.residual is not None and len(norm.x.users) > 1:
+        return (f"the {'scaled' if scale else 'reduced'} value is read besides the residual "
+                "add (the op returns only the sum with the residual)")
+    if scale is not None and not scale.identity \
+            and tensor_val(ar.input).device.type in flashinfer_norm.DEVICE_TYPES:
+        return flashinfer_norm.NO_SCALE
     # FX nodes compare by graph position (O(1)): no per-match walk of the graph
     last_input = max(n for n in (ar.collective, norm.residual, norm.weight) if n is not None)
     readers = [u for n in (norm.h, norm.output) if n is not None for u in n.users
@@ -85,19 +112,26 @@ def _unsafe(ar: AllReduce, norm: RMSNorm) -> str | None:
     return None
 
 
-def _rewrite(ctx: PassContext, ar: AllReduce, norm: RMSNorm, two_shot: int) -> None:
+def _rewrite(ctx: PassContext, ar: AllReduce, scale: ResidualScale | None, norm: RMSNorm,
+             two_shot: int) -> None:
     graph = ctx.graph
     # Inductor rounds a low-precision cast inside a kernel only when emulating casts,
     # and a stored buffer always; an eager op (vLLM IR) rounds at every cast: ask the
     # op to round where the unfused program would.
     emulate = bool(inductor_config.emulate_precision_casts) or norm.eager
+    lowp = norm.dtype != torch.float32
+    scaled = scale is not None and not scale.identity
     anchor = max(n for n in (ar.collective, norm.residual, norm.weight) if n is not None)
     flags = pack_flags(
         offset_in_weight_dtype=norm.offset_in_weight_dtype and emulate,
         round_before_weight=norm.round_before_weight and emulate,
-        round_sum=(norm.residual is not None and norm.dtype != torch.float32
+        round_sum=((norm.residual is not None or scaled) and lowp
                    and not norm.sum_in_f32 and (emulate or _stored(norm))),
-        out_f32=norm.out_dtype == torch.float32, two_shot_min_bytes=two_shot)
+        out_f32=norm.out_dtype == torch.float32, two_shot_min_bytes=two_shot,
+        scale_divides=scaled and scale.divides,
+        # the scaled value is a stored buffer when an eager norm reads it itself
+        round_scaled=scaled and lowp and (bool(inductor_config.emulate_precision_casts)
+                                          or _eager_reads(norm, norm.x)))
     # functional in the graph: auto_functionalized returns (normed, new residual), and
     # Inductor's reinplacing decides whether the op may write over x (x dead here).
     # It does not see that the op also reads x as its residual or weight (x + x, a
@@ -107,11 +141,15 @@ def _rewrite(ctx: PassContext, ar: AllReduce, norm: RMSNorm, two_shot: int) -> N
         with graph.inserting_after(anchor):
             written = anchor = insert_call(graph, torch.ops.aten.clone.default, (written,),
                                            like=norm.output)
+    op, args = torch.ops.commfold.allreduce_rmsnorm.default, {}
+    if scaled:
+        op, args = torch.ops.commfold.allreduce_rmsnorm.scaled, dict(scale=scale.value)
     with graph.inserting_after(anchor):
         fused = insert_call(
-            graph, auto_functionalized, (torch.ops.commfold.allreduce_rmsnorm.default,),
+            graph, auto_functionalized, (op,),
             dict(x=written, residual=norm.residual, weight=norm.weight, eps=norm.eps,
-                 weight_offset=norm.offset, flags=flags, comm=ar.comm), like=norm.output)
+                 weight_offset=norm.offset, flags=flags, comm=ar.comm, **args),
+            like=norm.output)
     with graph.inserting_after(fused):
         new_residual = insert_call(graph, operator.getitem, (fused, 1), like=norm.output)
     with graph.inserting_after(fused):
@@ -121,7 +159,7 @@ def _rewrite(ctx: PassContext, ar: AllReduce, norm: RMSNorm, two_shot: int) -> N
     if norm.h is not None:
         norm.h.replace_all_uses_with(new_residual, delete_user_cb=lambda u: u not in private)
     chain = set([norm.output, *norm.inner, *([norm.h] if norm.h is not None else []),
-                 *ar.comm_nodes])
+                 *([scale.scaled] if scale is not None else []), *ar.comm_nodes])
     operands = dict.fromkeys(a for n in chain for a in n.all_input_nodes if a not in chain)
     for node in sorted(chain, reverse=True):  # users before their inputs
         if not node.users:  # readers first: each node is erased once
@@ -133,7 +171,8 @@ def _rewrite(ctx: PassContext, ar: AllReduce, norm: RMSNorm, two_shot: int) -> N
         raise RuntimeError("fuse_allreduce_rmsnorm: the original all-reduce is still read")
     x = tensor_val(ar.input)
     size = nbytes(x)
-    ctx.rewrote(PATTERN, norm.output, Comm(size, 1), Comm(size, 1), detail=_detail(x, norm))
+    ctx.rewrote(PATTERN, norm.output, Comm(size, 1), Comm(size, 1),
+                detail=_detail(x, norm, scale if scaled else None))
 
 
 def _aliases(x: torch.fx.Node, *others) -> bool:
@@ -143,6 +182,11 @@ def _aliases(x: torch.fx.Node, *others) -> bool:
                for o in others if o is not None)
 
 
+def _eager_reads(norm: RMSNorm, node: torch.fx.Node) -> bool:
+    """An eager norm op reads node itself (then node is a stored, rounded buffer)."""
+    return norm.eager and any(u is norm.output or u in norm.inner for u in node.users)
+
+
 def _stored(norm: RMSNorm) -> bool:
     """The sum h is read outside the norm, so Inductor stores it (rounded to its
     dtype) and its norm kernel reads the stored value back."""
@@ -150,8 +194,9 @@ def _stored(norm: RMSNorm) -> bool:
                                       for u in norm.h.users)
 
 
-def _detail(x, norm: RMSNorm) -> str:
+def _detail(x, norm: RMSNorm, scale: ResidualScale | None) -> str:
     parts = [str(x.dtype).replace("torch.", ""),
+             *([f"scaled ({'/' if scale.divides else '*'}{scale.value:g})"] if scale else []),
              "+residual" if norm.residual is not None else "no residual",
              "no weight" if norm.weight is None else
              ("weight (1+w)" if norm.offset == 1.0 else

@@ -148,6 +148,38 @@ def not_installed_on_rank():
         flashinfer_standin.uninstall()
 
 
+def scaled_on_rank():
+    """The scaled overload's math on a FlashInfer device: never delegated (FlashInfer's
+    fusion has no scale), bit-equal to the composite path."""
+    from commfold.ops import flashinfer_norm as fn
+    from commfold.ops.allreduce_rmsnorm import allreduce_rmsnorm, pack_flags
+
+    rec = flashinfer_standin.install()
+    out = []
+    try:
+        for i, (dtype, scale, divides) in enumerate([(F32, 0.22, False), (BF16, -3.0, True)]):
+            x, r, w = _inputs(dtype, (3, 64), 300 + i)
+            got = []
+            for widened in (True, False):
+                fn.DEVICE_TYPES = ("cuda", "cpu") if widened else ("cuda",)
+                try:
+                    h = x.clone()
+                    got.append((allreduce_rmsnorm(h, r, w.to(dtype), 1e-6, 0.0,
+                                                  pack_flags(scale_divides=divides), _comm().spec,
+                                                  scale), h))
+                finally:
+                    fn.DEVICE_TYPES = ("cuda",)
+            out.append(all(torch.equal(a, b) for a, b in zip(*got)))
+        fn.DEVICE_TYPES = ("cuda", "cpu")
+        try:
+            reason = fn.why_not(x, w.to(x.dtype), 0.0, False, False, x.dtype, _comm(), True)
+        finally:
+            fn.DEVICE_TYPES = ("cuda",)
+        return out, reason, len(rec.calls)
+    finally:
+        flashinfer_standin.uninstall()
+
+
 def _comm():
     from commfold.collectives import communicator
 
@@ -184,6 +216,12 @@ def test_ineligible_calls_take_the_composite_path_unchanged(ranks2):
         for row in out:
             assert row["reason"], row  # each says why
             assert row["equal"], row  # bit-equal to the composite path
+
+
+def test_a_scaled_residual_is_not_delegated(ranks2):
+    for equal, reason, calls in ranks2.run(scaled_on_rank):
+        assert equal == [True, True] and calls == 0
+        assert reason == "scaled residual: FlashInfer fusion has no scale"
 
 
 def test_failed_workspace_falls_back_once_and_is_not_retried(ranks2):

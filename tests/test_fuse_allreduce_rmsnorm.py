@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, Phase, assume, given, settings, strategies a
 
 import commfold
 from commfold.ops import add_rmsnorm_cpu
-from commfold.ops.allreduce_rmsnorm import composite_add_norm
+from commfold.ops.allreduce_rmsnorm import Scale, composite_add_norm
 from commfold.comm_log import record_collectives
 
 from models_norm import OFFSET, build_decoder, make_block
@@ -37,7 +37,11 @@ def _inputs(case, tokens, world, rank):
 
 def _reference(case, xs, r, w) -> torch.Tensor:
     """The exact (f64) result for the low-precision inputs."""
-    h = xs.double().sum(0) + (r.double() if case["residual"] else 0)
+    h = xs.double().sum(0)
+    if case.get("residual_scale") is not None:  # the graph's own f32 scalar
+        c = float(torch.tensor(case["residual_scale"], dtype=torch.float32))
+        h = h / c if case.get("scale_spelling") == "div" else h * c
+    h = h + (r.double() if case["residual"] else 0)
     n = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + case["eps"])
     return n * (w.double() + OFFSET.get(case["norm"], 0.0)) if case.get("weight", True) else n
 
@@ -54,7 +58,8 @@ def _numerics(cases, two_shot):
     out = []
     for case in cases:
         block = make_block(case["norm"], case["coll"], case["residual"], case["res_first"],
-                           case["eps"], case.get("weight", True), case.get("dead_residual", False))
+                           case["eps"], case.get("weight", True), case.get("dead_residual", False),
+                           case.get("residual_scale"), case.get("scale_spelling", "mul"))
         torch._dynamo.reset()
         commfold.clear_reports()
         unfused = torch.compile(block, backend="inductor")
@@ -72,6 +77,7 @@ def _numerics(cases, two_shot):
                 same_dtype=f_out.dtype == u_out.dtype,
                 res_equal=torch.equal(f_res, u_res),
                 mismatch=(f_out != u_out).double().mean().item(),
+                max_abs=(f_out.double() - u_out.double()).abs().max().item(),
                 res_maxdiff=(f_res.double() - u_res.double()).abs().max().item(),
                 rel_diff=((f_out.double() - u_out.double()).abs()
                           / u_out.double().abs().clamp_min(1e-3)).max().item(),
@@ -200,10 +206,11 @@ SITES = 2 * LAYERS + 1  # per layer 2, plus the norm after the input projection
 def decoders_on_rank(specs, tokens):
     """Each spelling's decoder: fused-op count and outputs vs eager."""
     out = []
-    for norm, coll, dtype, res_first in specs:
+    for norm, coll, dtype, res_first, *scale in specs:  # scale: a residual scale, optional
         torch._dynamo.reset()
         commfold.clear_reports()
-        model = build_decoder(LAYERS, 64, 128, norm, coll, DTYPES[dtype], res_first=res_first)
+        model = build_decoder(LAYERS, 64, 128, norm, coll, DTYPES[dtype], res_first=res_first,
+                              residual_scale=scale[0] if scale else None)
         compiled = torch.compile(model, backend=_config())
         row = {"spec": (norm, coll, dtype), "counts": [], "maxdiff": 0.0}
         for t in tokens:
@@ -337,11 +344,15 @@ def test_special_forms_and_skips(ranks2):
        dtype=st.sampled_from(sorted(DTYPES)), residual=st.booleans(), weight=st.booleans(),
        round_before=st.booleans(), round_sum=st.booleans(), f32_out=st.booleans(),
        eps=st.sampled_from([1e-6, 0.5]), in_place=st.booleans(),
-       special=st.sampled_from([None, float("nan"), float("inf"), -float("inf"), 7e4]))
+       special=st.sampled_from([None, float("nan"), float("inf"), -float("inf"), 7e4]),
+       scale=st.one_of(st.none(), st.builds(
+           Scale, st.sampled_from([0.22, -3.7, 1e-6, 12.0, 1.0, 0.1]), st.booleans(),
+           st.booleans())))
 def test_cpu_kernel_matches_composite(rows, hidden, dtype, residual, weight, round_before,
-                                      round_sum, f32_out, eps, in_place, special):
+                                      round_sum, f32_out, eps, in_place, special, scale):
     """Both kernel instantiations: h written over x (as the op runs it) and h apart;
-    a NaN, an infinity or a value past fp16's range in the first row."""
+    a NaN, an infinity or a value past fp16's range in the first row; a scale on x
+    (multiplied or divided, rounded or not) before the add."""
     assert add_rmsnorm_cpu.module() is not None, "the C++ kernel did not build"
     dt = DTYPES[dtype]
     g = torch.Generator().manual_seed(rows * 1000 + hidden)
@@ -355,13 +366,14 @@ def test_cpu_kernel_matches_composite(rows, hidden, dtype, residual, weight, rou
     round_before = round_before and weight
     h1, o1 = x.clone(), torch.empty(rows, hidden, dtype=out_dt)
     src = h1 if in_place else x.clone()
-    assert add_rmsnorm_cpu.add_rmsnorm(src, res, h1, o1, wf, eps, round_before, round_sum)
+    assert add_rmsnorm_cpu.add_rmsnorm(src, res, h1, o1, wf, eps, round_before, round_sum,
+                                       scale)
     h2 = x.clone()
-    o2 = composite_add_norm(h2, res, wf, eps, round_before, round_sum, out_dt)
+    o2 = composite_add_norm(h2, res, wf, eps, round_before, round_sum, out_dt, scale=scale)
     # the residual add rounds exactly like torch (NaN where torch has NaN)
     torch.testing.assert_close(h1, h2, rtol=0, atol=0, equal_nan=True)
     # same math, f32 sums in another order: a last-bit difference may flip a rounding
     tol = {torch.float32: 2e-6, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}[out_dt]
-    scale = (wf.abs().max().item() if weight else 1.0) * 4
-    torch.testing.assert_close(o1.float(), o2.float(), rtol=0, atol=tol * scale * 2,
+    mag = (wf.abs().max().item() if weight else 1.0) * 4
+    torch.testing.assert_close(o1.float(), o2.float(), rtol=0, atol=tol * mag * 2,
                                equal_nan=True)
