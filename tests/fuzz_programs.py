@@ -12,9 +12,10 @@ program runs several rewrite sites (and distractors) in ONE compiled graph:
   the gathered logits, a gather on the rows dim, topk(2, largest=False). The passes
   must leave them.
 - ``norm``: partial sums -> all-reduce (funcol, funcol + explicit wait, in-place
-  dist.all_reduce, DTensor Partial -> Replicate) -> optional residual add -> RMSNorm
-  (hand-written, F.rms_norm, Gemma 1 + w) in f32 / bf16. Distractor: a max / avg /
-  min reduction (not a sum): no fusion.
+  dist.all_reduce, DTensor Partial -> Replicate) -> optional scale of the reduced
+  branch (``x * c`` or ``x / c``: Granite's residual multiplier, MiniCPM's scale_depth)
+  -> optional residual add -> RMSNorm (hand-written, F.rms_norm, Gemma 1 + w) in
+  f32 / bf16. Distractor: a max / avg / min reduction (not a sum): no fusion.
 - ``embed``: vocab-parallel embedding (range mask, offset, lookup, zero rows,
   all-reduce) with masked_fill or where, funcol or in-place all-reduce.
 - ``lm_head``: hidden @ weight shard.T -> gather -> slice -> argmax.
@@ -73,6 +74,9 @@ norm_block = st.fixed_dictionaries({
     "tokens": st.integers(1, 6), "hidden": st.sampled_from([8, 16, 48]),
     "residual": st.booleans(), "eps": st.sampled_from([1e-6, 1e-5]),
     "reduce": st.sampled_from(["sum", "sum", "sum", "max", "avg", "min"]),
+    # a scaled residual branch: None (none), a factor, or ("div", c)
+    "scale": st.one_of(st.none(), st.sampled_from([0.22, -1.5, 1.0, 2.0**-10, 12.0]),
+                       st.tuples(st.just("div"), st.sampled_from([3.0, -0.5]))),
 })
 embed_block = st.fixed_dictionaries({
     "kind": st.just("embed"), "seed": seeds,
@@ -297,6 +301,11 @@ def _rms(h, w, eps, how):
 def _norm(b, x, r, w):
     coll = b["coll"] if b["reduce"] != "avg" or b["coll"] != "inplace" else "funcol"
     y = _all_reduce(x, coll, b["reduce"])
+    scale = b.get("scale")
+    if isinstance(scale, (tuple, list)):  # ("div", c)
+        y = y / scale[1]
+    elif scale is not None:
+        y = y * scale
     if b["residual"]:
         y = y + r
     return _rms(y, w, b["eps"], b["norm"]), y

@@ -27,9 +27,9 @@ G = dict(kind="greedy", bad=None, seed=1, gather="funcol", dtype="f32", rows=3, 
          ops=["scale", "softcap"], pick="argmax", ties=True)
 
 
-def _norm(coll, norm, dtype, residual, reduce="sum", seed=2):
+def _norm(coll, norm, dtype, residual, reduce="sum", seed=2, scale=None):
     return dict(kind="norm", seed=seed, coll=coll, norm=norm, dtype=dtype, tokens=3,
-                hidden=16, residual=residual, eps=1e-6, reduce=reduce)
+                hidden=16, residual=residual, eps=1e-6, reduce=reduce, scale=scale)
 
 
 # Every spelling at least once, every distractor at least once (fixed: always run).
@@ -40,6 +40,8 @@ COVERAGE = [
      dict(G, gather="inplace", pick="logprob", dtype="bf16", ops=["add"]),
      _norm("funcol", "hand", "f32", True), _norm("funcol_wait", "functional", "bf16", False),
      _norm("inplace", "gemma", "bf16", True), _norm("dtensor", "hand", "f32", True),
+     _norm("inplace", "functional", "bf16", True, scale=0.22),
+     _norm("dtensor", "gemma", "f32", False, scale=("div", 3.0)),
      dict(kind="embed", seed=3, vocab=11, hidden=4, ids=(2, 3), spelling="masked_fill",
           coll="funcol"),
      dict(kind="embed", seed=4, vocab=7, hidden=8, ids=(1, 5), spelling="where", coll="inplace"),
@@ -51,6 +53,7 @@ COVERAGE = [
     + [_norm("funcol", "hand", "f32", True, "max"),
        _norm("dtensor", "functional", "f32", False, "avg"),
        _norm("inplace", "gemma", "bf16", True, "min"),
+       _norm("funcol", "hand", "bf16", True, "max", scale=-1.5),
        G],  # and one good site among the distractors
 ]
 
