@@ -1,7 +1,8 @@
 """fuse_allreduce_rmsnorm on vLLM CPU's shared-memory all-reduce, on vLLM's own TP
 group in rank processes (no engine): the in-place ``_C.shm_allreduce`` on an
 intermediate, in both functionalized spellings (vLLM's ``auto_functionalized``,
-torch's default ``auto_functionalized_v2``), then the residual add and the norm.
+torch's default ``auto_functionalized_v2``), then the residual add (also of a scaled
+branch, as vLLM's Granite adds it) and the norm.
 Every compiled graph fuses once; the new residual is bit-equal to the unfused
 compiled program's and the output within f32 / bf16 rounding of it."""
 from __future__ import annotations
@@ -15,7 +16,7 @@ from vllm_models import require_vllm_installed, skip_without_shm
 pytestmark = require_vllm_installed()
 
 
-def shm_fusion_on_rank(v2: bool):
+def shm_fusion_on_rank(v2: bool, residual_scale: float | None = None):
     import commfold
     from harness.vllm_tp import init_vllm_tp, shm_handle
 
@@ -26,7 +27,7 @@ def shm_fusion_on_rank(v2: bool):
     def block(x, r, w):
         y = x * 2  # an intermediate, as a projection's output is
         torch.ops._C.shm_allreduce(handle, y)
-        h = y + r
+        h = y + r if residual_scale is None else r + y * residual_scale  # Granite's
         return F.rms_norm(h, (h.shape[-1],), w, 1e-6), h
 
     out = []
@@ -53,10 +54,11 @@ def shm_fusion_on_rank(v2: bool):
     return out
 
 
-@pytest.mark.parametrize("v2", [False, True], ids=["auto_functionalized", "v2"])
-def test_shm_allreduce_norm_fuses_and_matches(vllm_ranks, v2):
+@pytest.mark.parametrize("v2,residual_scale", [(False, None), (True, None), (False, 0.22)],
+                         ids=["auto_functionalized", "v2", "scaled_residual"])
+def test_shm_allreduce_norm_fuses_and_matches(vllm_ranks, v2, residual_scale):
     skip_without_shm()
-    for rows in vllm_ranks.run(shm_fusion_on_rank, v2):
+    for rows in vllm_ranks.run(shm_fusion_on_rank, v2, residual_scale):
         for row in rows:
             if "rewrites" in row:
                 assert row["rewrites"] and set(row["rewrites"]) == {1}, row["summary"]
