@@ -26,9 +26,18 @@ import torch.nn.functional as F
 from torch import nn
 
 
-# funcol.all_gather_single is new in torch 2.13; all_gather_tensor gathers the same
-# (a chunk + cat in the graph) on the older releases commfold supports
-_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+def gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's x concatenated along the last dim, in rank order, spelled so that
+    dynamo traces it on every torch commfold supports: funcol.all_gather_single where
+    it exists (torch >= 2.13); before, all_gather_tensor on a dim other than 0 calls a
+    helper dynamo will not trace (a graph break: the gather would run outside the
+    graph), so gather dim 0 and move the rank dim next to the last."""
+    single = getattr(funcol, "all_gather_single", None)
+    if single is not None:
+        return single(x, x.dim() - 1, group)
+    world = dist.get_world_size(group)
+    full = funcol.all_gather_tensor(x.contiguous(), 0, group)
+    return full.view(world, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], -1)
 
 
 @dataclass(frozen=True)
@@ -138,7 +147,7 @@ class TPDecoder(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Full-vocab logits [..., vocab]: local shard matmul, gather, drop padding."""
         shard = h @ self.lm_head.t()
-        full = _all_gather(shard, shard.dim() - 1, self.group)
+        full = gather_last_dim(shard, self.group)
         return full[..., : self.cfg.vocab]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -17,8 +17,8 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 
+from commfold.models import gather_last_dim
 from gpu_device import DEVICE, rank_device, requires_device, shard_of
 
 pytestmark = requires_device
@@ -69,11 +69,11 @@ def decoder_on_rank(device: str) -> dict:
 
 def vocab_program(top_shard, stats_shard, picks):
     """top-k of scaled f32 logits; logprobs at picks, greedy picks and logsumexp of bf16
-    logits (each a funcol gather of vocab-sharded logits, padding sliced off)."""
-    group = dist.group.WORLD
-    top = funcol.all_gather_tensor(top_shard, 1, group)[:, :VOCAB]
+    logits (each a gather of vocab-sharded logits as TPDecoder spells it on this torch,
+    padding sliced off)."""
+    top = gather_last_dim(top_shard, dist.group.WORLD)[:, :VOCAB]
     values, indices = torch.topk(top / 0.7, K, dim=-1)
-    x = funcol.all_gather_tensor(stats_shard, 1, group)[:, :VOCAB]
+    x = gather_last_dim(stats_shard, dist.group.WORLD)[:, :VOCAB]
     lp = torch.log_softmax(x.float(), -1)
     return values, indices, lp.gather(-1, picks), x.argmax(-1), torch.logsumexp(x.float(), -1)
 

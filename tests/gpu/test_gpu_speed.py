@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from commfold.models import gather_last_dim
 from gpu_device import DEVICE, rank_device, requires_device, shard_of, synchronize
 
 pytestmark = requires_device
@@ -34,14 +35,15 @@ def norm_block(x, residual, weight):
 
 def greedy_pick(shard):
     """The vocab-parallel LM head's greedy pick: gather the logits, argmax."""
-    return funcol.all_gather_tensor(shard, 1, dist.group.WORLD)[:, :VOCAB].argmax(-1)
+    return gather_last_dim(shard, dist.group.WORLD)[:, :VOCAB].argmax(-1)
 
 
 def _inputs(name, world, rank, dev):
     g = torch.Generator().manual_seed(1)
     if name == "allreduce_rmsnorm":
         xs = torch.randn(world, TOKENS, HIDDEN, generator=g).bfloat16()
-        return (xs[rank].to(dev), torch.randn(TOKENS, HIDDEN, generator=g).bfloat16().to(dev),
+        x = xs[rank].clone()  # its own storage on every device, as .to("cuda") gives
+        return (x.to(dev), torch.randn(TOKENS, HIDDEN, generator=g).bfloat16().to(dev),
                 (1 + 0.1 * torch.randn(HIDDEN, generator=g)).bfloat16().to(dev))
     logits = (torch.randn(BATCH, VOCAB, generator=g) * 4).bfloat16()
     return (shard_of(logits, world, rank).to(dev),)
