@@ -4,6 +4,7 @@ and the small helpers every check's rank body shares."""
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -59,3 +60,21 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def ulp(dtype: torch.dtype) -> float:
     """The spacing of `dtype` at 1.0."""
     return torch.finfo(dtype).eps
+
+
+@contextmanager
+def no_cpp_build_off_cpu(device: torch.device):
+    """Off the CPU, commfold's C++ vocab scans stay off inside (COMMFOLD_SCAN_KERNELS=0,
+    read at each call): a GPU machine then builds no C++ (it may lack a compiler, the
+    build would take minutes of the check's five, and a build killed by its time limit
+    leaves a lock every later build waits on)."""
+    before = os.environ.get("COMMFOLD_SCAN_KERNELS")
+    if device.type != "cpu":
+        os.environ["COMMFOLD_SCAN_KERNELS"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("COMMFOLD_SCAN_KERNELS", None)
+        else:
+            os.environ["COMMFOLD_SCAN_KERNELS"] = before

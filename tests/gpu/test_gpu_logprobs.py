@@ -1,13 +1,16 @@
 """commfold.ops.local_logprobs (vLLM's logprobs without the full-vocab gather) on the
 device, on 2 ranks, against log_softmax over the whole row on CPU: the token (greedy
 or scored), its logprob and rank, and the top-k logprobs with the ids they belong to
-(checked by value, so ties among bf16 logits may come in any order)."""
+(checked by value, so ties among bf16 logits may come in any order). Off the CPU
+with commfold's C++ vocab scans off (the scans are CPU code: a GPU machine builds
+none of them here)."""
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from gpu_device import DEVICE, rank_device, requires_device, shard_of, world_comm
+from gpu_device import (DEVICE, no_cpp_build_off_cpu, rank_device, requires_device, shard_of,
+                        world_comm)
 
 pytestmark = requires_device
 
@@ -41,9 +44,10 @@ def logprobs_on_rank(device: str) -> dict:
         padded = torch.nn.functional.pad(full.float(), (0, world * vs - vocab), value=1e4)
         shard = shard_of(padded.to(dtype), world, rank).to(dev)
         targets = torch.randint(0, vocab, (rows,), generator=g) if scored else None
-        tokens, ids, lps, ranks = local_logprobs(
-            shard, vocab, comm, k, _fallback(whole),
-            None if targets is None else targets.to(dev))
+        with no_cpp_build_off_cpu(dev):
+            tokens, ids, lps, ranks = local_logprobs(
+                shard, vocab, comm, k, _fallback(whole),
+                None if targets is None else targets.to(dev))
         lp = torch.log_softmax(full.float(), -1)
         want_t = full.float().argmax(-1) if targets is None else targets
         lp_t = lp.gather(1, want_t[:, None])

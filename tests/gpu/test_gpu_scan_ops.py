@@ -9,15 +9,15 @@ device calls run the ops' torch implementation - the code CUDA runs - and the
 reference calls their C++ kernels."""
 from __future__ import annotations
 
-import os
 from collections import Counter
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from gpu_device import DEVICE, rank_device, requires_device, same_bits, shard_of, ulp, world_comm
+from gpu_device import (DEVICE, no_cpp_build_off_cpu, rank_device, requires_device, same_bits,
+                        shard_of, ulp, world_comm)
 from logit_cases import DTYPES, make_logits
 
 try:  # the GPU machine may lack hypothesis: the fixed cases run without it
@@ -53,22 +53,6 @@ def _torch_path(device: torch.device):
     from commfold.ops import vocab_scan
 
     return vocab_scan.fallback() if device.type == "cpu" else nullcontext()
-
-
-@contextmanager
-def _reference_path(device: torch.device):
-    """The CPU reference calls: the C++ kernels when the device is the CPU; the torch
-    implementation on a GPU machine (which then builds no C++: it may lack a compiler)."""
-    before = os.environ.get("COMMFOLD_SCAN_KERNELS")
-    if device.type != "cpu":
-        os.environ["COMMFOLD_SCAN_KERNELS"] = "0"  # read at each call (vocab_scan.module)
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("COMMFOLD_SCAN_KERNELS", None)
-        else:
-            os.environ["COMMFOLD_SCAN_KERNELS"] = before
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -113,7 +97,7 @@ def _checks(op: str, c: dict, x: dict, dev: torch.device, comm: str) -> dict:
                     "values": same_bits(v, x["order"].values[:, :x["k"]].to(out))}
         args = (vocab, comm, c["finite_shift"], True, chain)
         got = softmax_stats(shard.to(dev), x["picks"].to(dev), *args)
-    with _reference_path(dev):
+    with no_cpp_build_off_cpu(dev):  # the CPU reference: C++ in CPU mode, else torch
         want = softmax_stats(shard, x["picks"], *args)
     return {"max": same_bits(got[0], want[0]), "first max": torch.equal(got[2].cpu(), x["index"]),
             "sum": _close(got[1], want[1], out), "logprobs at picks": _close(got[3], want[3], out)}
