@@ -10,7 +10,7 @@ share of the compile's wall time (garbage collection included); per rewrite and 
 node its own CPU time (this thread's, which a busy machine does not inflate, less
 garbage collection: a full collection that falls due while commfold runs scans all
 of Inductor's objects and costs ~250 ms at 32 layers, whoever triggers it); the
-per-pass figures are the report's (wall). Targets (issue 7): at most 2% of compile time,
+per-pass figures are the report's (wall). Targets: at most 2% of compile time,
 at most 1 ms per rewrite, near-linear in graph size. Reports rank 0's figures;
 Inductor's caches are off; one untimed 1-layer compile first takes the process's
 one-time costs (imports, first calls) out of the figures. ``measure`` is the rank-side

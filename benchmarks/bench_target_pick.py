@@ -1,5 +1,5 @@
 """The target model's logits + token pick of one engine step, vLLM's way vs commfold's
-target pick (#18), at TP=2 inside vLLM's own TP group (its CPU shared-memory
+target pick, at TP=2 inside vLLM's own TP group (its CPU shared-memory
 communicator, or --gloo for its torch.distributed fallback), on vLLM's real
 ParallelLMHead + LogitsProcessor (V=151936, hidden 1024, bf16 by default) and its
 real Sampler:

@@ -1,4 +1,4 @@
-"""The performance suite: every figure of issue 7 in one run, commfold against plain
+"""The performance suite: every performance figure in one run, commfold against plain
 Inductor side by side, written as results.json, results.md and PNG plots.
 
     python -m benchmarks                      # full run (TP=2, and TP=4 where listed)
