@@ -134,6 +134,19 @@ def _check(results, exact_residual=True):
             assert r["mean_err_fused"] <= r["mean_err_unfused"] * 1.02 + 1e-12, msg
 
 
+def assert_fused_once(per_rank, cases):
+    """Every case's graph fused each site once, one all-reduce ran per call, and the
+    ranks computed the same outputs."""
+    for results in per_rank:
+        _check(results)
+        per_graph = [r["rewrites"] for r in results if "rewrites" in r]
+        assert len(per_graph) == len(cases) and all(c and set(c) == {1} for c in per_graph), \
+            per_graph
+        for r in results:
+            assert r["calls"] == {"all_reduce": 1, "reduce_scatter": 0, "all_gather": 0}, r
+    assert len({tuple(r["out_hash"] for r in res) for res in per_rank}) == 1
+
+
 def _matches_unfused_program(ranks, cases):
     assume(cases[0] != cases[1])  # not hypothesis's first draw, twice its simplest case
     per_rank = ranks.run(numerics_on_rank, cases)

@@ -12,7 +12,7 @@ import math
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
-from test_fuse_allreduce_rmsnorm import (DTYPES, SITES, _check, decoders_on_rank,
+from test_fuse_allreduce_rmsnorm import (assert_fused_once, DTYPES, SITES, decoders_on_rank,
                                          numerics_on_rank)
 
 # Granite's residual_multiplier (0.22), MiniCPM's scale_depth / sqrt(layers), and the
@@ -41,19 +41,8 @@ FIXED = [_case("bf16", "hand", True, 0.22),
          _case("bf16", "gemma_lowp", True, 1.0, "mul", eps=0.25)]
 
 
-def _assert_fused_once(per_rank, cases):
-    for results in per_rank:
-        _check(results)
-        per_graph = [r["rewrites"] for r in results if "rewrites" in r]
-        assert len(per_graph) == len(cases) and all(c and set(c) == {1} for c in per_graph), \
-            per_graph
-        for r in results:
-            assert r["calls"] == {"all_reduce": 1, "reduce_scatter": 0, "all_gather": 0}, r
-    assert len({tuple(r["out_hash"] for r in res) for res in per_rank}) == 1
-
-
 def test_scaled_spellings(ranks2):
-    _assert_fused_once(ranks2.run(numerics_on_rank, FIXED), FIXED)
+    assert_fused_once(ranks2.run(numerics_on_rank, FIXED), FIXED)
 
 
 def test_scaled_emulated_precision_casts(ranks2):
@@ -62,7 +51,7 @@ def test_scaled_emulated_precision_casts(ranks2):
     cases = [_case("bf16", "hand", True, 0.22, tokens=(33,)),
              _case("f16", "vllm", True, -3.7, "div", tokens=(33,))]
     per_rank = ranks2.run(numerics_on_rank, cases, None, True)
-    _assert_fused_once(per_rank, cases)
+    assert_fused_once(per_rank, cases)
     for results in per_rank:
         for r in results:
             assert r["mismatch"] <= 0.02, r
@@ -99,7 +88,7 @@ scaled_case = st.fixed_dictionaries({
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(cases=st.lists(scaled_case, min_size=3, max_size=3))
 def test_scaled_matches_unfused_program(ranks2, cases):
-    _assert_fused_once(ranks2.run(numerics_on_rank, cases), cases)
+    assert_fused_once(ranks2.run(numerics_on_rank, cases), cases)
 
 
 def test_scaled_decoder(ranks2):
@@ -130,4 +119,4 @@ def test_scaled_vllm_ir(ranks2):
     cases = [_case("bf16", "vllm_ir", True, 0.22), _case("f16", "vllm_ir", False, 12.0),
              _case("bf16", "vllm_ir_rms", True, -3.7, res_first=True),
              _case("f32", "vllm_ir_rms", True, 3.0, "div")]
-    _assert_fused_once(ranks2.run(ir_scaled_on_rank, cases), cases)
+    assert_fused_once(ranks2.run(ir_scaled_on_rank, cases), cases)
