@@ -233,10 +233,16 @@ class RankPool:
     graph they all compile once between them, through Inductor's FX graph cache
     (commfold.compile_once); False: every rank lowers its own. ``spawn=True`` starts
     every rank in a fresh interpreter, never forked: for ranks that use a CUDA GPU, whose
-    driver must not have been touched before a fork (by imports the forkserver made)."""
+    driver must not have been touched before a fork (by imports the forkserver made).
+    ``env`` (with spawn=True): variables the spawned ranks start with, set in this
+    process only while they start (for what a library reads at import)."""
 
     def __init__(self, world_size: int, timeout: float = 300.0, threads: int | None = None,
-                 compile_once: bool = True, spawn: bool = False):
+                 compile_once: bool = True, spawn: bool = False,
+                 env: dict[str, str] | None = None):
+        if env and not spawn:
+            raise ValueError("RankPool(env=...) needs spawn=True: forked ranks inherit "
+                             "the forkserver's environment")
         self.world_size, self.timeout = world_size, timeout
         ctx, self.spawn_reason = ((mp.get_context("spawn"), "spawn=True") if spawn
                                   else _context())  # why ranks are spawned; None: forked
@@ -249,6 +255,19 @@ class RankPool:
         threads = threads or max(1, (os.cpu_count() or 1) // world_size)
         port = free_port()
         self._procs, self._stderr = [], []
+        saved = {k: os.environ.get(k) for k in env or {}}
+        os.environ.update(env or {})
+        try:
+            self._start(ctx, world_size, port, threads, compile_once)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        self._calls = 0
+
+    def _start(self, ctx, world_size, port, threads, compile_once):
         for r in range(world_size):
             read_end, write_end = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_worker, daemon=True,
@@ -258,7 +277,6 @@ class RankPool:
             write_end.close()  # the rank holds the only write end: EOF when it exits
             self._procs.append(p)
             self._stderr.append(_StderrTail(read_end))
-        self._calls = 0
 
     @property
     def alive(self) -> bool:

@@ -13,6 +13,8 @@ commfold does not know run vLLM's code.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 MAX_LOGPROBS = 20
 LOGPROB_MODES = ("raw_logprobs", "processed_logprobs")
 
@@ -137,3 +139,65 @@ def active_processors(md) -> list[str]:
         else:
             active.append(type(p).__name__)
     return active
+
+
+# --- Model Runner V2 ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class V2Step:
+    """What Model Runner V2's Sampler holds about one step's requests (its per-request
+    state arrays, filled from the scheduler's requests: the same on every rank)."""
+    temperatures: tuple[float, ...]
+    top_k_or_p: bool  # a request with top-k or top-p (V2 masks before its argmax)
+    needs_processing: bool  # V2's needs_logits_processing for a request of the step
+    logprobs: bool  # a request wants logprobs or logprob_token_ids
+    sampler: str = "Sampler"  # the sampler's class: only V2's plain Sampler is known
+    trace_replay: bool = False
+    sampling_mask: bool = False  # return_sampling_mask
+    nan_check: bool = False  # VLLM_COMPUTE_NANS_IN_LOGITS
+
+
+def decide_v2(step: V2Step, *, spec: bool, structured: bool,
+              verify: str | None = None) -> tuple[str | None, str]:
+    """(mode, reason) for a Model Runner V2 step: "greedy" / "verify", or None with
+    why not. The same rules as ``decide`` (V1): strict greedy only, nothing needing
+    the whole row; logprobs stay V2's (its Triton kernels compute them, commfold's
+    match V1's torch ones)."""
+    if structured:
+        return None, "structured output"
+    if step.nan_check:
+        return None, "VLLM_COMPUTE_NANS_IN_LOGITS"
+    if step.sampler != "Sampler":
+        return None, f"sampler {step.sampler} (commfold knows V2's Sampler)"
+    if spec:
+        refusal = verify_refusal(verify)
+        if refusal is not None:
+            return None, refusal
+    if not step.temperatures:
+        return None, "no requests"
+    if any(t != 0.0 for t in step.temperatures):
+        return None, "sampling (temperature > 0)"
+    if step.needs_processing:
+        return None, ("logits processing (penalties, logit bias, min tokens, bad words, "
+                      "a thinking budget or a custom processor)")
+    if step.top_k_or_p:
+        return None, "top-k / top-p on a greedy request (V2 masks before its argmax)"
+    if step.logprobs:
+        return None, "logprobs on Model Runner V2 (its own kernels compute them)"
+    if step.trace_replay:
+        return None, "trace replay"
+    if step.sampling_mask:
+        return None, "return_sampling_mask"
+    return ("verify" if spec else "greedy"), "all greedy"
+
+
+def pick_bytes(rows: int, tp: int) -> int:
+    """Bytes each rank receives for commfold's pick: one (value, index) pair, 16 B,
+    per row from every other rank."""
+    return rows * (tp - 1) * 16
+
+
+def all_to_all_bytes(rows: int, vocab: int, tp: int, itemsize: int) -> int:
+    """Bytes each rank receives under V2's batch-sharded sampling: its rows' logits
+    (about rows / tp of them) from every other rank's vocab shard."""
+    return -(-rows // tp) * (vocab // tp) * (tp - 1) * itemsize

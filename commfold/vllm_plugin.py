@@ -8,7 +8,8 @@
    (composed with a post-grad pass already there) and hooks the speculative drafter
    (commfold.vllm_draft): its greedy pick without a full-vocab gather, and a
    ``get_top_tokens`` for drafters that lack one; and the target's pick
-   (commfold.vllm_target_pick). Every hook logs one line at load, on or off and why
+   (commfold.vllm_target_pick on the V1 runner, vllm_target_pick_v2 on V2). Every hook
+   logs one line at load, on or off and why
    (the table `commfold doctor` prints; commfold.vllm_runtime).
 
 Options come from the environment, read when the pass is first used (its uuid() or a
@@ -34,7 +35,8 @@ import copy
 import os
 import sys
 
-from . import vllm_comm_log, vllm_draft, vllm_runtime, vllm_target_pick
+from . import (vllm_comm_log, vllm_draft, vllm_runtime, vllm_target_pick,
+               vllm_target_pick_v2)
 from .config import ALL_PASSES, Config, unknown_passes
 from .manager import CommfoldPass
 from .vllm_runtime import HookState
@@ -140,7 +142,7 @@ def register() -> None:
     vllm_comm_log.install(runner=_runner)  # only with COMMFOLD_COMM_LOG_DIR set
     if enabled():
         vllm_draft.hook_proposers(config_from_env(), runner=_runner)
-        vllm_target_pick.install(runner=_runner)  # COMMFOLD_TARGET_PICK=0 leaves it off
+        target_pick(_runner).install(runner=_runner)  # COMMFOLD_TARGET_PICK=0: off
     else:
         for state in _unwanted():
             state.log()
@@ -166,7 +168,12 @@ def hook_states(environ=os.environ, runner=None) -> list[HookState]:
     if not enabled(environ):
         return states + _unwanted()
     return states + vllm_draft.states(config_from_env(environ), environ, runner) \
-        + [vllm_target_pick.state(environ, runner)]
+        + [target_pick(runner).state(environ, runner)]
+
+
+def target_pick(runner: vllm_runtime.Runner):
+    """The target-pick hook of the runner vLLM will build (one row either way)."""
+    return vllm_target_pick_v2 if runner.version == 2 else vllm_target_pick
 
 
 def _hook_vllm_config() -> None:

@@ -90,27 +90,28 @@ def runner_choice(environ=os.environ, has_triton: bool | None = None) -> Runner:
 
 
 def gate(hook: str, *, off: str | None = None, missing=list, environ=os.environ,
-         runner: Runner | None = None, found=None) -> HookState:
-    """The state of a V1-runner hook: off by choice (`off`, INFO), off under Model
-    Runner V2 or with hook points that moved (`missing()`, the hook's check, run only
-    for the V1 runner; WARNING), else on - with a WARNING when this vLLM is outside
-    the tested set."""
+         runner: Runner | None = None, found=None, version: int = 1) -> HookState:
+    """The state of a runner hook that acts on Model Runner `version`: off by choice
+    (`off`, INFO), off under the other runner or with hook points that moved
+    (`missing()`, run only for the hook's runner; WARNING), else on - with a WARNING
+    when this vLLM is outside the tested set."""
     if off is not None:
         return HookState(hook, False, off)
     runner = runner or runner_choice(environ)
-    if runner.version != 1:
-        what = "Model Runner V2 runs" if runner.version == 2 else "no known runner"
-        return HookState(hook, False, f"{what} ({runner.why}); commfold's runtime hooks "
-                         f"act on the V1 runner only, set {ENV_V2}=0 for it (the graph "
-                         "passes apply either way)", problem=True)
+    name = f"V{version}"
+    if runner.version != version:
+        what = f"Model Runner V{runner.version} runs" if runner.version else "no known runner"
+        return HookState(hook, False, f"{what} ({runner.why}); this hook acts on the "
+                         f"{name} runner only (the graph passes apply either way)",
+                         problem=True)
     found = found or installed_vllm()
     missing = missing()
     if missing:
-        version = " ".join(found) if found else "vLLM"
-        return HookState(hook, False, f"{version} moved what it hooks: {'; '.join(missing)}",
+        v = " ".join(found) if found else "vLLM"
+        return HookState(hook, False, f"{v} moved what it hooks: {'; '.join(missing)}",
                          problem=True)
     note = untested(found)
-    return HookState(hook, True, f"V1 runner ({runner.why})" + (f"; {note}" if note else ""),
+    return HookState(hook, True, f"{name} runner ({runner.why})" + (f"; {note}" if note else ""),
                      problem=note is not None)
 
 

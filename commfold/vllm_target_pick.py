@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from . import vllm_comm_log, vllm_hook_points, vllm_runtime
-from .collectives import CommKind
+from .vllm_logits_head import LogitsHead
 from .ops import logprob_scan
 # the per-step decision lives in vllm_decision (shared by the runner hooks); its
 # names stay importable from here
@@ -117,49 +117,25 @@ class _Pending:
 class _Picker:
     """The runner model's vocab layout and TP communicator, and the step's state."""
 
-    def __init__(self, runner, model, processor, comm: str, vocab: int, shard: int):
-        self.runner, self.model, self.processor = runner, model, processor
-        self.comm, self.vocab, self.shard = comm, vocab, shard
+    def __init__(self, runner, head: LogitsHead):
+        self.runner, self.head = runner, head
+        self.model, self.processor = head.model, head.processor
+        self.comm, self.vocab, self.shard = head.comm, head.vocab, head.shard
         self.in_execute = False  # inside execute_model, before its compute_logits
         self.scheduler_output = None
         self.pending: _Pending | None = None
         self.prompt_k: int | None = None  # inside _get_prompt_logprobs_dict, qualified
         self.prompt_shards: dict[int, torch.Tensor] = {}
-        original = model.compute_logits
-        model.compute_logits = lambda hidden, *a, **kw: self._compute_logits(
+        original = self.model.compute_logits
+        self.model.compute_logits = lambda hidden, *a, **kw: self._compute_logits(
             original, hidden, *a, **kw)
 
     @staticmethod
     def build(runner):
         """The runner's picker, or None (logged once) when its model or setup does not
         fit: everything checked here is the same on every rank."""
-        from vllm.distributed import get_tp_group
-        from vllm.model_executor.layers.logits_processor import LogitsProcessor
-
-        model = getattr(runner, "model", None)
-        why = None
-        tp = get_tp_group()
-        processors = [m for m in model.modules() if isinstance(m, LogitsProcessor)] \
-            if isinstance(model, torch.nn.Module) else []
-        head = getattr(model, "lm_head", None)
-        idx = getattr(head, "shard_indices", None)
-        if tp.world_size < 2:
-            why = "TP=1 (nothing to gather)"
-        elif len(processors) != 1 or idx is None or not callable(
-                getattr(model, "compute_logits", None)):
-            why = f"{type(model).__name__}: no single LogitsProcessor + vocab-parallel lm_head"
-        elif processors[0].logits_as_input or not processors[0].use_all_gather:
-            why = "logits processor without all-gather"
-        elif getattr(runner, "lora_config", None) or idx.num_added_elements:
-            why = "LoRA / added vocab"
-        elif runner.parallel_config.pipeline_parallel_size > 1 or runner.broadcast_pp_output:
-            why = "pipeline parallel"
-        if why is None:
-            shard = head.weight.shape[0]
-            vocab = processors[0].org_vocab_size
-            if idx.org_vocab_start_index != tp.rank_in_group * shard or shard > vocab:
-                why = f"vocab layout (shard {shard}, vocab {vocab})"
-        if why is not None:
+        head, why = LogitsHead.find(runner)
+        if head is None:
             log.info("commfold: target pick off for this model: %s", why)
             return None
         if getattr(runner, "speculative_config", None) is not None:
@@ -171,7 +147,7 @@ class _Picker:
         # not in a background thread: one killed inside torch's build lock leaves the
         # lock behind, and every later load waits on it)
         logprob_scan.module()  # the vocab scans (vocab_scan_cpu.cpp)
-        return _Picker(runner, model, processors[0], _comm_spec(tp), vocab, shard)
+        return _Picker(runner, head)
 
     # compute_logits: the shard when the step qualifies
     def _compute_logits(self, original, hidden, *args, **kwargs):
@@ -191,21 +167,12 @@ class _Picker:
         return original(hidden, *args, **kwargs)
 
     def local_logits(self, original, hidden):
-        """The model's own compute_logits with the processor's gather as the identity:
-        this rank's [rows, shard] columns (soft cap and scale included); None (and
-        the hook off for this runner) if the model's code gives something else."""
-        self.processor._gather_logits = _identity
-        try:
-            out = original(hidden)
-        finally:
-            del self.processor._gather_logits
-        if isinstance(out, torch.Tensor) and tuple(out.shape) == (hidden.shape[0], self.shard):
-            return out
-        log.warning("commfold: target pick off: %s.compute_logits gave %s without its "  # same
-                    "gather, not this rank's [rows, %d] shard", type(self.model).__name__,
-                    getattr(out, "shape", type(out).__name__), self.shard)  # on every rank
-        self.runner._commfold_picker = None
-        return None
+        """This rank's [rows, shard] from the model's own compute_logits (LogitsHead);
+        None turns the hook off for this runner."""
+        out = self.head.local_logits(hidden, original)
+        if out is None:
+            self.runner._commfold_picker = None
+        return out
 
     def _decide(self):
         from vllm import envs
@@ -221,10 +188,7 @@ class _Picker:
                       verify=_verify_method(r))
 
     def gather(self, shard):
-        """vLLM's gather of the logits (for a step that turns out to need them)."""
-        from vllm.distributed import tensor_model_parallel_all_gather
-
-        return tensor_model_parallel_all_gather(shard)[..., :self.vocab]
+        return self.head.gather(shard)
 
     # the step's pick
     def sample(self, pending: _Pending, spec_metadata):
@@ -271,27 +235,12 @@ def _verify_method(runner) -> str:
                          getattr(runner, "rejection_sampler", None))
 
 
-def _identity(logits):
-    return logits
-
-
 def _vllm_logprobs(full, tokens, k):
     """vLLM's own logprobs of whole rows (rows local_logprobs does not do locally)."""
     from vllm.v1.sample.sampler import Sampler
 
     t = Sampler.gather_logprobs(Sampler.compute_logprobs(full), k, tokens.long())
     return t.logprob_token_ids, t.logprobs, t.selected_token_ranks
-
-
-def _comm_spec(tp) -> str:
-    """commfold's name for the communicator vLLM's TP group gathers logits with: its
-    CPU shared-memory one, torch.distributed on a CPU group, else vLLM's custom ops."""
-    shm = getattr(getattr(tp, "device_communicator", None), "dist_module", None)
-    if getattr(shm, "handle", None) is not None:
-        return CommKind.VLLM_SHM.spec(shm.handle)
-    if tp.device.type == "cpu":
-        return CommKind.C10D.spec(tp.device_group.group_name)
-    return CommKind.VLLM.spec(tp.unique_name)
 
 
 # --- install -------------------------------------------------------------------------
@@ -302,7 +251,8 @@ def hook_points_missing() -> list[str]:
 
 
 def state(environ=os.environ, runner=None) -> vllm_runtime.HookState:
-    """This hook's state and why (vllm_runtime.gate), installing nothing."""
+    """This hook's state and why (vllm_runtime.gate), installing nothing (Model Runner
+    V2 has its own: commfold.vllm_target_pick_v2)."""
     return vllm_runtime.gate(HOOK, off=None if enabled(environ) else f"{ENV}=0",
                              missing=hook_points_missing, environ=environ, runner=runner)
 

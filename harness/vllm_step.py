@@ -17,7 +17,8 @@ PAD_VALUE = 7.0  # padding rows: larger logits than any real row for an all-ones
 class TinyLM(torch.nn.Module):
     """The logits end of a vLLM causal LM (Llama's compute_logits)."""
 
-    def __init__(self, vocab: int, dtype, seed: int, ties: bool, hidden: int = H):
+    def __init__(self, vocab: int, dtype, seed: int, ties: bool, hidden: int = H,
+                 nan_column: int | None = None):
         from vllm.model_executor.layers.logits_processor import LogitsProcessor
         from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
@@ -27,6 +28,8 @@ class TinyLM(torch.nn.Module):
         g = torch.Generator().manual_seed(seed)
         full = torch.randint(-1, 2, (vocab, hidden), generator=g).float() if ties else \
             torch.randn(vocab, hidden, generator=g) / hidden ** 0.5
+        if nan_column is not None:
+            full[nan_column] = float("nan")  # that token's logit NaN in every row
         idx = self.lm_head.shard_indices
         n = idx.org_vocab_end_index - idx.org_vocab_start_index
         with torch.no_grad():
@@ -48,6 +51,9 @@ def hidden(rows: int, dtype, seed: int, ties: bool, special: str | None = None,
         h[1, 3] = float("nan")  # a NaN row of logits
     if special == "inf" and rows > 1:
         h[1] = float("inf")  # +-inf and NaN (inf * 0) logits
+    if special == "inf1" and rows > 1:
+        h[1] = 0.0
+        h[1, 3] = float("inf")  # +-inf logits, no NaN (weights without zeros)
     return h.to(dtype)
 
 

@@ -18,7 +18,11 @@ settings.load_profile("random" if os.environ.get("COMMFOLD_HYPOTHESIS") == "rand
 _pools: dict[str, RankPool] = {}
 # name: (world size, RankPool keyword arguments)
 _KINDS = {"2": (2, {"timeout": 600}), "4": (4, {"timeout": 600}),
-          "vllm": (2, {"timeout": 300, "threads": 1})}
+          "vllm": (2, {"timeout": 300, "threads": 1}),
+          # Model Runner V2: spawned, so harness.triton_cpu registers before vLLM imports
+          # and Triton reads TRITON_INTERPRET at its own import
+          "vllm_v2": (2, {"timeout": 300, "threads": 1, "spawn": True,
+                          "env": {"TRITON_INTERPRET": "1"}})}
 
 
 def _pool(kind: str) -> RankPool:
@@ -63,6 +67,13 @@ def vllm_ranks() -> Ranks:
     (each rank imports vLLM once, ~10 s a pool): every rank function sets up vLLM's
     groups itself (harness.vllm_tp.init_vllm_tp re-initializes them)."""
     return Ranks("vllm")
+
+
+@pytest.fixture
+def vllm_v2_ranks() -> Ranks:
+    """2 spawned ranks where vLLM sees Triton (harness.triton_cpu): Model Runner V2's
+    samplers run their Triton kernels in Triton's interpreter."""
+    return Ranks("vllm_v2")
 
 
 # Rank pools fork their ranks from commfold's preloaded server only while this

@@ -15,7 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from commfold.vllm_decision import (LEFT_TO_VLLM, STRICT_GREEDY, decide, verify_method,
+from commfold.vllm_decision import (LEFT_TO_VLLM, STRICT_GREEDY, V2Step, all_to_all_bytes,
+                                    decide, decide_v2, pick_bytes, verify_method,
                                     verify_refusal)
 
 # rejection_sample_method values (SpeculativeConfig's RejectionSampleMethod), plus
@@ -141,3 +142,48 @@ def test_greedy_decoding_without_spec_ignores_the_method():
     md = SimpleNamespace(all_greedy=False)
     assert decide(md, spec=False, structured=False, logprobs_mode="raw_logprobs",
                   vocab=4096, verify="fly") == (None, "sampling (temperature > 0)")
+
+
+# --- Model Runner V2: the same rules over what V2's Sampler holds -------------------
+
+GREEDY_V2 = V2Step(temperatures=(0.0, 0.0), top_k_or_p=False, needs_processing=False,
+                   logprobs=False)
+
+
+@pytest.mark.parametrize("release,method", CASES, ids=[f"{r}-{m}" for r, m in CASES])
+def test_each_method_on_model_runner_v2(release, method):
+    """Strict greedy verification is the only one V2's hook replaces, as V1's."""
+    mode, reason = decide_v2(GREEDY_V2, spec=True, structured=False, verify=method)
+    if method in STRICT_GREEDY:
+        assert (mode, reason) == ("verify", "all greedy")
+    else:
+        assert mode is None and reason.startswith(f"verification method {method}:")
+    assert decide_v2(GREEDY_V2, spec=True, structured=False, verify=None)[0] is None
+
+
+@pytest.mark.parametrize("change,why", [
+    (dict(temperatures=(0.0, 0.7)), "sampling (temperature > 0)"),
+    (dict(needs_processing=True), "logits processing"),
+    (dict(top_k_or_p=True), "top-k / top-p"),
+    (dict(logprobs=True), "logprobs on Model Runner V2"),
+    (dict(trace_replay=True), "trace replay"),
+    (dict(sampling_mask=True), "return_sampling_mask"),
+    (dict(nan_check=True), "VLLM_COMPUTE_NANS_IN_LOGITS"),
+    (dict(sampler="GPUWatermarkSampler"), "sampler GPUWatermarkSampler"),
+    (dict(temperatures=()), "no requests"),
+])
+def test_v2_steps_that_stay_vllms(change, why):
+    import dataclasses
+
+    step = dataclasses.replace(GREEDY_V2, **change)
+    mode, reason = decide_v2(step, spec=False, structured=False)
+    assert mode is None and reason.startswith(why), reason
+    assert decide_v2(GREEDY_V2, spec=False, structured=False) == ("greedy", "all greedy")
+    assert decide_v2(GREEDY_V2, spec=False, structured=True) == (None, "structured output")
+
+
+@pytest.mark.parametrize("rows,vocab,tp", [(1, 1024, 2), (64, 151936, 2), (256, 32000, 4)])
+def test_commfold_pick_moves_less_than_batch_sharded_sampling(rows, vocab, tp):
+    """V2's batch-sharded sampling all-to-alls each row's vocab shard; commfold's pick
+    a 16-byte pair per row: cheaper at any vocab a model has (>= 64 columns a rank)."""
+    assert pick_bytes(rows, tp) < all_to_all_bytes(rows, vocab, tp, 2)

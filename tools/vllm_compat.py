@@ -7,9 +7,9 @@ sources, without installing or importing that release.
 
 A source argument is a `vllm` package directory (or the directory holding one);
 "installed" is the vLLM this Python would import (found, not imported). For each
-hook (commfold's own lists: vllm_target_pick.HOOK_POINTS, vllm_draft.HOOK_POINTS,
-vllm_comm_log.HOOK_POINTS, and the plugin's two) every point `module:Attr.path` is
-found by parsing the sources (following re-exports and base classes), and the source
+hook (commfold's own lists: vllm_target_pick(_v2).HOOK_POINTS, vllm_draft.HOOK_POINTS,
+vllm_comm_log.HOOK_POINTS, and the plugin's two) every point `module:Attr.path` is found
+by parsing the sources (following re-exports and base classes), and the source
 text the hook relies on must be in it, as the plugin checks at load. Then what the
 per-step decision and the runner choice read: the verification methods the release
 defines (each must be known to commfold.vllm_decision, or a new one is flagged) and
@@ -29,7 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from commfold import vllm_comm_log, vllm_draft, vllm_target_pick  # noqa: E402
+from commfold import (vllm_comm_log, vllm_draft, vllm_target_pick,  # noqa: E402
+                      vllm_target_pick_v2)
 from commfold.vllm_decision import LEFT_TO_VLLM, STRICT_GREEDY  # noqa: E402
 from commfold.vllm_runtime import TESTED  # noqa: E402
 
@@ -50,7 +51,8 @@ READS = (("vllm.config.vllm:VllmConfig.use_v2_model_runner",
          ("vllm.v1.worker.gpu.spec_decode.rejection_sampler:RejectionSampler.__init__",
           "rejection_sample_method = spec_config.rejection_sample_method"))
 HOOKS = {"graph passes": PLUGIN_POINTS, vllm_comm_log.HOOK: vllm_comm_log.HOOK_POINTS,
-         **vllm_draft.HOOK_POINTS, vllm_target_pick.HOOK: vllm_target_pick.HOOK_POINTS,
+         **vllm_draft.HOOK_POINTS, "target pick (V1)": vllm_target_pick.HOOK_POINTS,
+         "target pick (V2)": vllm_target_pick_v2.HOOK_POINTS,
          "runner choice, verification method (read)": READS}
 
 
@@ -91,6 +93,8 @@ class Sources:
     def find(self, where: str) -> str:
         """The source of `where` ('' for a name without a body of its own)."""
         module, _, attr = where.partition(":")
+        if not attr:  # the module's whole text ('module:' - a point inside a kernel)
+            return self.module(module)[1]
         parts = attr.split(".")
         node, mod = self._lookup(module, parts[0], depth=0)
         for part in parts[1:]:

@@ -1,0 +1,93 @@
+"""The vocab-parallel head a vLLM runner's model computes its logits with, found once
+per runner for the token-pick hooks of both model runners: the model's single
+LogitsProcessor, the head's vocab layout, vLLM's TP communicator, and the model's own
+``compute_logits`` run with the processor's all-gather as the identity (this rank's
+[rows, vocab shard], soft cap and logit scale included)."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from .collectives import CommKind
+
+log = logging.getLogger("commfold")
+
+
+@dataclass
+class LogitsHead:
+    model: torch.nn.Module
+    processor: torch.nn.Module  # vLLM's LogitsProcessor
+    comm: str  # commfold's name for the TP group's communicator
+    vocab: int  # the true vocab (org_vocab_size): columns past it are padding
+    shard: int  # columns per rank
+
+    @staticmethod
+    def find(runner) -> tuple[LogitsHead | None, str]:
+        """(head, "") or (None, why not): everything checked is the same on every rank."""
+        from vllm.distributed import get_tp_group
+        from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+        model = getattr(runner, "model", None)
+        tp = get_tp_group()
+        processors = [m for m in model.modules() if isinstance(m, LogitsProcessor)] \
+            if isinstance(model, torch.nn.Module) else []
+        head = getattr(model, "lm_head", None)
+        idx = getattr(head, "shard_indices", None)
+        if tp.world_size < 2:
+            return None, "TP=1 (nothing to gather)"
+        if len(processors) != 1 or idx is None or not callable(
+                getattr(model, "compute_logits", None)):
+            return None, f"{type(model).__name__}: no single LogitsProcessor + " \
+                "vocab-parallel lm_head"
+        if processors[0].logits_as_input or not processors[0].use_all_gather:
+            return None, "logits processor without all-gather"
+        if getattr(runner, "lora_config", None) or idx.num_added_elements:
+            return None, "LoRA / added vocab"
+        pp = getattr(getattr(runner, "parallel_config", None), "pipeline_parallel_size", 1)
+        if pp > 1 or getattr(runner, "broadcast_pp_output", False):
+            return None, "pipeline parallel"
+        shard = head.weight.shape[0]
+        vocab = processors[0].org_vocab_size
+        if idx.org_vocab_start_index != tp.rank_in_group * shard or shard > vocab:
+            return None, f"vocab layout (shard {shard}, vocab {vocab})"
+        return LogitsHead(model, processors[0], _comm_spec(tp), vocab, shard), ""
+
+    def local_logits(self, hidden, compute=None):
+        """`compute` (the model's compute_logits, by default) with the processor's
+        gather as the identity: this rank's [rows, shard], or None (logged: the model's
+        code gives something else; the same on every rank)."""
+        compute = compute or self.model.compute_logits
+        self.processor._gather_logits = _identity
+        try:
+            out = compute(hidden)
+        finally:
+            del self.processor._gather_logits
+        if isinstance(out, torch.Tensor) and tuple(out.shape) == (hidden.shape[0], self.shard):
+            return out
+        log.warning("commfold: target pick off: %s.compute_logits gave %s without its "
+                    "gather, not this rank's [rows, %d] shard", type(self.model).__name__,
+                    getattr(out, "shape", type(out).__name__), self.shard)
+        return None
+
+    def gather(self, shard):
+        """vLLM's gather of the logits (for a step that turns out to need them)."""
+        from vllm.distributed import tensor_model_parallel_all_gather
+
+        return tensor_model_parallel_all_gather(shard)[..., :self.vocab]
+
+
+def _identity(logits):
+    return logits
+
+
+def _comm_spec(tp) -> str:
+    """commfold's name for the communicator vLLM's TP group gathers logits with: its
+    CPU shared-memory one, torch.distributed on a CPU group, else vLLM's custom ops."""
+    shm = getattr(getattr(tp, "device_communicator", None), "dist_module", None)
+    if getattr(shm, "handle", None) is not None:
+        return CommKind.VLLM_SHM.spec(shm.handle)
+    if tp.device.type == "cpu":
+        return CommKind.C10D.spec(tp.device_group.group_name)
+    return CommKind.VLLM.spec(tp.unique_name)

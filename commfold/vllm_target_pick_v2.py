@@ -1,0 +1,229 @@
+"""The target model's token pick on vLLM's Model Runner V2 without the full-vocab
+gather: the same rules as the V1 hook (commfold.vllm_target_pick), one patch.
+
+V2's ``GPUModelRunner.sample(hidden_states, input_batch, grammar_output)`` computes
+the logits (``self.model.compute_logits``: all-gathered over the vocab), then runs its
+Sampler, or its RejectionSampler when the step verifies drafts. This hook wraps
+``sample`` and decides per step from what V2's Sampler holds about the step's
+requests (commfold.vllm_decision.decide_v2: the same on every rank):
+
+- ``greedy``: every request greedy, no logits processing, no top-k / top-p, no
+  logprobs: the token per row is commfold.ops.local_argmax over the model's own
+  logits shard (one (value, index) pair per row per rank);
+- ``verify``: the same under spec decoding with strict greedy verification: the
+  target's argmax at every row, then V2's accept rule (a draft is accepted while it
+  equals the target's argmax and is not a placeholder; the first rejected position
+  and the bonus position take the target's argmax), drafts read by V2's own
+  ``gather_draft_sampled``;
+- anything else, and batch-sharded sampling unless the step qualifies (commfold's
+  pick moves 16 bytes per row from each peer, its all-to-all a row's whole vocab
+  shard), runs V2's own ``sample``.
+
+V2 takes its greedy argmax in Triton kernels whose pick on a row holding NaN depends
+on the kernel's reduction order; commfold's scan sees NaN in the gathered maxima (the
+same on every rank) and gives such a step to V2's samplers, after gathering the
+logits as vLLM does. Ties and -inf rows: the first maximum, as V2's kernels.
+
+Logged once at install, on or off and why (vllm_runtime.gate with the V2 runner);
+COMMFOLD_TARGET_PICK=0 turns it off; ``vllm_target_pick.pause()`` sends steps to
+vLLM's path. Decisions go to the step log as ``target_pick``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import torch
+
+from . import vllm_comm_log, vllm_hook_points, vllm_runtime, vllm_target_pick
+from .vllm_decision import (V2Step, all_to_all_bytes, decide_v2, pick_bytes,
+                            verify_method)
+from .vllm_logits_head import LogitsHead
+
+log = logging.getLogger("commfold")
+
+HOOK = "target pick"  # the same row as V1's hook: one per engine
+_RUNNER = "vllm.v1.worker.gpu.model_runner:GPUModelRunner"
+_REJECT = "vllm.v1.worker.gpu.spec_decode.rejection_sampler"
+HOOK_POINTS = (
+    (f"{_RUNNER}.sample", "logits = self.model.compute_logits(sample_hidden_states)"),
+    (f"{_RUNNER}.sample", "sampler_output = self.sampler(logits, input_batch)"),
+    (f"{_RUNNER}.sample", "self.speculator.draft_logits"),
+    (f"{_RUNNER}.sample",
+     "return sampler_output, sampler_output.num_sampled, sampler_output.num_rejected"),
+    ("vllm.v1.worker.gpu.sample.sampler:Sampler.__call__",
+     "input_batch.seq_lens.new_ones(input_batch.num_reqs)"),
+    ("vllm.v1.worker.gpu.sample.sampler:Sampler.sample",
+     "self.sampling_states.get_top_k_top_p("),
+    ("vllm.v1.worker.gpu.sample.states:SamplingStates.add_request",
+     "return temperature != 0.0 and ("),
+    (f"{_REJECT}:RejectionSampler.__call__", "draft_sampled, pos = gather_draft_sampled("),
+    ("vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils:",  # in _rejection_kernel
+     "accepted = target_argmax == draft_sampled"),
+    ("vllm.model_executor.layers.logits_processor:LogitsProcessor._get_logits",
+     "logits = self._gather_logits(logits)"),
+)
+
+
+def hook_points_missing() -> list[str]:
+    return vllm_hook_points.missing(HOOK_POINTS)
+
+
+def state(environ=os.environ, runner=None) -> vllm_runtime.HookState:
+    """This hook's state and why, installing nothing."""
+    off = None if vllm_target_pick.enabled(environ) else f"{vllm_target_pick.ENV}=0"
+    return vllm_runtime.gate(HOOK, off=off, missing=hook_points_missing, environ=environ,
+                             runner=runner, version=2)
+
+
+_installed = False
+
+
+def install(environ=os.environ, runner=None) -> bool:
+    """Wrap V2's GPUModelRunner.sample (once per process), logging one line."""
+    global _installed
+    if _installed:
+        return True
+    if not state(environ, runner).log().on:
+        return False
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    original = GPUModelRunner.__dict__["sample"]
+    if not getattr(original, "_commfold_target_pick", False):
+        wrapped = _sample(original)
+        wrapped.__wrapped__, wrapped.__name__ = original, "sample"
+        wrapped._commfold_target_pick = True
+        GPUModelRunner.sample = wrapped
+    _installed = True
+    return True
+
+
+def _head(runner) -> LogitsHead | None:
+    if "_commfold_head" not in runner.__dict__:
+        head, why = LogitsHead.find(runner)
+        if head is None:
+            log.info("commfold: target pick off for this model: %s", why)
+        runner._commfold_head = head
+    return runner._commfold_head
+
+
+def step_of(runner, input_batch) -> V2Step:
+    """What V2's Sampler holds about the step's requests (V2's own arrays)."""
+    sampler = runner.sampler
+    idx = input_batch.idx_mapping_np
+    idx = idx[idx >= 0]
+    states = sampler.sampling_states
+    logprobs = sampler.get_logprobs_dims(idx) is not None
+    return V2Step(
+        temperatures=tuple(float(t) for t in states.temperature.np[idx]),
+        top_k_or_p=bool(np.any(states.top_k.np[idx] != states.vocab_size)
+                        or np.any(states.top_p.np[idx] != 1.0)),
+        needs_processing=bool(np.any(sampler.needs_logits_processing[idx])),
+        logprobs=logprobs, sampler=type(sampler).__name__,
+        trace_replay=getattr(sampler, "trace_replay_state", None) is not None,
+        sampling_mask=bool(getattr(sampler, "return_sampling_mask", False)),
+        nan_check=bool(getattr(sampler, "compute_nans", False)))
+
+
+def decide(runner, input_batch, grammar_output) -> tuple[str | None, str]:
+    if vllm_target_pick._paused:
+        return None, "paused"
+    if runner.sampler is None or input_batch.num_reqs == 0:
+        return None, "no sampler or no requests on this rank"
+    spec = input_batch.num_draft_tokens > 0 and runner.rejection_sampler is not None
+    verify = verify_method(getattr(runner, "speculative_config", None),
+                           runner.rejection_sampler) if spec else None
+    if spec and type(runner.rejection_sampler).__name__ != "RejectionSampler":
+        return None, f"rejection sampler {type(runner.rejection_sampler).__name__}"
+    return decide_v2(step_of(runner, input_batch), spec=spec,
+                     structured=grammar_output is not None, verify=verify)
+
+
+def _sample(original):
+    def sample(self, hidden_states, input_batch, grammar_output):
+        head = _head(self)
+        if head is None:
+            return original(self, hidden_states, input_batch, grammar_output)
+        mode, why = decide(self, input_batch, grammar_output)
+        if mode is not None and getattr(self, "batch_sharder", None) is not None:
+            rows = int(input_batch.logits_indices.shape[0])
+            ours, theirs = pick_bytes(rows, head_world(head)), all_to_all_bytes(
+                rows, head.vocab, head_world(head), hidden_states.element_size())
+            if ours >= theirs:
+                mode, why = None, f"batch-sharded sampling moves less ({theirs} B < {ours} B)"
+        vllm_comm_log.note("target_pick", mode or f"vLLM ({why})")
+        if mode is None:
+            return original(self, hidden_states, input_batch, grammar_output)
+        shard = head.local_logits(hidden_states[input_batch.logits_indices])
+        if shard is None:
+            self._commfold_head = None
+            return original(self, hidden_states, input_batch, grammar_output)
+        with vllm_comm_log.phase("sampling"):
+            out = pick(self, head, shard, input_batch, mode)
+        return out, out.num_sampled, out.num_rejected
+    return sample
+
+
+def head_world(head: LogitsHead) -> int:
+    from vllm.distributed import get_tp_group
+
+    return get_tp_group().world_size
+
+
+def pick(runner, head: LogitsHead, shard, input_batch, mode: str):
+    """V2's SamplerOutput for the step, from this rank's logits shard."""
+    from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
+    from vllm.v1.worker.gpu.sample.output import SamplerOutput
+
+    from .ops.local_argmax import local_argmax
+
+    values, tokens = local_argmax(shard, head.vocab, head.comm)
+    if values.isnan().any():  # gathered maxima: the same on every rank
+        vllm_comm_log.note("target_pick", "vLLM (NaN logits: V2's own pick)")
+        return _vllm_samplers(runner, head.gather(shard), input_batch)
+    prefill_len = runner.sampler.req_states.prefill_len.gpu
+    if mode == "verify":
+        sampled, num_sampled = verify(runner, input_batch, tokens, prefill_len)
+    else:
+        sampled = tokens.view(-1, 1)
+        num_sampled = input_batch.seq_lens.new_ones(input_batch.num_reqs)
+    num_sampled, num_rejected = get_num_sampled_and_rejected(
+        num_sampled, input_batch.seq_lens, input_batch.cu_num_logits,
+        input_batch.idx_mapping, prefill_len)
+    return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None, num_nans=None,
+                         num_sampled=num_sampled, num_rejected=num_rejected)
+
+
+def verify(runner, input_batch, argmax, prefill_len):
+    """V2's strict greedy verification from the target's argmax per logits row:
+    (sampled [reqs, steps + 1], num_sampled [reqs] int32)."""
+    from vllm.v1.worker.gpu.spec_decode.rejection_sampler import gather_draft_sampled
+
+    draft, _ = gather_draft_sampled(
+        input_batch.input_ids, input_batch.positions, input_batch.logits_indices,
+        input_batch.expanded_idx_mapping, input_batch.expanded_local_pos, prefill_len)
+    cu = torch.from_numpy(np.asarray(input_batch.cu_num_logits_np, dtype=np.int64))
+    reqs, steps = input_batch.num_reqs, runner.rejection_sampler.num_speculative_steps
+    counts = (cu[1:] - cu[:-1]).to(argmax.device)
+    req = torch.repeat_interleave(torch.arange(reqs, device=argmax.device), counts)
+    col = torch.arange(argmax.shape[0], device=argmax.device) - cu.to(argmax.device)[req]
+    nxt = torch.cat([draft[1:], draft.new_full((1,), -1)]).to(argmax.dtype)
+    bonus = col == (counts - 1)[req]
+    ok = (argmax == nxt) & (nxt >= 0) & ~bonus
+    accepted = torch.zeros(reqs, steps + 1, dtype=torch.bool, device=argmax.device)
+    target = torch.zeros(reqs, steps + 1, dtype=torch.int64, device=argmax.device)
+    drafts = torch.zeros_like(target)
+    accepted[req, col], target[req, col], drafts[req, col] = ok, argmax, nxt
+    length = accepted.to(torch.int32).cumprod(1).sum(1)  # drafts accepted per request
+    cols = torch.arange(steps + 1, device=argmax.device)
+    sampled = torch.where(cols < length[:, None], drafts, target)
+    return sampled, (length + 1).to(torch.int32)
+
+
+def _vllm_samplers(runner, logits, input_batch):
+    """The tail of V2's sample() on gathered logits (steps commfold gives back)."""
+    if input_batch.num_draft_tokens == 0 or runner.rejection_sampler is None:
+        return runner.sampler(logits, input_batch)
+    return runner.rejection_sampler(logits, input_batch, runner.speculator.draft_logits,
+                                    None)

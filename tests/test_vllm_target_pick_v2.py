@@ -1,0 +1,86 @@
+"""commfold's target pick on Model Runner V2 (commfold.vllm_target_pick_v2) against
+V2's own ``GPUModelRunner.sample`` with V2's real Sampler, RejectionSampler,
+RequestState and InputBatch, on vLLM's real ParallelLMHead + LogitsProcessor in a
+vLLM TP=2 group (gloo): the same step both ways must give identical sampled tokens
+(the first num_sampled of each row), the same num_sampled / num_rejected, the decision
+the case names, and no vocab-wide gather where commfold picks. V2's Triton kernels run
+in Triton's interpreter (harness.triton_cpu) in spawned ranks. The decision per
+sampling parameter is checked without ranks (tests/test_vllm_decision.py)."""
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from vllm_models import require_vllm_installed
+
+pytestmark = require_vllm_installed()
+
+V = 1500  # padded to 1536: rank 1 holds 732 real columns + 36 padding
+
+
+def _check(results):
+    from harness.vllm_step_v2 import step_cases  # noqa: F401  (the rank function's home)
+
+    for res in results:
+        for r in res:
+            case, where = r["case"], f"rank {r['rank']} {r['case']}"
+            assert r["ours"] == r["theirs"], where
+            assert r["counts"] == r["vllm_counts"], where
+            assert r["dtype"][0] == r["dtype"][1], where
+            assert r["vllm_gathers"] == 1, where
+            mode = case["mode"]
+            if mode in ("greedy", "verify"):
+                assert r["notes"] == [mode], where
+                assert r["ours_gathers"] == 0 and r["calls"] == 1, where  # one pair exchange
+                if mode == "verify" and case.get("accept") and case.get("placeholder") is None:
+                    assert max(r["counts"][0]) > 1, where  # some drafts accepted
+            else:  # vLLM's path (the note says why), or given back after the pick
+                assert r["notes"][-1].startswith("vLLM ("), where
+                assert mode in r["notes"][-1], where
+                assert r["ours_gathers"] == 1, where
+
+
+CASES = [
+    dict(vocab=V, dtype="float32", seed=1, ties=True, rows=7, mode="greedy"),
+    dict(vocab=V, dtype="bfloat16", seed=2, ties=False, rows=1, mode="greedy"),
+    dict(vocab=V, dtype="float32", seed=3, ties=False, rows=3, mode="greedy", special="inf1"),
+    dict(vocab=V, dtype="float32", seed=4, ties=True, rows=4, mode="NaN", nan_column=5),
+    dict(vocab=V, dtype="float32", seed=5, ties=True, drafts=[[1, 2, 3], [4], [5, 6]],
+         accept=True, mode="verify"),
+    dict(vocab=V, dtype="bfloat16", seed=6, ties=False, drafts=[[1, 2], [3, 4, 5]],
+         accept=True, mode="verify"),
+    dict(vocab=V, dtype="float32", seed=7, ties=True, drafts=[[1, 2], [3, 4], []],
+         accept=True, placeholder=1, mode="verify"),
+    dict(vocab=V, dtype="float32", seed=8, ties=True, rows=3, mode="temperature",
+         params=dict(temperature=0.7, seed=1)),
+    dict(vocab=V, dtype="float32", seed=9, ties=True, rows=3, mode="logprobs",
+         params=dict(temperature=0.0, logprobs=2)),
+    dict(vocab=V, dtype="float32", seed=10, ties=True, rows=3, mode="penalties",
+         params=dict(temperature=0.0, repetition_penalty=1.3)),
+    # vLLM's SamplingParams drops top-k / top-p of a greedy request: picked locally
+    dict(vocab=V, dtype="float32", seed=11, ties=True, rows=2, mode="greedy",
+         params=dict(temperature=0.0, top_p=0.5, top_k=3)),
+]
+
+
+def test_v2_pick_equals_v2s_sample(vllm_v2_ranks):
+    from harness.vllm_step_v2 import step_cases
+
+    _check(vllm_v2_ranks.run(step_cases, 2, CASES))
+
+
+@settings(max_examples=6, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(vocab=st.integers(1100, 2100), dtype=st.sampled_from(["float32", "bfloat16"]),
+       drafts=st.lists(st.lists(st.integers(0, 1099), max_size=3), min_size=1, max_size=5),
+       accept=st.booleans(), ties=st.booleans(), seed=st.integers(0, 2**16))
+def test_v2_verify_examples(vllm_v2_ranks, vocab, dtype, drafts, accept, ties, seed):
+    """Odd vocab sizes (padding on the last shard), both dtypes, ties, requests with
+    and without drafts, drafts taken from the target's argmax or random."""
+    from harness.vllm_step_v2 import step_cases
+
+    spec = any(drafts)
+    case = dict(vocab=vocab, dtype=dtype, seed=seed, ties=ties,
+                mode="verify" if spec else "greedy", accept=accept,
+                **(dict(drafts=drafts) if spec else dict(rows=len(drafts))))
+    _check(vllm_v2_ranks.run(step_cases, 2, [case]))
