@@ -30,9 +30,11 @@ prints two "USDT ... profiler_start/stop" lines to stderr per step); none while
 installed when the variable is unset. Read the files with
 ``commfold.comm_log.read_step_logs``.
 
-The log wraps the V1 model runner's methods: under Model Runner V2, or with a
-method it wraps gone, it stays off and says so in one line at install
-(commfold.vllm_runtime), as when it is on.
+The log wraps the model runner vLLM builds: V1's methods above, or Model Runner
+V2's ``execute_model`` (its forward: phase ``forward``), ``sample_tokens`` and
+``sample`` (``sampling``; V2's drafting runs inside sample_tokens and reads as
+``other``). With a method it wraps gone it stays off and says so in one line at
+install (commfold.vllm_runtime), as when it is on.
 """
 from __future__ import annotations
 
@@ -74,6 +76,12 @@ _RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner."
 _PROCESSOR = "vllm.model_executor.layers.logits_processor:LogitsProcessor."
 HOOK_POINTS = tuple((_RUNNER + m, None) for m in ("execute_model", "sample_tokens",
                                                   *_RUNNER_PHASES)) \
+    + tuple((_PROCESSOR + m, None) for m in _LOGITS)
+# Model Runner V2: execute_model is the forward, sample_tokens calls sample()
+_V2_RUNNER = "vllm.v1.worker.gpu.model_runner:GPUModelRunner."
+_V2_PHASES = {"sample": "sampling"}
+HOOK_POINTS_V2 = tuple((_V2_RUNNER + m, None) for m in ("execute_model", "sample_tokens",
+                                                        *_V2_PHASES)) \
     + tuple((_PROCESSOR + m, None) for m in _LOGITS)
 
 _recorder: _StepRecorder | None = None
@@ -157,8 +165,11 @@ def state(environ=os.environ, runner=None):
     from . import vllm_hook_points, vllm_runtime
 
     off = None if environ.get(ENV_DIR, "").strip() else f"{ENV_DIR} unset"
+    runner = runner or vllm_runtime.runner_choice(environ)
+    points = HOOK_POINTS_V2 if runner.version == 2 else HOOK_POINTS
     hook = vllm_runtime.gate(HOOK, off=off, environ=environ, runner=runner,
-                             missing=lambda: vllm_hook_points.missing(HOOK_POINTS))
+                             version=2 if runner.version == 2 else 1,
+                             missing=lambda: vllm_hook_points.missing(points))
     if hook.on:  # what it counts: collectives that reach a profiler event it knows
         hook = replace(hook, reason=hook.reason + "; counts c10d (gloo, NCCL), vLLM CPU "
                        "shared-memory and vLLM CUDA communicator (PyNccl, custom "
@@ -173,15 +184,24 @@ def install(environ=os.environ, runner=None) -> bool:
     global _recorder
     if _recorder is not None:
         return True
+    from . import vllm_runtime
+
+    runner = runner or vllm_runtime.runner_choice(environ)
     if not state(environ, runner).log().on:
         return False
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if runner.version == 2:
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+        phases, forward = _V2_PHASES, "forward"
+    else:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+        phases, forward = _RUNNER_PHASES, None
 
     _recorder = _StepRecorder(environ[ENV_DIR].strip())
-    _wrap(GPUModelRunner, "execute_model", _step_start)
+    _wrap(GPUModelRunner, "execute_model", lambda original: _step_start(original, forward))
     _wrap(GPUModelRunner, "sample_tokens", _step_finish)
-    for method, name in _RUNNER_PHASES.items():
+    for method, name in phases.items():
         _wrap(GPUModelRunner, method, _in_phase(name))
     for method in _LOGITS:
         _wrap(LogitsProcessor, method, _in_phase("logits"))
@@ -231,11 +251,14 @@ def _in_phase(name: str):
     return make
 
 
-def _step_start(original):
+def _step_start(original, forward: str | None = None):
+    """execute_model: begins the step's record (the whole call in phase `forward`
+    when it is the runner's forward, as V2's)."""
     def execute_model(self, scheduler_output, *args, **kwargs):
         _recorder.begin(scheduler_output)
         try:
-            out = original(self, scheduler_output, *args, **kwargs)
+            with phase(forward) if forward else nullcontext():
+                out = original(self, scheduler_output, *args, **kwargs)
         except BaseException:
             _recorder.end()
             raise

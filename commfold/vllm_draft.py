@@ -18,9 +18,18 @@ logits to another tokenizer's vocab (``use_heterogeneous_vocab``) keep vLLM's pi
 Which passes the pick may use follows COMMFOLD_PASSES (replicate_vocab_parallel,
 local_argmax; neither: vLLM's pick).
 
-Both hooks patch V1's proposers (Model Runner V2 has its own speculator, which
-they do not reach) and log one line each at install, on or off and why
-(commfold.vllm_runtime); each checks the lines of vLLM's code it relies on.
+Model Runner V2 drafts with its own speculator
+(``vllm.v1.worker.gpu.spec_decode.speculator.DraftModelSpeculator``): its greedy draft
+pick is ``sample_draft``'s ``compute_draft_logits(...).argmax(-1)`` (draft_logits None:
+no probabilistic drafting), replaced by the same ``draft_top_tokens`` where no
+acceptance estimator reads the full logits (adaptive verification) and the speculator
+keeps the base ``compute_draft_logits`` (multi-module MTP picks a module per step:
+vLLM's pick); its ``use_local_argmax_reduction`` check gets a ``get_top_tokens``
+installed on a drafter without one just before it runs.
+
+Both hooks patch the proposers of the runner vLLM will build and log one line each at
+install, on or off and why (commfold.vllm_runtime); each checks the lines of vLLM's
+code it relies on.
 """
 from __future__ import annotations
 
@@ -43,6 +52,20 @@ HOOK_POINTS = {
                  (f"{_BASE}.load_model", "self.model = self._get_model()"),
                  (f"{_BASE}._get_model", None),
                  ("vllm.v1.spec_decode.draft_model:DraftModelProposer._get_model", None)),
+}
+
+
+_SPEC = "vllm.v1.worker.gpu.spec_decode.speculator:DraftModelSpeculator"
+HOOK_POINTS_V2 = {
+    PICK: ((f"{_SPEC}.sample_draft",
+            "logits = self.compute_draft_logits(hidden_states, spec_step_idx)"),
+           (f"{_SPEC}.sample_draft", "sampled = logits.argmax(dim=-1)"),
+           (f"{_SPEC}.compute_draft_logits", "return self.model.compute_logits(hidden_states)")),
+    TOP_TOKENS: ((f"{_SPEC}.load_model", "self._validate_local_argmax_reduction()"),
+                 (f"{_SPEC}._validate_local_argmax_reduction",
+                  'if not hasattr(self.model, "get_top_tokens"):'),
+                 (f"{_SPEC}.get_draft_top_tokens",
+                  "return self.model.get_top_tokens(hidden_states)")),
 }
 
 
@@ -71,21 +94,28 @@ def states(config: Config, environ=os.environ, runner=None) -> list:
     """The two hooks' states (vllm_runtime.HookState), installing nothing."""
     off = None if pick_config(config) else \
         f"COMMFOLD_PASSES has none of {', '.join(PICK_PASSES)}"
-    return [vllm_runtime.gate(hook, off=off, environ=environ, runner=runner,
+    runner = runner or vllm_runtime.runner_choice(environ)
+    version = 2 if runner.version == 2 else 1
+    points_of = HOOK_POINTS_V2 if version == 2 else HOOK_POINTS
+    return [vllm_runtime.gate(hook, off=off, environ=environ, runner=runner, version=version,
                               missing=lambda points=points: vllm_hook_points.missing(points))
-            for hook, points in HOOK_POINTS.items()]
+            for hook, points in points_of.items()]
 
 
 def hook_proposers(config: Config, environ=os.environ, runner=None) -> list:
     """Patch vLLM's draft proposers (idempotent): the greedy draft pick, and a
     get_top_tokens for drafters without one under use_local_argmax_reduction; each
     hook logs its line. Returns their states."""
-    from vllm.v1.spec_decode import draft_model, llm_base_proposer
-
     from .vllm_top_tokens import install_get_top_tokens
 
+    runner = runner or vllm_runtime.runner_choice(environ)
     pick, top_tokens = found = [s.log() for s in states(config, environ, runner)]
     chosen = pick_config(config)
+    if runner.version == 2:
+        _hook_v2_speculator(chosen, pick.on, top_tokens.on)
+        return found
+    from vllm.v1.spec_decode import draft_model, llm_base_proposer
+
     base = llm_base_proposer.SpecDecodeBaseProposer
     original_sample = base.__dict__.get("_greedy_sample")
     if pick.on and not getattr(original_sample, "_commfold", False):
@@ -115,3 +145,42 @@ def hook_proposers(config: Config, environ=os.environ, runner=None) -> list:
 
 
 _UNSET = object()
+
+
+def _hook_v2_speculator(chosen: Config | None, pick: bool, top_tokens: bool) -> None:
+    """Model Runner V2's DraftModelSpeculator: the greedy draft pick in sample_draft,
+    and get_top_tokens installed before its use_local_argmax_reduction check."""
+    from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator as spec
+
+    from .vllm_top_tokens import install_get_top_tokens
+
+    original_sample = spec.__dict__.get("sample_draft")
+    base_logits = spec.__dict__.get("compute_draft_logits")
+    if pick and original_sample is not None and not getattr(original_sample, "_commfold", False):
+        def sample_draft(self, hidden_states, *args, _original=original_sample, **kwargs):
+            draft_logits = args[5] if len(args) > 5 else kwargs.get("draft_logits")
+            pick = None
+            if (draft_logits is None and getattr(self, "acceptance_estimator", None) is None
+                    and type(self).compute_draft_logits is base_logits):
+                pick = self.__dict__.get("_commfold_pick", _UNSET)
+                if pick is _UNSET:
+                    pick = self._commfold_pick = choose_pick(self, chosen)
+            if pick is None:
+                return _original(self, hidden_states, *args, **kwargs)
+            return pick(hidden_states)
+
+        sample_draft._commfold, sample_draft.__wrapped__ = True, original_sample
+        spec.sample_draft = sample_draft
+
+    original_check = spec.__dict__.get("_validate_local_argmax_reduction")
+    if top_tokens and original_check is not None and \
+            not getattr(original_check, "_commfold", False):
+        def _validate_local_argmax_reduction(self, _original=original_check):
+            if getattr(self, "use_local_argmax_reduction", False) and getattr(
+                    self.speculative_config, "draft_sample_method", None) != "probabilistic":
+                install_get_top_tokens(self.model, chosen)
+            return _original(self)
+
+        _validate_local_argmax_reduction._commfold = True
+        _validate_local_argmax_reduction.__wrapped__ = original_check
+        spec._validate_local_argmax_reduction = _validate_local_argmax_reduction

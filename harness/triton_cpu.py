@@ -55,3 +55,29 @@ def install() -> None:
 
     backends.backends.setdefault("cpu", backends.Backend(compiler=BaseBackend,
                                                          driver=InterpreterOnly))
+    _argmax_of_all_nan()
+
+
+def _argmax_of_all_nan() -> None:
+    """Triton's interpreter takes a block's argmax with numpy's nanargmax, which raises
+    on an all-NaN block (a GPU returns an index): vLLM's dummy runs sample logits of
+    uninitialized memory, so an engine start failed now and then ("All-NaN slice
+    encountered"). Here such a block gives index 0."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    original = interpreter.ReduceOps.min_max
+    if getattr(original, "_all_nan_safe", False):
+        return
+
+    def min_max(self, input, val_reduce_op=None, idx_reduce_op=None):
+        if idx_reduce_op in (np.nanargmax, np.nanargmin):
+            reduce = idx_reduce_op
+
+            def idx_reduce_op(x, axis, keepdims, reduce=reduce):
+                all_nan = np.all(np.isnan(x), axis=axis, keepdims=True)
+                return reduce(np.where(all_nan, 0, x), axis=axis, keepdims=keepdims)
+        return original(self, input, val_reduce_op, idx_reduce_op)
+
+    min_max._all_nan_safe = True
+    interpreter.ReduceOps.min_max = min_max

@@ -2,9 +2,8 @@
 why (the runner vLLM will build, a vLLM outside the tested set, a hook point whose
 source moved, an option), and `commfold doctor` prints the same states as a table
 without starting an engine - with the installed vLLM, with Model Runner V2 selected,
-and without vLLM. Under Model Runner V2 the target pick is V2's own hook; the draft
-pick and the step log act on the V1 runner only: under V2 they are off and say so,
-the graph passes on."""
+and without vLLM. Under Model Runner V2 every runtime hook is V2's own (its runner's
+sample, its speculator's draft pick), and only V2's classes are patched."""
 from __future__ import annotations
 
 import logging
@@ -20,7 +19,6 @@ pytestmark = require_vllm_installed()
 
 HOOKS = ("graph passes", "step log", "draft pick", "draft get_top_tokens", "target pick")
 RUNTIME_HOOKS = HOOKS[1:]
-V1_ONLY = HOOKS[1:4]  # the hooks Model Runner V2 does not have yet
 
 
 # --- the runner vLLM will build, and the gate every runtime hook goes through ------
@@ -83,11 +81,12 @@ def fresh_plugin(monkeypatch, clean_env):
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
     from vllm.v1.spec_decode import draft_model, llm_base_proposer
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
+    from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from commfold import vllm_comm_log, vllm_plugin, vllm_target_pick, vllm_target_pick_v2
 
-    for cls in (GPUModelRunner, V2Runner, LogitsProcessor, VllmConfig,
+    for cls in (GPUModelRunner, V2Runner, LogitsProcessor, VllmConfig, DraftModelSpeculator,
                 draft_model.DraftModelProposer, llm_base_proposer.SpecDecodeBaseProposer):
         for name, value in list(vars(cls).items()):
             if callable(value):
@@ -141,15 +140,16 @@ def test_one_line_per_hook_at_load_v2(fresh_plugin, caplog, monkeypatch, tmp_pat
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     lines = _register(fresh_plugin, caplog)
     assert lines["graph passes"].getMessage().startswith("commfold: graph passes on")
-    for hook in V1_ONLY:
+    for hook in RUNTIME_HOOKS:
         r = lines[hook]
-        assert r.levelno == logging.WARNING and "Model Runner V2 runs" in r.getMessage()
-        assert r.getMessage().startswith(f"commfold: {hook} off: ")
-    pick = lines["target pick"].getMessage()
-    assert pick.startswith("commfold: target pick on: V2 runner"), pick
+        assert r.getMessage().startswith(f"commfold: {hook} on: V2 runner"), r.getMessage()
+        assert r.levelno == logging.INFO
     assert (GPUModelRunner.execute_model, SpecDecodeBaseProposer._greedy_sample) == before
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
+    from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
     assert getattr(V2Runner.sample, "_commfold_target_pick", False)
+    assert getattr(DraftModelSpeculator.sample_draft, "_commfold", False)
+    assert getattr(DraftModelSpeculator._validate_local_argmax_reduction, "_commfold", False)
 
 
 def test_one_line_per_hook_at_load_when_unasked(fresh_plugin, caplog):
@@ -211,9 +211,8 @@ def test_doctor_with_v2_selected():
         " (VLLM_USE_V2_MODEL_RUNNER=1)" in lines
     rows = _table(lines)
     assert rows["graph passes"][0] == "on"
-    for hook in V1_ONLY:
-        assert rows[hook][0] == "off" and "Model Runner V2 runs" in rows[hook][1], hook
-    assert rows["target pick"][0] == "on" and rows["target pick"][1].startswith("V2 runner")
+    for hook in RUNTIME_HOOKS:
+        assert rows[hook][0] == "on" and rows[hook][1].startswith("V2 runner"), rows[hook]
 
 
 def test_doctor_without_vllm(monkeypatch, capsys):

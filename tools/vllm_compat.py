@@ -50,8 +50,11 @@ READS = (("vllm.config.vllm:VllmConfig.use_v2_model_runner",
          ("vllm.v1.worker.gpu.model_runner:GPUModelRunner", None),
          ("vllm.v1.worker.gpu.spec_decode.rejection_sampler:RejectionSampler.__init__",
           "rejection_sample_method = spec_config.rejection_sample_method"))
-HOOKS = {"graph passes": PLUGIN_POINTS, vllm_comm_log.HOOK: vllm_comm_log.HOOK_POINTS,
-         **vllm_draft.HOOK_POINTS, "target pick (V1)": vllm_target_pick.HOOK_POINTS,
+HOOKS = {"graph passes": PLUGIN_POINTS, "step log (V1)": vllm_comm_log.HOOK_POINTS,
+         "step log (V2)": vllm_comm_log.HOOK_POINTS_V2,
+         **{f"{h} (V1)": p for h, p in vllm_draft.HOOK_POINTS.items()},
+         **{f"{h} (V2)": p for h, p in vllm_draft.HOOK_POINTS_V2.items()},
+         "target pick (V1)": vllm_target_pick.HOOK_POINTS,
          "target pick (V2)": vllm_target_pick_v2.HOOK_POINTS,
          "runner choice, verification method (read)": READS}
 
