@@ -2,7 +2,12 @@
 per runner for the token-pick hooks of both model runners: the model's single
 LogitsProcessor, the head's vocab layout, vLLM's TP communicator, and the model's own
 ``compute_logits`` run with the processor's all-gather as the identity (this rank's
-[rows, vocab shard], soft cap and logit scale included)."""
+[rows, vocab shard], soft cap and logit scale included).
+
+The head is the layer the processor is called with: ``lm_head`` where the model has
+one, else the model's only vocab-parallel layer - a tied head, as Gemma's
+``compute_logits`` passes ``model.embed_tokens``. Every call checks that the processor
+got that layer (the same on every rank); another one turns the pick off, logged."""
 from __future__ import annotations
 
 import logging
@@ -22,6 +27,7 @@ class LogitsHead:
     comm: str  # commfold's name for the TP group's communicator
     vocab: int  # the true vocab (org_vocab_size): columns past it are padding
     shard: int  # columns per rank
+    layer: torch.nn.Module | None = None  # the vocab-parallel layer of the logits
 
     @staticmethod
     def find(runner) -> tuple[LogitsHead | None, str]:
@@ -33,14 +39,16 @@ class LogitsHead:
         tp = get_tp_group()
         processors = [m for m in model.modules() if isinstance(m, LogitsProcessor)] \
             if isinstance(model, torch.nn.Module) else []
-        head = getattr(model, "lm_head", None)
-        idx = getattr(head, "shard_indices", None)
         if tp.world_size < 2:
             return None, "TP=1 (nothing to gather)"
+        head, why = _head_layer(model)
+        idx = getattr(head, "shard_indices", None)
+        if head is None:
+            return None, f"{type(model).__name__}: {why}"
         if len(processors) != 1 or idx is None or not callable(
                 getattr(model, "compute_logits", None)):
             return None, f"{type(model).__name__}: no single LogitsProcessor + " \
-                "vocab-parallel lm_head"
+                "vocab-parallel head"
         if processors[0].logits_as_input or not processors[0].use_all_gather:
             return None, "logits processor without all-gather"
         if getattr(runner, "lora_config", None) or idx.num_added_elements:
@@ -52,18 +60,27 @@ class LogitsHead:
         vocab = processors[0].org_vocab_size
         if idx.org_vocab_start_index != tp.rank_in_group * shard or shard > vocab:
             return None, f"vocab layout (shard {shard}, vocab {vocab})"
-        return LogitsHead(model, processors[0], _comm_spec(tp), vocab, shard), ""
+        return LogitsHead(model, processors[0], _comm_spec(tp), vocab, shard, head), ""
 
     def local_logits(self, hidden, compute=None):
         """`compute` (the model's compute_logits, by default) with the processor's
         gather as the identity: this rank's [rows, shard], or None (logged: the model's
         code gives something else; the same on every rank)."""
         compute = compute or self.model.compute_logits
-        self.processor._gather_logits = _identity
+        processor, seen = self.processor, []
+        forward = processor.forward
+        processor.forward = lambda layer, *a, **kw: (seen.append(layer), forward(layer, *a,
+                                                                                 **kw))[1]
+        processor._gather_logits = _identity
         try:
             out = compute(hidden)
         finally:
-            del self.processor._gather_logits
+            del processor._gather_logits, processor.forward
+        if self.layer is not None and any(layer is not self.layer for layer in seen):
+            log.warning("commfold: target pick off: %s.compute_logits called its logits "
+                        "processor with another layer than %s", type(self.model).__name__,
+                        type(self.layer).__name__)
+            return None
         if isinstance(out, torch.Tensor) and tuple(out.shape) == (hidden.shape[0], self.shard):
             return out
         log.warning("commfold: target pick off: %s.compute_logits gave %s without its "
@@ -76,6 +93,22 @@ class LogitsHead:
         from vllm.distributed import tensor_model_parallel_all_gather
 
         return tensor_model_parallel_all_gather(shard)[..., :self.vocab]
+
+
+def _head_layer(model):
+    """(the vocab-parallel layer the model's logits come from, "") or (None, why)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, VocabParallelEmbedding):
+        return head, ""
+    layers = {id(m.weight): m for m in model.modules()
+              if isinstance(m, VocabParallelEmbedding)} if isinstance(model, torch.nn.Module) \
+        else {}
+    if len(layers) == 1:  # a tied head: the input embedding
+        return next(iter(layers.values())), ""
+    return None, (f"no lm_head and {len(layers)} vocab-parallel layers (which one "
+                  "compute_logits uses is not known)")
 
 
 def _identity(logits):

@@ -15,30 +15,40 @@ PAD_VALUE = 7.0  # padding rows: larger logits than any real row for an all-ones
 
 
 class TinyLM(torch.nn.Module):
-    """The logits end of a vLLM causal LM (Llama's compute_logits)."""
+    """The logits end of a vLLM causal LM (Llama's compute_logits). tied: Gemma's
+    instead - no lm_head, the logits from the input embedding (``self.model.
+    embed_tokens``), soft-capped at `soft_cap`."""
 
     def __init__(self, vocab: int, dtype, seed: int, ties: bool, hidden: int = H,
-                 nan_column: int | None = None):
+                 nan_column: int | None = None, tied: bool = False,
+                 soft_cap: float | None = None):
         from vllm.model_executor.layers.logits_processor import LogitsProcessor
-        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+        from vllm.model_executor.layers.vocab_parallel_embedding import (
+            ParallelLMHead, VocabParallelEmbedding)
 
         super().__init__()
-        self.lm_head = ParallelLMHead(vocab, hidden, params_dtype=dtype)
-        self.logits_processor = LogitsProcessor(vocab)
+        if tied:
+            self.model = torch.nn.Module()
+            self.model.embed_tokens = head = VocabParallelEmbedding(vocab, hidden,
+                                                                    params_dtype=dtype)
+        else:
+            self.lm_head = head = ParallelLMHead(vocab, hidden, params_dtype=dtype)
+        self.head = [head]  # not a submodule: the one compute_logits uses
+        self.logits_processor = LogitsProcessor(vocab, soft_cap=soft_cap)
         g = torch.Generator().manual_seed(seed)
         full = torch.randint(-1, 2, (vocab, hidden), generator=g).float() if ties else \
             torch.randn(vocab, hidden, generator=g) / hidden ** 0.5
         if nan_column is not None:
             full[nan_column] = float("nan")  # that token's logit NaN in every row
-        idx = self.lm_head.shard_indices
+        idx = head.shard_indices
         n = idx.org_vocab_end_index - idx.org_vocab_start_index
         with torch.no_grad():
-            self.lm_head.weight.fill_(PAD_VALUE)
-            self.lm_head.weight[:n] = full[idx.org_vocab_start_index:idx.org_vocab_end_index]
-        self.lm_head.quant_method.process_weights_after_loading(self.lm_head)
+            head.weight.fill_(PAD_VALUE)
+            head.weight[:n] = full[idx.org_vocab_start_index:idx.org_vocab_end_index]
+        head.quant_method.process_weights_after_loading(head)
 
     def compute_logits(self, hidden):
-        return self.logits_processor(self.lm_head, hidden)
+        return self.logits_processor(self.head[0], hidden)
 
 
 def hidden(rows: int, dtype, seed: int, ties: bool, special: str | None = None,

@@ -120,7 +120,8 @@ def step_cases(world: int, cases: list[dict]) -> list[dict]:
         dtype = getattr(torch, case["dtype"])
         # a NaN column, not a NaN row: Triton's interpreter fails on an all-NaN block
         model = vllm_step.TinyLM(case["vocab"], dtype, case["seed"], case["ties"],
-                                 nan_column=case.get("nan_column"))
+                                 nan_column=case.get("nan_column"),
+                                 tied=case.get("tied", False), soft_cap=case.get("soft_cap"))
         drafts = case.get("drafts") or [[] for _ in range(case["rows"])]
         params = [SamplingParams(**case.get("params", {}) or dict(temperature=0.0))
                   for _ in drafts]
@@ -147,7 +148,7 @@ def step_cases(world: int, cases: list[dict]) -> list[dict]:
                 ours = hooked(ours_runner, h, batch, None)[0]
         finally:
             vllm_comm_log.note = note
-        shard = model.lm_head.weight.shape[0]
+        shard = model.head[0].weight.shape[0]
         out.append(dict(
             case=case, rank=tp.rank_in_group, notes=notes,
             ours=valid(ours), theirs=valid(theirs),

@@ -63,7 +63,8 @@ def _run_cases(shm: bool, cases: list[dict]):
     out = []
     for case in cases:
         dtype = getattr(torch, case["dtype"])
-        model = tc.TinyLM(case["vocab"], dtype, case["seed"], case["ties"])
+        model = tc.TinyLM(case["vocab"], dtype, case["seed"], case["ties"],
+                          tied=case.get("tied", False), soft_cap=case.get("soft_cap"))
         spec = tc.spec_metadata(case["drafts"]) if case.get("drafts") else None
         rows = spec.logits_indices.numel() if spec is not None else case["rows"]
         h = tc.hidden(rows, dtype, case["seed"] + 1, case["ties"], case.get("special"))
@@ -74,7 +75,7 @@ def _run_cases(shm: bool, cases: list[dict]):
         k = case.get("k")
         md = tc.metadata(len(case.get("drafts") or []) or rows, k, case["vocab"])
         res = tc.step_both_ways(model, md, h, spec, case.get("logprobs_mode", "raw_logprobs"))
-        shard = model.lm_head.weight.shape[0]
+        shard = model.head[0].weight.shape[0]
         out.append(dict(case=case, mode=res["mode"], shard=res["shard"],
                         bad=_compare(res, k) if res["ours"] is not None else ["no local pick"],
                         ours_gathers=len(_vocab_gathers(res["ours_log"], shard)),
@@ -115,6 +116,13 @@ CASES = [
          accept=True, mode="verify"),
     dict(vocab=V, dtype="bfloat16", seed=10, ties=False, drafts=[[1, 2], [3, 4, 5]],
          accept=True, mode="verify"),
+    # a tied head (Gemma's: logits from the input embedding, soft-capped)
+    dict(vocab=V, dtype="bfloat16", seed=12, ties=False, rows=5, mode="greedy", tied=True,
+         soft_cap=30.0),
+    dict(vocab=V, dtype="float32", seed=13, ties=True, rows=4, k=5, mode="logprobs",
+         tied=True, soft_cap=30.0),
+    dict(vocab=V, dtype="float32", seed=14, ties=True, drafts=[[1, 2], [3]], accept=True,
+         mode="verify", tied=True),
 ]
 
 

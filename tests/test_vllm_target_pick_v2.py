@@ -57,6 +57,8 @@ CASES = [
          params=dict(temperature=0.0, logprobs=2)),
     dict(vocab=V, dtype="float32", seed=10, ties=True, rows=3, mode="penalties",
          params=dict(temperature=0.0, repetition_penalty=1.3)),
+    dict(vocab=V, dtype="bfloat16", seed=12, ties=False, rows=4, mode="greedy", tied=True,
+         soft_cap=30.0),  # a tied, soft-capped head (Gemma's)
     # vLLM's SamplingParams drops top-k / top-p of a greedy request: picked locally
     dict(vocab=V, dtype="float32", seed=11, ties=True, rows=2, mode="greedy",
          params=dict(temperature=0.0, top_p=0.5, top_k=3)),

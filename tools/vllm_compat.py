@@ -225,10 +225,10 @@ def main(argv=None) -> int:
             "nothing imported). \"present\": "
             "the attribute exists and holds the source text the hook checks at load; a "
             "hook with a moved point stays off at load and says so. Verified end to end: "
-            f"{', '.join(' '.join(t) for t in TESTED)}, V1 model runner; other releases by "
-            "source only. The runtime hooks (step log, draft pick, draft get_top_tokens, "
-            "target pick) act on the V1 runner only: under Model Runner V2 they are off "
-            "and log why; the graph passes apply under both.\n\n"
+            f"{', '.join(' '.join(t) for t in TESTED)}, V1 model runner and Model Runner "
+            "V2 (on CPU: Triton's interpreter); other releases by source only. Each "
+            "runtime hook has a V1 and a V2 row set: the plugin installs the one of the "
+            "runner vLLM will build; the graph passes apply under both.\n\n"
             + "\n".join(lines) + "\n")
     return 1 if moved else 0
 

