@@ -180,3 +180,45 @@ def test_prebuild_builds_every_kernel_install_sh_promises(capsys):
     assert all(": built (" in ln for ln in lines), lines
     install = (ROOT / "install.sh").read_text()
     assert "python3 -m commfold.ops.prebuild" in install
+
+
+def test_a_killed_builds_lock_is_removed(tmp_path, caplog):
+    """torch waits forever on a build directory's `lock` file; one found while
+    commfold's own (kernel-released) lock is held was left by a dead build."""
+    import logging
+
+    build = tmp_path / "commfold_x_0123"
+    build.mkdir()
+    (build / "lock").write_text("")
+    with caplog.at_level(logging.WARNING, logger="commfold"):
+        with cpp_build.build_lock("commfold_x_0123", str(build)):
+            assert not (build / "lock").exists()
+    assert "killed midway" in caplog.text
+
+
+def test_a_live_build_is_waited_for(tmp_path):
+    """A second builder waits for the first (who still holds torch's lock file) and
+    finds the lock gone when the first one is done."""
+    import threading
+    import time
+
+    build = tmp_path / "commfold_y_0123"
+    build.mkdir()
+    order = []
+
+    def first():
+        with cpp_build.build_lock("y", str(build)):
+            (build / "lock").write_text("")  # torch's, while building
+            order.append("first in")
+            time.sleep(0.3)
+            (build / "lock").unlink()  # torch removes it when the build is done
+            order.append("first out")
+
+    t = threading.Thread(target=first)
+    t.start()
+    while not order:
+        time.sleep(0.01)
+    with cpp_build.build_lock("y", str(build)):
+        order.append("second in")
+    t.join()
+    assert order == ["first in", "first out", "second in"]

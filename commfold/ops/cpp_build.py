@@ -15,9 +15,17 @@ kernels at every switch), and so does another torch.
 
 ``COMMFOLD_PORTABLE_KERNELS=1`` builds for the compiler's default target instead
 (no ``-march=native``): slower, loads on any CPU of the architecture.
+
+torch serializes builds of one name with a ``lock`` file in the build directory and
+waits, forever, while one exists: a build killed midway (a timed-out test, Ctrl-C)
+leaves it behind and every later load hangs. commfold builds under an OS lock of its
+own (``flock`` on ``<build dir>.flock``: released by the kernel when its holder dies),
+so a ``lock`` file found while holding it was left by a dead build and is removed,
+with a line saying so.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -106,11 +114,39 @@ def load(name: str, source: Path, defines: dict[str, int] | None = None):
                 f"-D{k}={v}" for k, v in sorted((defines or {}).items())]
             key = build_key(source_bytes(source), flags, cpu_features(),
                             str(Path(source).resolve()), torch.__version__)
-            _loaded[name] = cpp_load(f"{name}_{key}", sources=[str(source)],
-                                     extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                                     verbose=False)
+            with build_lock(f"{name}_{key}"):
+                _loaded[name] = cpp_load(f"{name}_{key}", sources=[str(source)],
+                                         extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                                         verbose=False)
         except Exception as e:  # no compiler: the composite path still works
             _failed[name] = f"{type(e).__name__}: {e}"
             log.warning("commfold: C++ kernel %s unavailable (%s); using the composite "
                         "path", name, _failed[name])
     return _loaded.get(name)
+
+
+@contextlib.contextmanager
+def build_lock(full_name: str, build_dir: str | None = None):
+    """Hold commfold's lock on the build of `full_name` (waits for a live builder);
+    inside it, torch's ``lock`` file can only be a dead build's, and is removed."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's own lock only
+        yield
+        return
+    if build_dir is None:
+        from torch.utils import cpp_extension
+
+        build_dir = cpp_extension._get_build_directory(full_name, verbose=False)
+    os.makedirs(os.path.dirname(build_dir) or ".", exist_ok=True)
+    with open(build_dir + ".flock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = Path(build_dir) / "lock"
+            if stale.exists():
+                log.warning("commfold: removing %s, left by a build that was killed midway "
+                            "(no live commfold build holds it)", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
