@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from .config import Config
-from .report import Comm, NearMiss, Report, Rewrite, source_location
+from .report import AlreadyDone, Comm, NearMiss, Report, Rewrite, source_location
 
 
 @dataclass
@@ -27,6 +27,11 @@ class PassContext:
         handles): reasons enter the rank-consistency fingerprint."""
         self.report.near_misses.append(
             NearMiss(self.pass_name, pattern, source_location(node), reason))
+
+    def already(self, pattern: str, node: fx.Node, by: str) -> None:
+        """Record a site another library already rewrote as this pass would."""
+        self.report.already_done.append(
+            AlreadyDone(self.pass_name, pattern, source_location(node), by))
 
     def matches(self, pattern: str, candidates, match):
         """Yield match(node) for each candidate node still in the graph: None means

@@ -47,6 +47,15 @@ class NearMiss:
 
 
 @dataclass(frozen=True)
+class AlreadyDone:
+    """A site another library already rewrote as the pass would (never rewritten twice)."""
+    pass_name: str
+    pattern: str
+    location: str
+    by: str
+
+
+@dataclass(frozen=True)
 class PassError:
     pass_name: str
     error: str
@@ -61,6 +70,7 @@ class Report:
     near_misses: list[NearMiss] = field(default_factory=list)
     errors: list[PassError] = field(default_factory=list)
     pass_seconds: dict[str, float] = field(default_factory=dict)
+    already_done: list[AlreadyDone] = field(default_factory=list)
 
     def count(self, pass_name: str | None = None, pattern: str | None = None) -> int:
         return sum(
@@ -83,6 +93,8 @@ class Report:
             h.update(f"N|{m.pass_name}|{m.pattern}|{m.reason}\n".encode())
         for e in self.errors:
             h.update(f"E|{e.pass_name}\n".encode())
+        for a in self.already_done:
+            h.update(f"A|{a.pass_name}|{a.pattern}|{a.by}\n".encode())
         return h.hexdigest()[:16]
 
     def to_dict(self) -> dict:
@@ -99,7 +111,8 @@ class Report:
                                  "comm_after": comm(r["comm_after"])}) for r in d["rewrites"]],
             near_misses=[NearMiss(**m) for m in d["near_misses"]],
             errors=[PassError(**e) for e in d["errors"]],
-            pass_seconds=dict(d.get("pass_seconds", {})))
+            pass_seconds=dict(d.get("pass_seconds", {})),
+            already_done=[AlreadyDone(**a) for a in d.get("already_done", [])])
 
     def summary(self) -> str:
         cached = " - compiled graph served from Inductor's cache" if self.from_cache else ""
@@ -113,6 +126,8 @@ class Report:
                              f"{r.comm_before} -> {r.comm_after}",
                              format_bytes(r.extra_memory_bytes)))
             lines += _table(rows)
+        for a in self.already_done:
+            lines.append(f"  already done [{a.pass_name}/{a.pattern}] at {a.location}: by {a.by}")
         for m in self.near_misses:
             lines.append(f"  near-miss [{m.pass_name}/{m.pattern}] at {m.location}: {m.reason}")
         for e in self.errors:

@@ -52,12 +52,17 @@ from commfold.patterns.norm_reach import norm_path, unmatched_norm
 from commfold.patterns.residual_scale import ResidualScale, match_residual_scale
 from commfold.patterns.rmsnorm import match_rmsnorm
 from commfold.patterns.rmsnorm_match import RMSNorm
+from commfold.patterns.vendor_fused import match_vendor_fusion
 from commfold.report import Comm
 
 PATTERN = "all_reduce->rmsnorm"
 
 
 def run(ctx: PassContext) -> None:
+    for node in ctx.graph.nodes:  # sites vLLM fused itself: listed, never fused twice
+        done = match_vendor_fusion(node)
+        if done is not None:
+            ctx.already(PATTERN, node, done.by)
     two_shot = ctx.config.two_shot_min_bytes
     for ar, scale, norm in ctx.matches(PATTERN, allreduce_candidates(ctx.graph),
                                        _allreduce_norm):
