@@ -6,8 +6,9 @@ distractor is left alone (with a near-miss where its pass promises one), no pass
 error, and the ranks' decision fingerprints agree.
 
 Profiles: CI (default) runs two fixed programs that cover every spelling, plus one
-derandomized batch; COMMFOLD_FUZZ=long runs many random batches of larger programs. Every
-batch is one rank-pool call, and each program is compiled once per backend.
+derandomized batch; COMMFOLD_FUZZ=long runs fresh random batches of larger programs,
+COMMFOLD_FUZZ_PROGRAMS of them in all (default 1002). Every batch is one rank-pool
+call, and each program is compiled once per backend.
 """
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 import fuzz_programs as fp
 
 LONG = os.environ.get("COMMFOLD_FUZZ", "") == "long"
-BATCHES = 12 if LONG else 1  # random batches (hypothesis examples)
 PER_BATCH = 6 if LONG else 2  # programs per batch (one rank-pool call)
+PROGRAMS = int(os.environ.get("COMMFOLD_FUZZ_PROGRAMS", "1002")) if LONG else PER_BATCH
+BATCHES = -(-PROGRAMS // PER_BATCH)  # random batches (hypothesis examples)
 BLOCKS = (3, 7) if LONG else (2, 4)  # blocks per program
 
 G = dict(kind="greedy", bad=None, seed=1, gather="funcol", dtype="f32", rows=3, vs=5, pad=1,
