@@ -29,7 +29,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 import commfold
-from commfold.ranks import run_on_ranks
+from commfold.distributed.ranks import run_on_ranks
 from harness.bench import comm_of_variants, paired_ratio, paired_rounds
 
 

@@ -27,7 +27,7 @@ import torch
 
 import commfold
 from commfold.manager import CommfoldPass
-from commfold.ranks import run_on_ranks
+from commfold.distributed.ranks import run_on_ranks
 
 
 @contextmanager
@@ -71,7 +71,7 @@ def measure(layers_list) -> list[dict]:
     inside commfold, graph nodes, rewrites and per-pass seconds."""
     from torch._inductor import config as inductor_config
 
-    from commfold.models import DecoderConfig, TPDecoder, sample_ids
+    from commfold.cli.demo_model import DecoderConfig, TPDecoder, sample_ids
 
     def compile_once(layers: int, seen: list) -> float:
         torch._dynamo.reset()

@@ -1,4 +1,4 @@
-"""End to end: a greedy decode loop of a small TP decoder (commfold.models.TPDecoder)
+"""End to end: a greedy decode loop of a small TP decoder (commfold.cli.demo_model.TPDecoder)
 whose LM head and argmax are inside the compiled graph, with and without commfold,
 side by side in one run (TP=2 on this CPU, gloo).
 
@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 import commfold
-from commfold.models import DecoderConfig, TPDecoder, greedy_decode, sample_ids
-from commfold.ranks import run_on_ranks
+from commfold.cli.demo_model import DecoderConfig, TPDecoder, greedy_decode, sample_ids
+from commfold.distributed.ranks import run_on_ranks
 from harness.bench import comm_of_variants, time_side_by_side
 
 

@@ -17,7 +17,7 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from commfold.ranks import run_on_ranks
+from commfold.distributed.ranks import run_on_ranks
 from harness.bench import comm_of_variants, floor_table, read_and_gather, \
     time_side_by_side
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 import commfold
 from commfold.ops import replicate
-from commfold.ranks import run_on_ranks
+from commfold.distributed.ranks import run_on_ranks
 from harness.bench import comm_of_variants, time_side_by_side
 
 BIG = 1 << 40  # replicate_max_bytes for the benchmark: replicate whatever is measured

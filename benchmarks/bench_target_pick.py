@@ -5,7 +5,7 @@ ParallelLMHead + LogitsProcessor (V=151936, hidden 1024, bf16 by default) and it
 real Sampler:
 
 - vLLM: compute_logits (LM-head matmul + all-gather of the logits) + Sampler;
-- commfold: compute_logits on this rank's shard + commfold.vllm_target_pick's pick
+- commfold: compute_logits on this rank's shard + commfold.vllm.target_pick's pick
   (greedy: one (value, index) pair per row per rank; logprobs=k: two small
   all-gathers);
 - greedy also: vLLM's hand-written get_top_tokens (what vLLM uses for drafters,
@@ -27,7 +27,7 @@ from types import SimpleNamespace
 
 import torch
 
-from commfold.ranks import run_on_ranks
+from commfold.distributed.ranks import run_on_ranks
 from harness.bench import comm_of_variants, time_side_by_side
 
 MODES = {"greedy": None, "logprobs=5": 5, "logprobs=20": 20}
@@ -38,14 +38,14 @@ def measure(batches, modes, vocab, hidden, dtype, iters, shm):
 
     from harness import vllm_step as vs
     from harness.vllm_tp import init_vllm_tp
-    from commfold.vllm_target_pick import _Picker
+    from commfold.vllm.target_pick import Picker
 
     current_platform.register_triton_kernel_overrides()
     init_vllm_tp(2, shm=shm)
     dt = getattr(torch, dtype)
     model = vs.TinyLM(vocab, dt, seed=0, ties=False, hidden=hidden)
     runner = vs.runner(model, None)
-    picker = _Picker.build(runner)
+    picker = Picker.build(runner)
     runner._commfold_picker = picker
     picker.scheduler_output = SimpleNamespace(scheduled_spec_decode_tokens={},
                                                  has_structured_output_requests=False)

@@ -65,7 +65,7 @@ def variants() -> dict[str, dict]:
     out = {"vllm": ({"COMMFOLD_VLLM": ""}, False),
            "vllm-local-argmax": ({"COMMFOLD_VLLM": ""}, True),
            "commfold": ({"COMMFOLD_VLLM": "1"}, False)}
-    if importlib.util.find_spec("commfold.vllm_target_pick") is not None:
+    if importlib.util.find_spec("commfold.vllm.target_pick") is not None:
         out["commfold-no-target-pick"] = ({"COMMFOLD_VLLM": "1", "COMMFOLD_TARGET_PICK": "0"},
                                           False)
     return out
@@ -98,9 +98,9 @@ def measure(models, method, variant, concurrency, tokens, repeats, log_tokens) -
     paused; then one logged run at C=8 (`log_tokens` new tokens): collective bytes
     per engine step by phase over its decode steps (those that drafted, under spec
     decoding)."""
-    from commfold.comm_log import read_step_logs
+    from commfold.distributed.comm_log import read_step_logs
     from harness.vllm_spec import engine, generate
-    from commfold.vllm_comm_log import PAUSED
+    from commfold.vllm.step_log import PAUSED
 
     out = {"rows": []}
     with tempfile.TemporaryDirectory() as tmp:

@@ -98,7 +98,7 @@ def run_suite(names, quick: bool, timeout: float, log=print) -> dict:
     """Run the named figures; {"meta": ..., "figures": {name: {...}}}."""
     import torch
 
-    from commfold.ranks import RankError, RankPool
+    from commfold.distributed.ranks import RankError, RankPool
 
     import commfold
 

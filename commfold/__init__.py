@@ -8,13 +8,13 @@ out of LLM inference graphs, without touching model source.
 Importing commfold registers its custom ops (namespace ``commfold``); it never
 imports vLLM.
 """
-from . import checkout
-from . import ops  # noqa: F401  (registers torch.ops.commfold.*)
-from .backend import backend
-from .config import ALL_PASSES, Config
-from .manager import CommfoldPass
-from .report import Comm, NearMiss, Report, Rewrite, clear_reports, last_report, reports
-from .vllm_plugin import vllm_pass  # vLLM resolves "commfold.vllm_pass" in this namespace
+from commfold import checkout
+from commfold import ops  # noqa: F401  (registers torch.ops.commfold.*)
+from commfold.backend import backend
+from commfold.config import ALL_PASSES, Config
+from commfold.manager import CommfoldPass
+from commfold.report import Comm, NearMiss, Report, Rewrite, clear_reports, last_report, reports
+from commfold.vllm.plugin import vllm_pass  # vLLM resolves "commfold.vllm_pass" in this namespace
 
 checkout.install()  # run from a checkout (PYTHONPATH=.): commfold.passes, .patterns beside it
 

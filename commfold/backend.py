@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from torch._inductor import config as inductor_config
 
-from .config import Config
-from . import report_cache
-from .manager import CommfoldPass
-from .report import publish
+from commfold.config import Config
+from commfold import report_cache
+from commfold.manager import CommfoldPass
+from commfold.report import publish
 
 
 def backend(**options):

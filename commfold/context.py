@@ -5,8 +5,8 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from .config import Config
-from .report import AlreadyDone, Comm, NearMiss, Report, Rewrite, source_location
+from commfold.config import Config
+from commfold.report import AlreadyDone, Comm, NearMiss, Report, Rewrite, source_location
 
 
 @dataclass

@@ -13,11 +13,11 @@ from pathlib import Path
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from .config import Config
-from .context import PassContext
-from .checkpoint import Checkpoint, restore, snapshot
-from .report import PassError, Report, publish
-from .torch_compat import warn_if_unsupported
+from commfold.config import Config
+from commfold.context import PassContext
+from commfold.fx.checkpoint import Checkpoint, restore, snapshot
+from commfold.report import PassError, Report, publish
+from commfold.torch_compat import warn_if_unsupported
 
 log = logging.getLogger("commfold")
 

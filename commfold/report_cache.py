@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .report import Report
+from commfold.report import Report
 
 
 def _dir() -> Path:

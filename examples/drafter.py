@@ -33,8 +33,8 @@ import torch.nn.functional as F
 
 import commfold
 from commfold.ops import replicate
-from commfold.ranks import run_on_ranks
-from commfold.comm_log import record_collectives
+from commfold.distributed.ranks import run_on_ranks
+from commfold.distributed.comm_log import record_collectives
 
 VOCAB = 151936
 CTX_DIM = 128

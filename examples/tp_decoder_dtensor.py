@@ -18,7 +18,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                parallelize_module)
 
-from commfold.models import greedy_decode
+from commfold.cli.demo_model import greedy_decode
 from harness.example import greedy_vs_inductor, run_example
 
 VOCAB, HIDDEN, LAYERS, HEADS, FFN = 1000, 64, 2, 4, 128

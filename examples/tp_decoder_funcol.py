@@ -1,7 +1,7 @@
 """A tensor-parallel decoder in plain torch with functional collectives, compiled with
 commfold; greedy tokens checked against stock Inductor.
 
-The model (commfold/models.py) is ordinary TP inference code: a vocab-parallel
+The model (commfold/cli/demo_model.py) is ordinary TP inference code: a vocab-parallel
 embedding (mask, offset, lookup, zero, all_reduce), per block all_reduce -> residual
 add -> hand-written RMSNorm, and a vocab-sharded LM head (matmul, all_gather on the
 vocab dim, slice off the padding, argmax). Nothing in it mentions commfold; only the
@@ -11,7 +11,7 @@ torch.compile backend changes.
     torchrun --nproc-per-node 2 -m examples.tp_decoder_funcol
     commfold diff examples/tp_decoder_funcol.py             # dump each rewrite
 """
-from commfold.models import DecoderConfig, TPDecoder, greedy_decode, sample_ids
+from commfold.cli.demo_model import DecoderConfig, TPDecoder, greedy_decode, sample_ids
 from harness.example import greedy_vs_inductor, run_example
 
 CONFIG = DecoderConfig(vocab=1001, hidden=64, layers=2, heads=4, ffn=128)  # 1001: padded

@@ -10,7 +10,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from commfold.comm_log import record_collectives
+from commfold.distributed.comm_log import record_collectives
 
 MIN_ITERS = 5  # medians of fewer calls say little on a shared CPU
 

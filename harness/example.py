@@ -44,6 +44,6 @@ def run_example(main, world_size: int = 2) -> None:
         show([main()])
         dist.destroy_process_group()
     else:
-        from commfold.ranks import run_on_ranks
+        from commfold.distributed.ranks import run_on_ranks
 
         show(run_on_ranks(main, world_size))

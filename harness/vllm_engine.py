@@ -116,6 +116,6 @@ def environ(env: dict[str, str]):
 def pause_target_pick(worker, paused: bool) -> bool:
     """For ``LLM.collective_rpc``: commfold's target pick paused (vLLM's path) or
     resumed in each worker (needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 to send it)."""
-    from commfold import vllm_target_pick
+    from commfold.vllm import target_pick as vllm_target_pick
 
     return vllm_target_pick.pause(paused)

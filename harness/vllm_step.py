@@ -1,5 +1,5 @@
 """One engine step's logits and token pick, both ways, in a vLLM TP group of rank-pool
-processes (tests and benchmarks of commfold.vllm_target_pick): vLLM's real
+processes (tests and benchmarks of commfold.vllm.target_pick): vLLM's real
 ParallelLMHead and LogitsProcessor (TinyLM), a stand-in for what the hook reads of
 vLLM's model runner (its model, input batch, sampler), and ``step_both_ways`` - the
 hook's local shard and pick, and vLLM's full gather with its own Sampler /
@@ -118,11 +118,11 @@ def spec_metadata(drafts: list[list[int]]):
 def step_both_ways(model, md, h, spec=None, logprobs_mode="raw_logprobs"):
     """(commfold's SamplerOutput, vLLM's SamplerOutput, the mode the hook chose, the
     collectives each way)."""
-    from commfold.comm_log import record_collectives
-    from commfold.vllm_target_pick import _Picker
+    from commfold.distributed.comm_log import record_collectives
+    from commfold.vllm.target_pick import Picker
 
     r = runner(model, md, logprobs_mode)
-    picker = _Picker.build(r)
+    picker = Picker.build(r)
     assert picker is not None
     r._commfold_picker = picker
     picker.scheduler_output = SimpleNamespace(

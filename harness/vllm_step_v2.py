@@ -1,5 +1,5 @@
 """One Model Runner V2 sampling step both ways, in a vLLM TP group of rank-pool
-processes spawned for V2 (tests of commfold.vllm_target_pick_v2): vLLM's real
+processes spawned for V2 (tests of commfold.vllm.target_pick_v2): vLLM's real
 ParallelLMHead + LogitsProcessor (harness.vllm_step.TinyLM), V2's real Sampler,
 RejectionSampler, RequestState and InputBatch, and V2's own
 ``GPUModelRunner.sample`` run on a stand-in runner holding what it reads - once as
@@ -107,8 +107,9 @@ def step_cases(world: int, cases: list[dict]) -> list[dict]:
     from vllm import SamplingParams
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
-    from commfold import vllm_comm_log, vllm_target_pick_v2
-    from commfold.comm_log import record_collectives
+    from commfold.vllm import step_log as vllm_comm_log
+    from commfold.vllm import target_pick_v2 as vllm_target_pick_v2
+    from commfold.distributed.comm_log import record_collectives
     from harness import vllm_step
     from harness.vllm_tp import init_vllm_tp
 

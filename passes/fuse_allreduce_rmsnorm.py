@@ -11,7 +11,7 @@ is a near-miss naming the op in the way (patterns.norm_reach).
 
 Why it is safe:
 - the reduction is a sum (others are skipped), and the op runs the graph's own
-  collective (same group, through commfold.collectives), so every rank still issues
+  collective (same group, through commfold.distributed.collectives), so every rank still issues
   exactly one collective here, in the same order as before;
 - the op returns the normed output and the new residual (x + residual, or the
   reduced value itself without a residual add); every other reader of those is
@@ -43,8 +43,8 @@ from torch._inductor import config as inductor_config
 from torch._inductor.fx_utils import get_node_storage
 
 from commfold.context import PassContext
-from commfold.graph import nbytes, tensor_val
-from commfold.graph_edit import erase_if_dead, insert_call
+from commfold.fx.nodes import nbytes, tensor_val
+from commfold.fx.edit import erase_if_dead, insert_call
 from commfold.ops import flashinfer_norm
 from commfold.ops.allreduce_rmsnorm import SUPPORTED_DTYPES, pack_flags
 from commfold.patterns.allreduce import AllReduce, allreduce_candidates, match_allreduce

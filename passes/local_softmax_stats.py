@@ -37,8 +37,8 @@ import torch.fx as fx
 from torch._inductor.pattern_matcher import stable_topological_sort
 
 from commfold.context import PassContext
-from commfold.graph import arg, is_call, nbytes, numel_times, tensor_val
-from commfold.graph_edit import erase_if_dead, insert_call, replace_items
+from commfold.fx.nodes import arg, is_call, nbytes, numel_times, tensor_val
+from commfold.fx.edit import erase_if_dead, insert_call, replace_items
 from commfold.patterns.common import FLOAT_DTYPES, aten
 from commfold.patterns.gather import gather_candidates, match_vocab_gather
 from commfold.patterns.greedy import GreedyPick

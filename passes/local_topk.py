@@ -29,8 +29,8 @@ import operator
 import torch
 
 from commfold.context import PassContext
-from commfold.graph import nbytes, numel_times, tensor_val
-from commfold.graph_edit import erase_if_dead, insert_call
+from commfold.fx.nodes import nbytes, numel_times, tensor_val
+from commfold.fx.edit import erase_if_dead, insert_call
 from commfold.ops.local_topk import SUPPORTED_DTYPES
 from commfold.patterns.gather import gather_candidates, match_vocab_gather
 from commfold.patterns.topk import TopK, match_topk

@@ -36,10 +36,10 @@ from __future__ import annotations
 
 import torch
 
-from commfold.collectives import communicator
+from commfold.distributed.collectives import communicator
 from commfold.context import PassContext
-from commfold.graph import nbytes, tensor_val
-from commfold.graph_edit import erase_if_dead, insert_call
+from commfold.fx.nodes import nbytes, tensor_val
+from commfold.fx.edit import erase_if_dead, insert_call
 from commfold.patterns.gather import gather_candidates, match_vocab_gather
 from commfold.patterns.greedy import match_greedy
 from commfold.patterns.vocab_parallel import (VocabParallelEmbedding, VocabParallelLMHead,

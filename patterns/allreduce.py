@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from commfold.collectives import CommKind
-from commfold.graph import is_call, is_getitem
+from commfold.distributed.collectives import CommKind
+from commfold.fx.nodes import is_call, is_getitem
 
 from .common import Miss, c10d, functional_kwargs, is_functionalized, optional_op, waits_of
 
@@ -32,7 +32,7 @@ class AllReduce:
     input: fx.Node
     reduced: fx.Node
     reduce_op: str
-    comm: str  # communicator spec (commfold.collectives)
+    comm: str  # communicator spec (commfold.distributed.collectives)
     collective: fx.Node
     comm_nodes: tuple[fx.Node, ...]  # the collective and its waits: erased with it
 

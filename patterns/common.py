@@ -2,7 +2,7 @@
 looked up by name (only when registered: commfold never imports vLLM), the argument
 decoding of auto_functionalized(_v2), the Miss result, and walkers over spellings
 several recognizers read (a collective's waits, a slice to the valid vocab, a
-reader a few ops downstream). Vocabulary-free node accessors live in commfold.graph."""
+reader a few ops downstream). Vocabulary-free node accessors live in commfold.fx.nodes."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,7 +12,7 @@ import torch.fx as fx
 from torch._higher_order_ops.auto_functionalize import (auto_functionalized,
                                                         auto_functionalized_v2)
 
-from commfold.graph import arg, is_call, norm_dim, only_user, val
+from commfold.fx.nodes import arg, is_call, norm_dim, only_user, val
 
 aten = torch.ops.aten
 prims = torch.ops.prims

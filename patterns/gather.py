@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from commfold.collectives import CommKind
-from commfold.graph import (arg, is_call, is_getitem, ndim, norm_dim, only_user, same_shape,
+from commfold.distributed.collectives import CommKind
+from commfold.fx.nodes import (arg, is_call, is_getitem, ndim, norm_dim, only_user, same_shape,
                             tensor_val)
 
 from .common import Miss, aten, c10d, is_functionalized, optional_op, waits_of
@@ -33,7 +33,7 @@ class VocabGather:
     shard: fx.Node
     gathered: fx.Node
     world_size: int
-    comm: str  # communicator spec (commfold.collectives)
+    comm: str  # communicator spec (commfold.distributed.collectives)
     collective: fx.Node
     waits: tuple[fx.Node, ...] = ()
 

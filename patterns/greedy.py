@@ -10,7 +10,7 @@ from typing import Literal
 import torch
 import torch.fx as fx
 
-from commfold.graph import arg, is_call, is_getitem, is_number, norm_dim, only_user, tensor_val
+from commfold.fx.nodes import arg, is_call, is_getitem, is_number, norm_dim, only_user, tensor_val
 
 from .common import (FLOAT_DTYPES, Miss, aten, op_name, prims, reader_within,
                      vocab_slice_end)

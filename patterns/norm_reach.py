@@ -18,7 +18,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from commfold.graph import dtype_of, is_call, same_shape
+from commfold.fx.nodes import dtype_of, is_call, same_shape
 
 from .common import AUTO_FUNCTIONALIZED, Miss, aten, is_functionalized, op_name, optional_op, prims
 from .residual_scale import scale_of

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from commfold.graph import dtype_of, is_call, is_number
+from commfold.fx.nodes import dtype_of, is_call, is_number
 
 from .common import aten
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from commfold.graph import (arg, dtype_of, is_call, is_number, ndim, only_user, same_shape,
+from commfold.fx.nodes import (arg, dtype_of, is_call, is_number, ndim, only_user, same_shape,
                             tensor_val)
 
 from .common import Miss, aten, prims

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from commfold.graph import tensor_val
+from commfold.fx.nodes import tensor_val
 
 
 @dataclass(frozen=True)

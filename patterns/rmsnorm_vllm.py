@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from commfold.graph import arg, dtype_of, is_call, is_getitem, is_number, same_shape, tensor_val
+from commfold.fx.nodes import arg, dtype_of, is_call, is_getitem, is_number, same_shape, tensor_val
 
 from .common import Miss, functional_kwargs, is_functionalized, optional_op
 from .rmsnorm_match import RMSNorm

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from commfold.graph import (arg, is_call, is_getitem, norm_dim, only_user, same_shape,
+from commfold.fx.nodes import (arg, is_call, is_getitem, norm_dim, only_user, same_shape,
                             tensor_val)
 
 from .common import Miss, aten, op_name, prims, reader_within, vocab_slice_end

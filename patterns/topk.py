@@ -17,7 +17,7 @@ from typing import Literal
 
 import torch.fx as fx
 
-from commfold.graph import arg, is_call, is_getitem, norm_dim, tensor_val
+from commfold.fx.nodes import arg, is_call, is_getitem, norm_dim, tensor_val
 
 from .common import FLOAT_DTYPES, Miss, aten, vocab_slice_end
 from .gather import VocabGather

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from commfold.graph import is_call, is_number, ndim, only_user, val
+from commfold.fx.nodes import is_call, is_number, ndim, only_user, val
 
 from .allreduce import allreduce_candidates, match_allreduce
 from .common import Miss, aten, prims, vocab_slice_end
@@ -47,7 +47,7 @@ class VocabParallelEmbedding:
     shard: fx.Node  # the [Vs, H] weight shard
     ranges: tuple[IdRange, ...]  # this rank's served ids
     output: fx.Node  # the reduced embedding (what the rewrite replaces)
-    comm: str  # communicator spec (commfold.collectives)
+    comm: str  # communicator spec (commfold.distributed.collectives)
     comm_nodes: tuple[fx.Node, ...]  # the all-reduce and its waits
     lookup: fx.Node  # the embedding node
 

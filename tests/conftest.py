@@ -8,7 +8,7 @@ import os
 import pytest
 from hypothesis import settings
 
-from commfold.ranks import RankPool, environment_kept, start_forkserver
+from commfold.distributed.ranks import RankPool, environment_kept, start_forkserver
 
 settings.register_profile("fixed", derandomize=True, database=None)
 settings.register_profile("random")
@@ -77,7 +77,7 @@ def vllm_v2_ranks() -> Ranks:
 
 
 # Rank pools fork their ranks from commfold's preloaded server only while this
-# process's environment is the one that server started with (commfold.ranks); a
+# process's environment is the one that server started with (commfold.distributed.ranks); a
 # changed one spawns every later pool's ranks (~10 CPU-s of imports a rank). vLLM
 # sets variables in the importing process (TORCHINDUCTOR_COMPILE_THREADS, ...; a
 # VllmConfig adds VLLM_WORKER_MULTIPROC_METHOD, ...): kept, they made test_ranks cost
@@ -93,7 +93,7 @@ def _rank_server_started_first():
 
 @pytest.fixture(autouse=True)
 def _no_environment_leaks():
-    """Each test leaves os.environ as it found it (commfold.ranks.environment_kept)."""
+    """Each test leaves os.environ as it found it (commfold.distributed.ranks.environment_kept)."""
     with environment_kept():
         yield
 

@@ -12,7 +12,7 @@ import torch.distributed._functional_collectives as funcol
 from torch._inductor import config as inductor_config
 
 import commfold
-from commfold.comm_log import record_collectives
+from commfold.distributed.comm_log import record_collectives
 
 
 def test_backend_name_works_in_a_fresh_process():

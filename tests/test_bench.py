@@ -30,7 +30,7 @@ from torch._inductor import config as inductor_config
 
 import commfold
 from commfold import cli
-from commfold.comm_log import record_collectives
+from commfold.distributed.comm_log import record_collectives
 
 ROOT = Path(__file__).resolve().parent.parent
 # The three rewrites' figures; COMMFOLD_FULL=1 adds the decode step (their sum) and
@@ -195,8 +195,8 @@ def test_insert_call_fake_values_equal_fake_dispatch(monkeypatch):
     from torch._higher_order_ops.auto_functionalize import auto_functionalized
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    import commfold.fake_values as fv
-    from commfold.graph_edit import insert_call
+    import commfold.fx.fake_values as fv
+    from commfold.fx.edit import insert_call
     importlib.import_module("commfold.ops")  # registers the ops
     from commfold.ops.allreduce_rmsnorm import pack_flags
 

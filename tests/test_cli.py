@@ -68,7 +68,7 @@ def test_diff_funcol_example_two_ranks(tmp_path):
     for graph, row in enumerate(rows):
         cells = [c.strip() for c in row.split("|")]
         assert cells[:3] == [str(graph), "local_argmax", "all_gather->argmax"], row
-        assert re.fullmatch(r"commfold/models\.py:\d+ \(forward\)", cells[3]), row
+        assert re.fullmatch(r"cli/demo_model\.py:\d+ \(forward\)", cells[3]), row
         assert cells[4] == f"{before} -> {after}", row
         assert cells[5] == "0 B"
     if "fuse_allreduce_rmsnorm" in commfold.ALL_PASSES:
@@ -91,7 +91,7 @@ def test_diff_funcol_example_two_ranks(tmp_path):
         compile(before_py, "before", "exec")  # readable Python, really
         compile(after_py, "after", "exec")
         assert "_c10d_functional.all_gather_into_tensor" in before_py
-        assert "# File: " in before_py and "models.py" in before_py
+        assert "# File: " in before_py and "demo_model.py" in before_py
         assert "commfold.local_argmax" in after_py
         assert "_c10d_functional.all_gather_into_tensor" not in after_py
         assert re.search(r"^-.*all_gather_into_tensor", diff, re.M)
@@ -184,7 +184,7 @@ def _failing_rank(out_dir, r, after_s, cause):
 def test_diff_names_the_failing_rank_not_the_peer_that_lost_it(tmp_path):
     """When rank 0's collective fails only because rank 1 left it (gloo: "Connection
     closed by peer"), and rank 0 is seen first, the cause named is rank 1's."""
-    from commfold.diff.watch import watch
+    from commfold.cli.diff.watch import watch
 
     procs = [_failing_rank(tmp_path, 0, 0, "RuntimeError: [pair.cc:553] Connection closed "
                                          "by peer [127.0.0.1]:7074"),
@@ -241,7 +241,7 @@ def test_observing_hook_sees_every_pass_and_forces_the_pass_list():
     import torch.fx as fx
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from commfold.diff.render import render
+    from commfold.cli.diff.render import render
     from commfold.manager import CommfoldPass, observing
 
     gm = make_fx(lambda x: torch.relu(x * 2).sum(-1))(torch.randn(2, 3))

@@ -1,4 +1,4 @@
-"""Ranks lower a graph they share once (commfold.compile_once): one rank compiles, the
+"""Ranks lower a graph they share once (commfold.distributed.compile_once): one rank compiles, the
 others wait on the cache key's lock and load its compile from Inductor's cache (the
 off switch: test_ranks' start-method test). A failed compile releases the lock."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import commfold
-from commfold import compile_once
+from commfold.distributed import compile_once
 
 
 def compile_at_once(width: int) -> dict:

@@ -11,7 +11,7 @@ import pytest
 import commfold
 from commfold.config import unknown_passes
 from commfold.passes import PASSES
-from commfold.vllm_plugin import EnvError, VllmCommfoldPass
+from commfold.vllm.plugin import EnvError, VllmCommfoldPass
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,7 +44,7 @@ def test_vllm_pass_reads_the_environment_at_first_use(monkeypatch):
                           text=True, timeout=300)
     assert proc.stdout.strip() == "imported" and proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("commfold.vllm_plugin.EnvError: commfold: COMMFOLD_PASSES=")
+    assert last.startswith("commfold.vllm.plugin.EnvError: commfold: COMMFOLD_PASSES=")
     assert "['bogus']" in last and "local_argmax" in last
 
     monkeypatch.setenv("COMMFOLD_PASSES", "local_argmax")

@@ -159,7 +159,7 @@ def test_vllm_tp_on_the_avx2_kernel_build():
     from vllm_models import require_vllm
 
     require_vllm()
-    from commfold.ranks import RankPool
+    from commfold.distributed.ranks import RankPool
 
     with RankPool(2, timeout=300, threads=1) as pool:
         for row in pool.run(vllm_tp_on_avx2_kernels):

@@ -181,7 +181,7 @@ def scaled_on_rank():
 
 
 def _comm():
-    from commfold.collectives import communicator
+    from commfold.distributed.collectives import communicator
 
     return communicator("c10d:" + dist.group.WORLD.group_name)
 

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, Phase, assume, given, settings, strategies a
 import commfold
 from commfold.ops import add_rmsnorm_cpu
 from commfold.ops.allreduce_rmsnorm import Scale, composite_add_norm
-from commfold.comm_log import record_collectives
+from commfold.distributed.comm_log import record_collectives
 
 from models_norm import OFFSET, build_decoder, make_block
 

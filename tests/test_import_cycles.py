@@ -95,7 +95,7 @@ def test_the_checker_sees_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     known = modules()
     assert "commfold.patterns.common" in known and "commfold.passes" in known
-    assert "commfold.graph" in imports("commfold.patterns.common",
+    assert "commfold.fx.nodes" in imports("commfold.patterns.common",
                                        known["commfold.patterns.common"], known)
 
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import commfold
-from commfold.comm_log import record_collectives
+from commfold.distributed.comm_log import record_collectives
 
 from argmax_programs import PROGRAMS, funcol_max_values, reference, setup_mesh
 from logit_cases import DTYPES, make_logits

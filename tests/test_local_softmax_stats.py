@@ -22,7 +22,7 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import commfold
-from commfold.comm_log import record_collectives
+from commfold.distributed.comm_log import record_collectives
 
 from softmax_programs import PROGRAMS, setup_mesh
 from logit_cases import DTYPES, make_logits

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import commfold
-from commfold.comm_log import record_collectives
+from commfold.distributed.comm_log import record_collectives
 
 
 def _gather(x):

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 import commfold
-from commfold.comm_log import record_collectives
+from commfold.distributed.comm_log import record_collectives
 
 from topk_programs import PROGRAMS, reference, scaled, setup_mesh
 from logit_cases import DTYPES, make_logits

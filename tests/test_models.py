@@ -1,10 +1,10 @@
-"""commfold.models.TPDecoder: the sharded model computes what the unsharded one does
+"""commfold.cli.demo_model.TPDecoder: the sharded model computes what the unsharded one does
 (same seed, same full weights), including a vocab that needs padding and ids at
 every shard boundary."""
 import torch
 import torch.distributed as dist
 
-from commfold.models import DecoderConfig, TPDecoder, greedy_decode, sample_ids
+from commfold.cli.demo_model import DecoderConfig, TPDecoder, greedy_decode, sample_ids
 
 
 def _sharded_vs_whole(vocab: int) -> dict:

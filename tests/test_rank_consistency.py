@@ -15,7 +15,7 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 import commfold
-from commfold.models import DecoderConfig, TPDecoder, sample_ids
+from commfold.cli.demo_model import DecoderConfig, TPDecoder, sample_ids
 
 import fuzz_programs as fp
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from commfold.ranks import RankError, RankPool, run_on_ranks, start_forkserver
+from commfold.distributed.ranks import RankError, RankPool, run_on_ranks, start_forkserver
 
 
 def rank_and_sum():
@@ -113,11 +113,11 @@ def test_dead_rank_fails_a_one_shot_run_in_seconds():
 
 START_METHODS = """
 import json, os, sys
-from commfold.ranks import RankPool, environment_kept
+from commfold.distributed.ranks import RankPool, environment_kept
 
 def seen(name):  # what a rank sees: the variable, and whether Inductor came preloaded
     preloaded = "torch._inductor.compile_fx" in sys.modules
-    from commfold.compile_once import installed  # (imports Inductor)
+    from commfold.distributed.compile_once import installed  # (imports Inductor)
     assert not installed()  # compile_once=False: Inductor left alone
     return os.environ.get(name), preloaded
 

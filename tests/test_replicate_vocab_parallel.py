@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 import commfold
 from commfold.ops import replicate as rep_ops
-from commfold.comm_log import record_collectives
+from commfold.distributed.comm_log import record_collectives
 
 H = 8
 V = 23  # not divisible by 2 or 4: the last shard is shorter / padded

@@ -1,4 +1,4 @@
-"""Spec-decode verification methods (commfold.vllm_decision): commfold's greedy verify
+"""Spec-decode verification methods (commfold.vllm.decision): commfold's greedy verify
 replaces vLLM's only under strict greedy verification; every other method vLLM
 defines, and any it does not know, runs vLLM's code. The methods are read from vLLM's
 sources - the installed vLLM's, and vLLM 0.33's where an unpacked copy is at hand
@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from commfold.vllm_decision import (LEFT_TO_VLLM, STRICT_GREEDY, V2Step, all_to_all_bytes,
+from commfold.vllm.decision import (LEFT_TO_VLLM, STRICT_GREEDY, V2Step, all_to_all_bytes,
                                     decide, decide_v2, pick_bytes, verify_method,
                                     verify_refusal)
 

@@ -67,8 +67,8 @@ def _raises(fn, h):
 
 def _check_picks():
     from commfold import Config
-    from commfold.comm_log import record_collectives
-    from commfold.vllm_top_tokens import RemappedPick, draft_top_tokens
+    from commfold.distributed.comm_log import record_collectives
+    from commfold.vllm.top_tokens import RemappedPick, draft_top_tokens
 
     torch._dynamo.reset()
     init_vllm_tp(2, shm=False)  # gloo: the profiler sees every collective

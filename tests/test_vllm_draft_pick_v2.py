@@ -1,7 +1,7 @@
 """commfold's draft pick inside Model Runner V2's speculator: vLLM's own
 ``DraftModelSpeculator.sample_draft`` (greedy drafting: ``compute_draft_logits(...)
 .argmax(-1)``, a full-vocab gather per draft step) against the same method under
-commfold's hook (commfold.vllm_draft), on vLLM's real ParallelLMHead +
+commfold's hook (commfold.vllm.draft), on vLLM's real ParallelLMHead +
 LogitsProcessor in a vLLM TP=2 group: identical draft tokens (ties across shards,
 vocab padding, bf16), one (value, index) pair per row per rank instead of the
 gather; a speculator with an acceptance estimator (adaptive verification reads the
@@ -23,8 +23,8 @@ def _sample_both_ways(shm: bool, cases: list[dict]) -> list[dict]:
     import torch
     from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
 
-    from commfold import vllm_draft
-    from commfold.comm_log import record_collectives
+    from commfold.vllm import draft as vllm_draft
+    from commfold.distributed.comm_log import record_collectives
     from commfold.config import Config
     from harness import vllm_step
 

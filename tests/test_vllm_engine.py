@@ -40,7 +40,8 @@ from vllm_models import ENGINE_ENV, SIZES, TOKENS_MARK, require_vllm_installed, 
 pytestmark = require_vllm_installed()
 
 from commfold.report import Report  # noqa: E402
-from commfold.comm_log import read_step_logs, target_pick_problems  # noqa: E402
+from commfold.distributed.comm_log import read_step_logs  # noqa: E402
+from commfold.vllm.step_checks import target_pick_problems  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNNER = str(Path(__file__).with_name("vllm_models.py"))
@@ -223,7 +224,7 @@ def test_target_pick_takes_the_steps_that_qualify(engine_case):
             "vLLM (paused)"} <= set(picks), picks
     assert None not in picks
     assert any(s.info.get("prompt_logprobs") == "logprobs" for s in engine_case["steps"][0])
-    # the check helper engine runs with spec decoding use (commfold.comm_log)
+    # the check helper engine runs with spec decoding use (commfold.distributed.comm_log)
     assert target_pick_problems(engine_case["steps"], VOCAB_SHARD) == []
     assert target_pick_problems(engine_case["base_steps"], VOCAB_SHARD) == [
         "no step was picked locally (COMMFOLD_VLLM=1 set? COMMFOLD_TARGET_PICK=0?)"]

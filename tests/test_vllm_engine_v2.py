@@ -26,7 +26,7 @@ if not (os.environ.get("COMMFOLD_VLLM_V2_ENGINE") or os.environ.get("COMMFOLD_VL
     pytest.skip("the V2 engine pair is opt-in (~3 minutes): COMMFOLD_VLLM_V2_ENGINE=1",
                 allow_module_level=True)
 
-from commfold.comm_log import read_step_logs  # noqa: E402
+from commfold.distributed.comm_log import read_step_logs  # noqa: E402
 from harness.triton_cpu import v2_engine_env  # noqa: E402
 
 RUNNER = str(Path(__file__).with_name("vllm_models.py"))

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from commfold import vllm_runtime
-from commfold.vllm_runtime import Runner, gate, runner_choice
+from commfold.vllm import runtime as vllm_runtime
+from commfold.vllm.runtime import Runner, gate, runner_choice
 from vllm_models import require_vllm_installed
 
 pytestmark = require_vllm_installed()
@@ -84,7 +84,10 @@ def fresh_plugin(monkeypatch, clean_env):
     from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from commfold import vllm_comm_log, vllm_plugin, vllm_target_pick, vllm_target_pick_v2
+    from commfold.vllm import step_log as vllm_comm_log
+    from commfold.vllm import plugin as vllm_plugin
+    from commfold.vllm import target_pick as vllm_target_pick
+    from commfold.vllm import target_pick_v2 as vllm_target_pick_v2
 
     for cls in (GPUModelRunner, V2Runner, LogitsProcessor, VllmConfig, DraftModelSpeculator,
                 draft_model.DraftModelProposer, llm_base_proposer.SpecDecodeBaseProposer):
@@ -159,7 +162,7 @@ def test_one_line_per_hook_at_load_when_unasked(fresh_plugin, caplog):
 
 
 def test_a_moved_hook_point_turns_one_hook_off(fresh_plugin, caplog, monkeypatch):
-    from commfold import vllm_draft
+    from commfold.vllm import draft as vllm_draft
 
     moved = dict(vllm_draft.HOOK_POINTS)
     moved[vllm_draft.PICK] = (("vllm.v1.spec_decode.llm_base_proposer:"
@@ -203,7 +206,7 @@ def test_doctor_on_this_machines_vllm(capsys, clean_env):
 
 
 def test_doctor_with_v2_selected():
-    from commfold.vllm_doctor import report
+    from commfold.vllm.doctor import report
 
     lines = report({"VLLM_USE_V2_MODEL_RUNNER": "1", "COMMFOLD_VLLM": "1",
                     "COMMFOLD_COMM_LOG_DIR": "/tmp/x"})

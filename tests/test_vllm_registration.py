@@ -19,7 +19,7 @@ pytestmark = require_vllm_installed()
 
 import commfold  # noqa: E402
 from commfold import Config  # noqa: E402
-from commfold.vllm_plugin import PASS_KEY, VllmCommfoldPass  # noqa: E402
+from commfold.vllm.plugin import PASS_KEY, VllmCommfoldPass  # noqa: E402
 
 
 def _start(code: str, **env) -> subprocess.Popen:
@@ -176,7 +176,7 @@ def test_a_plain_commfold_pass_is_adopted_with_its_state():
     from vllm.compilation.passes.inductor_pass import InductorPass
     from vllm.config import CompilationConfig, VllmConfig
 
-    from commfold.vllm_plugin import register
+    from commfold.vllm.plugin import register
 
     register()
     seen = []

@@ -30,7 +30,8 @@ from vllm_models import SPEC_METHODS, require_vllm_installed
 
 pytestmark = require_vllm_installed()
 
-from commfold.comm_log import read_step_logs, target_pick_problems  # noqa: E402
+from commfold.distributed.comm_log import read_step_logs  # noqa: E402
+from commfold.vllm.step_checks import target_pick_problems  # noqa: E402
 from harness.vllm_spec import (drafting_gathers, is_final_norm,  # noqa: E402
                                         rank_reports, split_reports)
 

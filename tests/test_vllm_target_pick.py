@@ -1,4 +1,4 @@
-"""commfold's target pick (commfold.vllm_target_pick) against vLLM's own Sampler and
+"""commfold's target pick (commfold.vllm.target_pick) against vLLM's own Sampler and
 RejectionSampler, on vLLM's real ParallelLMHead + LogitsProcessor in a vLLM TP=2
 group (shared memory, and the gloo fallback), without an engine: one engine step's
 logits computed both ways - the hook's local shard and pick, vLLM's full gather and
@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from commfold.vllm_runtime import Runner
+from commfold.vllm.runtime import Runner
 from vllm_models import init_vllm_tp, require_vllm_installed, shm_supported
 
 pytestmark = require_vllm_installed()
@@ -209,7 +209,7 @@ DECISIONS = {
 
 @pytest.mark.parametrize("name", list(DECISIONS))
 def test_decision_per_sampling_parameter(name):
-    from commfold.vllm_target_pick import decide
+    from commfold.vllm.target_pick import decide
 
     makers, kw, want = DECISIONS[name]
     vocab = kw.pop("vocab", V)
@@ -223,7 +223,7 @@ def test_decision_per_sampling_parameter(name):
 def test_custom_logits_processor_keeps_vllms_path():
     from vllm.v1.sample.logits_processor import LogitsProcessor
 
-    from commfold.vllm_target_pick import decide
+    from commfold.vllm.target_pick import decide
 
     class Custom(LogitsProcessor):
         def __init__(self, *a, **kw):
@@ -256,7 +256,7 @@ def test_verification_method_from_vllms_own_config_and_sampler():
     from vllm.v1.sample.rejection_sampler import RejectionSampler
     from vllm.v1.sample.sampler import Sampler
 
-    from commfold.vllm_target_pick import _Picker
+    from commfold.vllm.target_pick import Picker
 
     cases = [(m, {}) for m in get_args(RejectionSampleMethod)] + \
         [("standard", dict(enable_adaptive_verification=True))]
@@ -268,7 +268,7 @@ def test_verification_method_from_vllms_own_config_and_sampler():
                                    prompt_lookup_max=2, prompt_lookup_min=1,
                                    rejection_sample_method=method, **extra)
         sampler = Sampler()
-        picker = _Picker.__new__(_Picker)  # only what _decide reads
+        picker = Picker.__new__(Picker)  # only what _decide reads
         picker.vocab = V
         picker.runner = SimpleNamespace(
             input_batch=SimpleNamespace(sampling_metadata=_metadata_for([_greedy()])),
@@ -287,7 +287,7 @@ def test_verification_method_from_vllms_own_config_and_sampler():
 # --- the hook points -------------------------------------------------------------------
 
 def test_hook_points_present_in_this_vllm():
-    from commfold.vllm_target_pick import hook_points_missing
+    from commfold.vllm.target_pick import hook_points_missing
 
     assert hook_points_missing() == []
 
@@ -296,7 +296,7 @@ V1 = Runner(1, "the test's choice")  # whatever the environment says
 
 
 def test_moved_hook_point_leaves_the_hook_off(monkeypatch, caplog):
-    from commfold import vllm_target_pick as vtp
+    from commfold.vllm import target_pick as vtp
 
     moved = vtp.HOOK_POINTS + (("vllm.v1.sample.sampler:Sampler.forward", "not in vLLM"),
                                ("vllm.v1.sample.sampler:NoSuchClass", "x"))
@@ -312,14 +312,14 @@ def test_moved_hook_point_leaves_the_hook_off(monkeypatch, caplog):
 
 
 def test_off_switch(monkeypatch):
-    from commfold import vllm_target_pick as vtp
+    from commfold.vllm import target_pick as vtp
 
     monkeypatch.setattr(vtp, "_installed", False)
     assert vtp.install({"COMMFOLD_TARGET_PICK": "0"}, runner=V1) is False
     assert vtp.enabled({}) and not vtp.enabled({"COMMFOLD_TARGET_PICK": "0"})
 
 
-# --- the collective log (commfold.comm_log, commfold.vllm_comm_log) -----------
+# --- the collective log (commfold.distributed.comm_log, commfold.vllm.step_log) -----------
 # It sees what really runs in a vLLM TP=2 group: vLLM CPU's shared-memory ops (which
 # never reach a c10d backend), its gloo fallback, and commfold's own ops on either -
 # each collective once, with this rank's shapes, dtype and bytes; the engine-step
@@ -331,9 +331,9 @@ def test_off_switch(monkeypatch):
 def _seen(shm: bool, log_dir: str):
     from types import SimpleNamespace
 
-    from commfold import vllm_comm_log
+    from commfold.vllm import step_log as vllm_comm_log
     from commfold.ops.local_argmax import local_argmax
-    from commfold.comm_log import record_collectives
+    from commfold.distributed.comm_log import record_collectives
     from harness.vllm_tp import shm_handle
 
     tp = init_vllm_tp(2, shm=shm, reuse=True)
@@ -385,7 +385,7 @@ def test_pick_equals_vllms_sampler_gloo(vllm_ranks):
 
 
 def _check_collectives_seen(results, shm, tmp_path):
-    from commfold.comm_log import read_step_logs
+    from commfold.distributed.comm_log import read_step_logs
 
     # shm sends non-float data bit-cast as float32: an int64 pair is 4 float32
     pair = ((4, 4), "float") if shm else ((4, 2), "long int")

@@ -1,4 +1,4 @@
-"""commfold's target pick on Model Runner V2 (commfold.vllm_target_pick_v2) against
+"""commfold's target pick on Model Runner V2 (commfold.vllm.target_pick_v2) against
 V2's own ``GPUModelRunner.sample`` with V2's real Sampler, RejectionSampler,
 RequestState and InputBatch, on vLLM's real ParallelLMHead + LogitsProcessor in a
 vLLM TP=2 group (gloo): the same step both ways must give identical sampled tokens

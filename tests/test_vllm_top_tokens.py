@@ -66,7 +66,7 @@ def _check_top_tokens(shm: bool, extras: bool):
     """extras: the soft-cap case and the drafter's get_top_tokens too (in the shm run,
     or in the gloo run where this CPU's vLLM has no shm communicator)."""
     import commfold
-    from commfold.vllm_top_tokens import lm_head_top_tokens
+    from commfold.vllm.top_tokens import lm_head_top_tokens
 
     torch._dynamo.reset()  # graphs compiled for the previous group's communicator
     tp = init_vllm_tp(2, shm=shm)
@@ -117,7 +117,7 @@ class _Drafter(torch.nn.Module):
 
 def _check_install_get_top_tokens():
     import commfold
-    from commfold.vllm_top_tokens import install_get_top_tokens
+    from commfold.vllm.top_tokens import install_get_top_tokens
 
     lm, lp, _ = _build(1000, torch.float32, seed=7)
     drafter = _Drafter(lm, lp)
@@ -134,7 +134,7 @@ def _check_install_get_top_tokens():
 def _check_shm_bitcast(tp):
     """The vllm_shm communicator's gather of int64 pairs (sent bit-cast as float32)
     returns every bit, NaN and infinity patterns included."""
-    from commfold.collectives import communicator
+    from commfold.distributed.collectives import communicator
 
     handle = tp.device_communicator.dist_module.handle
     c = communicator(f"vllm_shm:{handle}")

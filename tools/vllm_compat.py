@@ -7,12 +7,12 @@ sources, without installing or importing that release.
 
 A source argument is a `vllm` package directory (or the directory holding one);
 "installed" is the vLLM this Python would import (found, not imported). For each
-hook (commfold's own lists: vllm_target_pick(_v2).HOOK_POINTS, vllm_draft.HOOK_POINTS,
-vllm_comm_log.HOOK_POINTS, and the plugin's two) every point `module:Attr.path` is found
+hook (commfold's own lists: vllm_target_pick(_v2).HOOK_POINTS, draft.HOOK_POINTS,
+step_log.HOOK_POINTS, and the plugin's two) every point `module:Attr.path` is found
 by parsing the sources (following re-exports and base classes), and the source
 text the hook relies on must be in it, as the plugin checks at load. Then what the
 per-step decision and the runner choice read: the verification methods the release
-defines (each must be known to commfold.vllm_decision, or a new one is flagged) and
+defines (each must be known to commfold.vllm.decision, or a new one is flagged) and
 how it picks Model Runner V2. Prints a markdown matrix; --out writes it with the date.
 Run it on each vLLM release before claiming it.
 """
@@ -29,14 +29,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from commfold import (vllm_comm_log, vllm_draft, vllm_target_pick,  # noqa: E402
-                      vllm_target_pick_v2)
-from commfold.vllm_decision import LEFT_TO_VLLM, STRICT_GREEDY  # noqa: E402
-from commfold.vllm_runtime import TESTED  # noqa: E402
+from commfold.vllm import draft, step_log, target_pick, target_pick_v2  # noqa: E402
+from commfold.vllm.decision import LEFT_TO_VLLM, STRICT_GREEDY  # noqa: E402
+from commfold.vllm.runtime import TESTED  # noqa: E402
 
 PLUGIN_POINTS = (("vllm.config:VllmConfig.__post_init__", None),
                  ("vllm.compilation.passes.inductor_pass:InductorPass", None))
-# what the runner choice (commfold.vllm_runtime) and the decision read
+# what the runner choice (commfold.vllm.runtime) and the decision read
 READS = (("vllm.config.vllm:VllmConfig.use_v2_model_runner",
           "use_v2_model_runner = envs.VLLM_USE_V2_MODEL_RUNNER"),
          ("vllm.config.vllm:VllmConfig.use_v2_model_runner", "if not HAS_TRITON"),
@@ -50,12 +49,12 @@ READS = (("vllm.config.vllm:VllmConfig.use_v2_model_runner",
          ("vllm.v1.worker.gpu.model_runner:GPUModelRunner", None),
          ("vllm.v1.worker.gpu.spec_decode.rejection_sampler:RejectionSampler.__init__",
           "rejection_sample_method = spec_config.rejection_sample_method"))
-HOOKS = {"graph passes": PLUGIN_POINTS, "step log (V1)": vllm_comm_log.HOOK_POINTS,
-         "step log (V2)": vllm_comm_log.HOOK_POINTS_V2,
-         **{f"{h} (V1)": p for h, p in vllm_draft.HOOK_POINTS.items()},
-         **{f"{h} (V2)": p for h, p in vllm_draft.HOOK_POINTS_V2.items()},
-         "target pick (V1)": vllm_target_pick.HOOK_POINTS,
-         "target pick (V2)": vllm_target_pick_v2.HOOK_POINTS,
+HOOKS = {"graph passes": PLUGIN_POINTS, "step log (V1)": step_log.HOOK_POINTS,
+         "step log (V2)": step_log.HOOK_POINTS_V2,
+         **{f"{h} (V1)": p for h, p in draft.HOOK_POINTS.items()},
+         **{f"{h} (V2)": p for h, p in draft.HOOK_POINTS_V2.items()},
+         "target pick (V1)": target_pick.HOOK_POINTS,
+         "target pick (V2)": target_pick_v2.HOOK_POINTS,
          "runner choice, verification method (read)": READS}
 
 

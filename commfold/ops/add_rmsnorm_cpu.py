@@ -25,9 +25,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import cpp_build, norm_flags
+from commfold.ops import cpp_build, norm_flags
 
-SOURCE = Path(__file__).with_name("add_rmsnorm_cpu.cpp")
+SOURCE = Path(__file__).parent / "csrc" / "add_rmsnorm_cpu.cpp"
 
 
 def module():

@@ -37,9 +37,9 @@ from typing import NamedTuple
 
 import torch
 
-from ..collectives import CommKind, communicator
-from . import add_rmsnorm_cpu, flashinfer_norm
-from .norm_flags import (OFFSET_IN_WEIGHT_DTYPE, OUT_F32, ROUND_BEFORE_WEIGHT,  # noqa: F401
+from commfold.distributed.collectives import CommKind, communicator
+from commfold.ops import add_rmsnorm_cpu, flashinfer_norm
+from commfold.ops.norm_flags import (OFFSET_IN_WEIGHT_DTYPE, OUT_F32, ROUND_BEFORE_WEIGHT,  # noqa: F401
                          ROUND_SCALED, ROUND_SUM, SCALE_DIVIDES, TWO_SHOT_DEFAULT_MIN_BYTES,
                          TWO_SHOT_SHIFT, pack_flags)
 

@@ -33,7 +33,7 @@ from functools import cache
 
 import torch
 
-from ..collectives import CommKind
+from commfold.distributed.collectives import CommKind
 
 log = logging.getLogger("commfold")
 
@@ -109,9 +109,9 @@ def _vllm_table(world: int) -> int | None:
     up once per world size: it is on every CUDA call's path)."""
     try:
         major, minor = torch.cuda.get_device_capability()  # no GPU: raises, no vLLM import
-        from vllm.compilation.passes.fusion.allreduce_rms_fusion import (
-            FI_ALLREDUCE_FUSION_MAX_SIZE_MB)
-        mb = FI_ALLREDUCE_FUSION_MAX_SIZE_MB.get(major * 10 + minor, {}).get(world)
+        from commfold.vllm.groups import flashinfer_fusion_max_mb
+
+        mb = flashinfer_fusion_max_mb(major * 10 + minor, world)
     except Exception:
         return None
     return int(mb * 2**20) if mb else None
@@ -165,7 +165,7 @@ def _workspace(fi, comm, hidden: int, dtype: torch.dtype, device):
 
 
 def _process_group(comm):
-    from ..collectives import _c10d_group, _vllm_group
+    from commfold.distributed.collectives import _c10d_group, _vllm_group
 
     if comm.kind is CommKind.C10D:
         return _c10d_group(comm.name)

@@ -40,9 +40,9 @@ from collections.abc import Callable
 
 import torch
 
-from ..collectives import communicator
-from .logprob_scan import candidates, count_logprob_ge, heap_topk, row_stats
-from .vocab_slice import local_width
+from commfold.distributed.collectives import communicator
+from commfold.ops.logprob_scan import candidates, count_logprob_ge, heap_topk, row_stats
+from commfold.ops.vocab_slice import local_width
 
 Fallback = Callable[[torch.Tensor, torch.Tensor, int],
                     tuple[torch.Tensor, torch.Tensor, torch.Tensor]]

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import torch
 
-from ..collectives import communicator
-from . import scan_chain, vocab_scan
-from .vocab_slice import local_width
+from commfold.distributed.collectives import communicator
+from commfold.ops import scan_chain, vocab_scan
+from commfold.ops.vocab_slice import local_width
 
 _BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 

@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from .vocab_scan import module
+from commfold.ops.vocab_scan import module
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

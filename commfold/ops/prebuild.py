@@ -11,7 +11,7 @@ import time
 
 
 def main() -> int:
-    from . import add_rmsnorm_cpu, vocab_scan
+    from commfold.ops import add_rmsnorm_cpu, vocab_scan
 
     for name, build in (("add_rmsnorm", add_rmsnorm_cpu.module),
                         ("vocab_scan", vocab_scan.module)):

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..collectives import communicator
+from commfold.distributed.collectives import communicator
 
 MAX_SEGMENTS = 8  # id ranges per rank (vLLM uses 2: the base vocab and the added vocab)
 _HEADER = 2 + 3 * MAX_SEGMENTS  # [rows, n_segments, (lo, hi, row_start) * MAX_SEGMENTS]

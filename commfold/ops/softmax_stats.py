@@ -35,9 +35,9 @@ from __future__ import annotations
 
 import torch
 
-from ..collectives import communicator
-from . import scan_chain, vocab_scan
-from .vocab_slice import local_width, slice_end
+from commfold.distributed.collectives import communicator
+from commfold.ops import scan_chain, vocab_scan
+from commfold.ops.vocab_slice import local_width, slice_end
 
 
 @torch.library.custom_op("commfold::valid_columns", mutates_args=())

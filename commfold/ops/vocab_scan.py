@@ -27,9 +27,9 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 
-from . import cpp_build
+from commfold.ops import cpp_build
 
-SOURCE = Path(__file__).with_name("vocab_scan_cpu.cpp")
+SOURCE = Path(__file__).parent / "csrc" / "vocab_scan_cpu.cpp"
 
 
 def module():

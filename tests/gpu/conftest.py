@@ -38,7 +38,7 @@ class GpuRanks:
         self._pool = None
 
     def run(self, fn, *args, **kwargs) -> list:
-        from commfold.ranks import RankPool
+        from commfold.distributed.ranks import RankPool
 
         if self._pool is None or not self._pool.alive:
             self._pool = RankPool(WORLD, timeout=CALL_TIMEOUT_S, spawn=True)
@@ -62,7 +62,8 @@ _ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b.*")
 def short_error(text: str) -> str:
     """The first exception line of a failure (a RankError lists root causes first)."""
     for line in text.splitlines():
-        if _ERROR_LINE.match(line.strip()) and not line.startswith("commfold.ranks.RankError"):
+        if _ERROR_LINE.match(line.strip()) and not line.startswith(
+                "commfold.distributed.ranks.RankError"):
             return line.strip()[:200]
     return text.strip().splitlines()[0][:200] if text.strip() else "failed"
 

@@ -42,7 +42,7 @@ def _composite(xs, res, w, offset, flags, comm):
     """The unfused math on CPU tensors, no C++ kernel: the sum all-reduce (gloo), then
     composite_add_norm (the reference the CPU kernel is tested against). Returns
     (normed, new residual)."""
-    from commfold.collectives import communicator
+    from commfold.distributed.collectives import communicator
     from commfold.ops.allreduce_rmsnorm import composite_add_norm, out_dtype_of
     from commfold.ops.norm_flags import OFFSET_IN_WEIGHT_DTYPE, ROUND_BEFORE_WEIGHT, ROUND_SUM
 
@@ -54,7 +54,7 @@ def _composite(xs, res, w, offset, flags, comm):
 
 
 def norm_op_on_rank(device: str) -> dict:
-    from commfold.collectives import communicator
+    from commfold.distributed.collectives import communicator
     from commfold.ops import flashinfer_norm
     from commfold.ops.allreduce_rmsnorm import out_dtype_of
 

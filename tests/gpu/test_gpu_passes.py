@@ -3,7 +3,7 @@ sharing it (gloo): the tokens and values of the rewritten program equal plain
 Inductor's, and the pass rewrote something (a pass that silently does nothing on the
 device's graphs fails here). One compile per program and backend:
 
-- commfold.models.TPDecoder (1 layer, vocab 1001 padded to 1002): greedy tokens of
+- commfold.cli.demo_model.TPDecoder (1 layer, vocab 1001 padded to 1002): greedy tokens of
   4 sequences x 4 steps, with fuse_allreduce_rmsnorm + local_argmax, and with
   replicate_vocab_parallel (it takes the LM head's gather away, so alone);
 - a vocab program (two shards, 8 rows, vocab 4001): top-8 of f32 logits / 0.7, and
@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from commfold.models import gather_last_dim
+from commfold.cli.demo_model import gather_last_dim
 from gpu_device import DEVICE, rank_device, requires_device, shard_of
 
 pytestmark = requires_device
@@ -48,7 +48,7 @@ def _rewrites(passes) -> dict:
 
 def decoder_on_rank(device: str) -> dict:
     import commfold
-    from commfold.models import DecoderConfig, TPDecoder, greedy_decode, sample_ids
+    from commfold.cli.demo_model import DecoderConfig, TPDecoder, greedy_decode, sample_ids
 
     dev = rank_device(device)
     cfg = DecoderConfig(vocab=1001, hidden=256, layers=1, heads=4, ffn=512)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from commfold.models import gather_last_dim
+from commfold.cli.demo_model import gather_last_dim
 from gpu_device import DEVICE, rank_device, requires_device, shard_of, synchronize
 
 pytestmark = requires_device

@@ -1,11 +1,11 @@
 """The target model's token pick on vLLM's Model Runner V2 without the full-vocab
-gather: the same rules as the V1 hook (commfold.vllm_target_pick), one patch.
+gather: the same rules as the V1 hook (commfold.vllm.target_pick), one patch.
 
 V2's ``GPUModelRunner.sample(hidden_states, input_batch, grammar_output)`` computes
 the logits (``self.model.compute_logits``: all-gathered over the vocab), then runs its
 Sampler, or its RejectionSampler when the step verifies drafts. This hook wraps
 ``sample`` and decides per step from what V2's Sampler holds about the step's
-requests (commfold.vllm_decision.decide_v2: the same on every rank):
+requests (commfold.vllm.decision.decide_v2: the same on every rank):
 
 - ``greedy``: every request greedy, no logits processing, no top-k / top-p, no
   logprobs: the token per row is commfold.ops.local_argmax over the model's own
@@ -24,8 +24,8 @@ on the kernel's reduction order; commfold's scan sees NaN in the gathered maxima
 same on every rank) and gives such a step to V2's samplers, after gathering the
 logits as vLLM does. Ties and -inf rows: the first maximum, as V2's kernels.
 
-Logged once at install, on or off and why (vllm_runtime.gate with the V2 runner);
-COMMFOLD_TARGET_PICK=0 turns it off; ``vllm_target_pick.pause()`` sends steps to
+Logged once at install, on or off and why (runtime.gate with the V2 runner);
+COMMFOLD_TARGET_PICK=0 turns it off; ``target_pick.pause()`` sends steps to
 vLLM's path. Decisions go to the step log as ``target_pick``.
 """
 from __future__ import annotations
@@ -36,10 +36,13 @@ import os
 import numpy as np
 import torch
 
-from . import vllm_comm_log, vllm_hook_points, vllm_runtime, vllm_target_pick
-from .vllm_decision import (V2Step, all_to_all_bytes, decide_v2, pick_bytes,
+from commfold.vllm import step_log
+from commfold.vllm import hook_points
+from commfold.vllm import runtime
+from commfold.vllm import target_pick
+from commfold.vllm.decision import (V2Step, all_to_all_bytes, decide_v2, pick_bytes,
                             verify_method)
-from .vllm_logits_head import LogitsHead
+from commfold.vllm.logits_head import LogitsHead
 
 log = logging.getLogger("commfold")
 
@@ -67,13 +70,13 @@ HOOK_POINTS = (
 
 
 def hook_points_missing() -> list[str]:
-    return vllm_hook_points.missing(HOOK_POINTS)
+    return hook_points.missing(HOOK_POINTS)
 
 
-def state(environ=os.environ, runner=None) -> vllm_runtime.HookState:
+def state(environ=os.environ, runner=None) -> runtime.HookState:
     """This hook's state and why, installing nothing."""
-    off = None if vllm_target_pick.enabled(environ) else f"{vllm_target_pick.ENV}=0"
-    return vllm_runtime.gate(HOOK, off=off, missing=hook_points_missing, environ=environ,
+    off = None if target_pick.enabled(environ) else f"{target_pick.ENV}=0"
+    return runtime.gate(HOOK, off=off, missing=hook_points_missing, environ=environ,
                              runner=runner, version=2)
 
 
@@ -127,7 +130,7 @@ def step_of(runner, input_batch) -> V2Step:
 
 
 def decide(runner, input_batch, grammar_output) -> tuple[str | None, str]:
-    if vllm_target_pick._paused:
+    if target_pick._paused:
         return None, "paused"
     if runner.sampler is None or input_batch.num_reqs == 0:
         return None, "no sampler or no requests on this rank"
@@ -152,14 +155,14 @@ def _sample(original):
                 rows, head.vocab, head_world(head), hidden_states.element_size())
             if ours >= theirs:
                 mode, why = None, f"batch-sharded sampling moves less ({theirs} B < {ours} B)"
-        vllm_comm_log.note("target_pick", mode or f"vLLM ({why})")
+        step_log.note("target_pick", mode or f"vLLM ({why})")
         if mode is None:
             return original(self, hidden_states, input_batch, grammar_output)
         shard = head.local_logits(hidden_states[input_batch.logits_indices])
         if shard is None:
             self._commfold_head = None
             return original(self, hidden_states, input_batch, grammar_output)
-        with vllm_comm_log.phase("sampling"):
+        with step_log.phase("sampling"):
             out = pick(self, head, shard, input_batch, mode)
         return out, out.num_sampled, out.num_rejected
     return sample
@@ -176,11 +179,11 @@ def pick(runner, head: LogitsHead, shard, input_batch, mode: str):
     from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
     from vllm.v1.worker.gpu.sample.output import SamplerOutput
 
-    from .ops.local_argmax import local_argmax
+    from commfold.ops.local_argmax import local_argmax
 
     values, tokens = local_argmax(shard, head.vocab, head.comm)
     if values.isnan().any():  # gathered maxima: the same on every rank
-        vllm_comm_log.note("target_pick", "vLLM (NaN logits: V2's own pick)")
+        step_log.note("target_pick", "vLLM (NaN logits: V2's own pick)")
         return _vllm_samplers(runner, head.gather(shard), input_batch)
     prefill_len = runner.sampler.req_states.prefill_len.gpu
     if mode == "verify":

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from .fake_values import fake_value
+from commfold.fx.fake_values import fake_value
 
 
 def insert_call(graph: fx.Graph, target, args=(), kwargs=None, like: fx.Node | None = None):

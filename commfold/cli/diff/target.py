@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import EXIT_BAD_INPUT, DiffError
+from commfold.cli.diff.errors import EXIT_BAD_INPUT, DiffError
 
 
 @dataclasses.dataclass(frozen=True)

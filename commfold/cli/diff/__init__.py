@@ -37,10 +37,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_RANK_FAILED, DiffError
-from .summary import load_reports, summary
-from .target import Target
-from .watch import kill, watch
+from commfold.cli.diff.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_RANK_FAILED, DiffError
+from commfold.cli.diff.summary import load_reports, summary
+from commfold.cli.diff.target import Target
+from commfold.cli.diff.watch import kill, watch
 
 __all__ = ["DiffError", "EXIT_BAD_INPUT", "EXIT_OK", "EXIT_RANK_FAILED", "run_diff"]
 
@@ -59,7 +59,7 @@ def run_diff(target: str, world_size: int = 2, out: str = "commfold-diff",
 
 def _run(target_text, world_size, out, passes, timeout, echo) -> int:
     from commfold.config import ALL_PASSES, unknown_passes
-    from commfold.ranks import free_port
+    from commfold.distributed.ranks import free_port
 
     target = Target.parse(target_text)
     if world_size < 1:
@@ -90,7 +90,7 @@ def _run(target_text, world_size, out, passes, timeout, echo) -> int:
         log = open(out_dir / f"rank{r}" / "log.txt", "w")
         logs.append(log)
         procs.append(subprocess.Popen(
-            [sys.executable, "-c", "import sys; from commfold.diff.rank import rank_main; "
+            [sys.executable, "-c", "import sys; from commfold.cli.diff.rank import rank_main; "
                                    "rank_main(sys.argv[1])", spec],
             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
     try:

@@ -6,7 +6,7 @@ the whole vocabulary, then samples (``_sample``: the Sampler, or the
 RejectionSampler under speculative decoding) - for every request, greedy or not.
 With COMMFOLD_VLLM=1 this hook decides per engine step, from the batch's sampling
 parameters and the engine's speculative config only (every rank holds the same, so
-every rank decides the same; commfold.vllm_decision):
+every rank decides the same; commfold.vllm.decision):
 
 - ``greedy``: every request greedy, nothing needing the whole row (penalties, bad
   words, allowed-token lists, active logits processors - min_tokens, logit_bias,
@@ -33,7 +33,7 @@ rank's shard of the logits [rows, vocab shard] when the step qualifies; ``_sampl
 recognizes that shard and picks locally. The hook acts on the V1 model runner only;
 at install it logs one line, on or off and why (Model Runner V2; vLLM's code moved
 under the hook - the calls it relies on, checked by their source text;
-commfold.vllm_runtime). COMMFOLD_TARGET_PICK=0 turns only this hook off; ``pause()``
+commfold.vllm.runtime). COMMFOLD_TARGET_PICK=0 turns only this hook off; ``pause()``
 switches it off and on at run time in a worker (through ``LLM.collective_rpc``), to
 compare both paths on one engine. Decisions are noted in the per-step collective log
 (COMMFOLD_COMM_LOG_DIR) as ``target_pick``.
@@ -46,12 +46,14 @@ from dataclasses import dataclass
 
 import torch
 
-from . import vllm_comm_log, vllm_hook_points, vllm_runtime
-from .vllm_logits_head import LogitsHead
-from .ops import logprob_scan
-# the per-step decision lives in vllm_decision (shared by the runner hooks); its
+from commfold.vllm import step_log
+from commfold.vllm import hook_points
+from commfold.vllm import runtime
+from commfold.vllm.logits_head import LogitsHead
+from commfold.ops import logprob_scan
+# the per-step decision lives in decision (shared by the runner hooks); its
 # names stay importable from here
-from .vllm_decision import (LOGPROB_MODES, MAX_LOGPROBS, active_processors,  # noqa: F401
+from commfold.vllm.decision import (LOGPROB_MODES, MAX_LOGPROBS, active_processors,  # noqa: F401
                             decide, logprobs_mode_ok, verify_method, verify_refusal)
 
 log = logging.getLogger("commfold")
@@ -114,7 +116,7 @@ class _Pending:
     mode: str
 
 
-class _Picker:
+class Picker:
     """The runner model's vocab layout and TP communicator, and the step's state."""
 
     def __init__(self, runner, head: LogitsHead):
@@ -147,14 +149,14 @@ class _Picker:
         # not in a background thread: one killed inside torch's build lock leaves the
         # lock behind, and every later load waits on it)
         logprob_scan.module()  # the vocab scans (vocab_scan_cpu.cpp)
-        return _Picker(runner, head)
+        return Picker(runner, head)
 
     # compute_logits: the shard when the step qualifies
     def _compute_logits(self, original, hidden, *args, **kwargs):
         if self.in_execute and not args and not kwargs:
             self.in_execute = False
             mode, reason = self._decide()
-            vllm_comm_log.note("target_pick", mode or f"vLLM ({reason})")
+            step_log.note("target_pick", mode or f"vLLM ({reason})")
             shard = self.local_logits(original, hidden) if mode is not None else None
             if shard is not None:
                 self.pending = _Pending(shard, mode)
@@ -195,7 +197,7 @@ class _Picker:
         """vLLM's SamplerOutput for the step, picked from this rank's shard."""
         from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 
-        from .ops.local_argmax import local_argmax
+        from commfold.ops.local_argmax import local_argmax
 
         if spec_metadata is not None:  # greedy verification (logprobs never get here)
             return self._verify(pending.shard, spec_metadata)
@@ -209,7 +211,7 @@ class _Picker:
                              logprobs_tensors=LogprobsTensors(ids.to(torch.int32), lps, ranks))
 
     def logprobs(self, shard, k, targets=None):
-        from .ops.local_logprobs import local_logprobs
+        from commfold.ops.local_logprobs import local_logprobs
 
         return local_logprobs(shard, self.vocab, self.comm, k, _vllm_logprobs, targets)
 
@@ -217,7 +219,7 @@ class _Picker:
         from vllm.v1.outputs import SamplerOutput
         from vllm.v1.sample import rejection_sampler as rs
 
-        from .ops.local_argmax import local_argmax
+        from commfold.ops.local_argmax import local_argmax
 
         argmax = local_argmax(shard, self.vocab, self.comm)[1]
         bonus = argmax[meta.bonus_logits_indices].to(torch.int32).unsqueeze(-1)
@@ -230,7 +232,7 @@ class _Picker:
 
 
 def _verify_method(runner) -> str:
-    """The runner's spec-decode verification method (vllm_decision.verify_method)."""
+    """The runner's spec-decode verification method (decision.verify_method)."""
     return verify_method(getattr(runner, "speculative_config", None),
                          getattr(runner, "rejection_sampler", None))
 
@@ -247,13 +249,13 @@ def _vllm_logprobs(full, tokens, k):
 
 def hook_points_missing() -> list[str]:
     """The hook points (see HOOK_POINTS) this vLLM no longer has, as 'where: text'."""
-    return vllm_hook_points.missing(HOOK_POINTS)
+    return hook_points.missing(HOOK_POINTS)
 
 
-def state(environ=os.environ, runner=None) -> vllm_runtime.HookState:
-    """This hook's state and why (vllm_runtime.gate), installing nothing (Model Runner
-    V2 has its own: commfold.vllm_target_pick_v2)."""
-    return vllm_runtime.gate(HOOK, off=None if enabled(environ) else f"{ENV}=0",
+def state(environ=os.environ, runner=None) -> runtime.HookState:
+    """This hook's state and why (runtime.gate), installing nothing (Model Runner
+    V2 has its own: commfold.vllm.target_pick_v2)."""
+    return runtime.gate(HOOK, off=None if enabled(environ) else f"{ENV}=0",
                              missing=hook_points_missing, environ=environ, runner=runner)
 
 
@@ -263,7 +265,7 @@ _installed = False
 def install(environ=os.environ, runner=None) -> bool:
     """Hook vLLM's V1 model runner (once per process), logging one line: on, or off
     and why (COMMFOLD_TARGET_PICK=0, Model Runner V2, vLLM's code moved under the
-    hook). runner: vllm_runtime.runner_choice's answer, when the caller has it."""
+    hook). runner: runtime.runner_choice's answer, when the caller has it."""
     global _installed
     if _installed:
         return True
@@ -289,9 +291,9 @@ def _wrap(cls, name, make):
     setattr(cls, name, wrapped)
 
 
-def _picker(runner) -> _Picker | None:
+def _picker(runner) -> Picker | None:
     if "_commfold_picker" not in runner.__dict__:
-        runner._commfold_picker = _Picker.build(runner)
+        runner._commfold_picker = Picker.build(runner)
     return runner._commfold_picker
 
 
@@ -336,7 +338,7 @@ def _sample(original):
                 and self._draft_token_req_ids is not None:
             draft_token_ids_cpu, _ = self._get_draft_token_ids_cpu()
             self.input_batch.update_async_spec_token_ids(draft_token_ids_cpu)
-        with vllm_comm_log.phase("sampling"):  # the log's own wrapper sits inside this one
+        with step_log.phase("sampling"):  # the log's own wrapper sits inside this one
             return picker.sample(pending, spec_decode_metadata)
     return _sample
 
@@ -353,7 +355,7 @@ def _prompt_logprobs(original):
             mode, reason = None, "prompt_logprobs=-1"
         if _paused:
             mode, reason = None, "paused"
-        vllm_comm_log.note("prompt_logprobs", mode or f"vLLM ({reason})")
+        step_log.note("prompt_logprobs", mode or f"vLLM ({reason})")
         if mode is None:
             return original(self, hidden_states, num_scheduled_tokens)
         sampler = self.sampler

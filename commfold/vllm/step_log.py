@@ -28,13 +28,13 @@ Cost when on: a profiler around every step (~10-30 ms a step on 2 cores; kineto
 prints two "USDT ... profiler_start/stop" lines to stderr per step); none while
 ``dir/paused`` exists (a benchmark times its runs paused, then logs one run). Nothing is
 installed when the variable is unset. Read the files with
-``commfold.comm_log.read_step_logs``.
+``commfold.distributed.comm_log.read_step_logs``.
 
 The log wraps the model runner vLLM builds: V1's methods above, or Model Runner
 V2's ``execute_model`` (its forward: phase ``forward``), ``sample_tokens`` and
 ``sample`` (``sampling``; V2's drafting runs inside sample_tokens and reads as
 ``other``). With a method it wraps gone it stays off and says so in one line at
-install (commfold.vllm_runtime), as when it is on.
+install (commfold.vllm.runtime), as when it is on.
 """
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ DEVICE_METHODS = {"all_reduce": "all_reduce", "all_gather": "all_gather",
                   "send": "send"}
 
 HOOK = "step log"
-# what must exist in vLLM for every phase to be seen (see vllm_hook_points)
+# what must exist in vLLM for every phase to be seen (see hook_points)
 _RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner."
 _PROCESSOR = "vllm.model_executor.layers.logits_processor:LogitsProcessor."
 HOOK_POINTS = tuple((_RUNNER + m, None) for m in ("execute_model", "sample_tokens",
@@ -128,7 +128,7 @@ class _StepRecorder:
     def end(self) -> None:
         import torch.distributed as dist
 
-        from .comm_log import collective_events
+        from commfold.distributed.comm_log import collective_events
 
         prof, self.prof = self.prof, None
         if prof is None:
@@ -161,15 +161,16 @@ def _phase_at(spans, t: int) -> str:
 
 
 def state(environ=os.environ, runner=None):
-    """The step log's state (vllm_runtime.HookState), installing nothing."""
-    from . import vllm_hook_points, vllm_runtime
+    """The step log's state (runtime.HookState), installing nothing."""
+    from commfold.vllm import hook_points
+    from commfold.vllm import runtime
 
     off = None if environ.get(ENV_DIR, "").strip() else f"{ENV_DIR} unset"
-    runner = runner or vllm_runtime.runner_choice(environ)
+    runner = runner or runtime.runner_choice(environ)
     points = HOOK_POINTS_V2 if runner.version == 2 else HOOK_POINTS
-    hook = vllm_runtime.gate(HOOK, off=off, environ=environ, runner=runner,
+    hook = runtime.gate(HOOK, off=off, environ=environ, runner=runner,
                              version=2 if runner.version == 2 else 1,
-                             missing=lambda: vllm_hook_points.missing(points))
+                             missing=lambda: hook_points.missing(points))
     if hook.on:  # what it counts: collectives that reach a profiler event it knows
         hook = replace(hook, reason=hook.reason + "; counts c10d (gloo, NCCL), vLLM CPU "
                        "shared-memory and vLLM CUDA communicator (PyNccl, custom "
@@ -184,9 +185,9 @@ def install(environ=os.environ, runner=None) -> bool:
     global _recorder
     if _recorder is not None:
         return True
-    from . import vllm_runtime
+    from commfold.vllm import runtime
 
-    runner = runner or vllm_runtime.runner_choice(environ)
+    runner = runner or runtime.runner_choice(environ)
     if not state(environ, runner).log().on:
         return False
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -225,7 +226,7 @@ def _marked(kind: str):
         def run(self, tensor, *args, **kwargs):
             if _recorder is None or _recorder.prof is None:
                 return original(self, tensor, *args, **kwargs)
-            from .comm_log import marked
+            from commfold.distributed.comm_log import marked
 
             with marked(kind, tensor if isinstance(tensor, (list, tuple)) else [tensor]):
                 return original(self, tensor, *args, **kwargs)

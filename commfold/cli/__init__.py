@@ -105,25 +105,22 @@ def main(argv=None) -> int:
     sub.add_parser("doctor", help="which of commfold's vLLM hooks would act here, and why "
                                   "not (no engine started; exit 0)")
     if argv[:1] == ["demo"]:  # the demo owns its options
-        from commfold.demo import main as demo_main
+        from commfold.cli.demo import main as demo_main
 
         return demo_main(argv[1:])
     if argv[:1] == ["bench"]:  # so does the suite
         return _bench(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "diff":
-        from commfold.diff import run_diff
+        from commfold.cli.diff import run_diff
 
         passes = [p for p in (args.passes or "").split(",") if p] or None
         return run_diff(args.target, world_size=args.world_size, out=args.out,
                         passes=passes, timeout=args.timeout)
     if args.command == "doctor":
-        from commfold.vllm_doctor import main as doctor_main
+        from commfold.vllm.doctor import main as doctor_main
 
         return doctor_main()
     parser.print_help()
     return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .collectives import CommKind
+from commfold.distributed.collectives import CommKind
 
 log = logging.getLogger("commfold")
 

@@ -8,7 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from commfold.ranks import peer_left
+from commfold.distributed.ranks import peer_left
 
 
 def _last_line(path: Path) -> str:

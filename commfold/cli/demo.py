@@ -1,6 +1,6 @@
-"""`commfold demo` / `python -m commfold.demo`: the whole story on 2 CPU ranks.
+"""`commfold demo` / `python -m commfold.cli.demo`: the whole story on 2 CPU ranks.
 
-A small tensor-parallel decoder (commfold.models.TPDecoder: functional collectives,
+A small tensor-parallel decoder (commfold.cli.demo_model.TPDecoder: functional collectives,
 vocab-parallel embedding, all_reduce + residual + RMSNorm per block, vocab-sharded LM
 head with all_gather + argmax) is compiled twice on every rank, with stock Inductor
 and with commfold. The demo lists commfold's rewrites, counts the collectives that
@@ -45,8 +45,8 @@ def _rank(opts: dict) -> dict:
     import torch.distributed as dist
 
     import commfold
-    from commfold.models import DecoderConfig, TPDecoder, greedy_decode, sample_ids
-    from commfold.comm_log import record_collectives
+    from commfold.cli.demo_model import DecoderConfig, TPDecoder, greedy_decode, sample_ids
+    from commfold.distributed.comm_log import record_collectives
 
     cfg = DecoderConfig(vocab=opts["vocab"], hidden=opts["hidden"], layers=opts["layers"],
                         heads=opts["heads"], ffn=opts["ffn"], dtype=getattr(torch, opts["dtype"]))
@@ -106,8 +106,8 @@ def _fmt_comm(comm: dict) -> str:
 
 def run(opts: dict, echo=print) -> int:
     import commfold
-    from commfold.demo import _rank  # by module name, also when run as __main__
-    from commfold.ranks import RankError, run_on_ranks
+    from commfold.cli.demo import _rank  # by module name, also when run as __main__
+    from commfold.distributed.ranks import RankError, run_on_ranks
 
     w = opts["world_size"]
     echo(f"commfold demo: {w}-rank tensor-parallel decoder on CPU (gloo): vocab "
@@ -163,4 +163,4 @@ def main(argv=None, prog: str = "commfold demo") -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(prog="python -m commfold.demo"))
+    sys.exit(main(prog="python -m commfold.cli.demo"))

@@ -7,7 +7,7 @@ vocab-parallel embedding replicated). Its greedy token pick runs eagerly, once p
 draft step: ``SpecDecodeBaseProposer._greedy_sample`` calls
 ``compute_logits(hidden).argmax(-1)``, a full-vocab all-gather per step (EAGLE-3 with
 a draft vocab smaller than the target's scatters it into the target vocab first).
-With commfold the pick is ``draft_top_tokens`` (commfold.vllm_top_tokens): the head
+With commfold the pick is ``draft_top_tokens`` (commfold.vllm.top_tokens): the head
 replicated when its full weight is under the size rule, else a per-rank argmax and
 one (value, index) pair per row per rank, then the d2t remap where there is one.
 
@@ -28,7 +28,7 @@ vLLM's pick); its ``use_local_argmax_reduction`` check gets a ``get_top_tokens``
 installed on a drafter without one just before it runs.
 
 Both hooks patch the proposers of the runner vLLM will build and log one line each at
-install, on or off and why (commfold.vllm_runtime); each checks the lines of vLLM's
+install, on or off and why (commfold.vllm.runtime); each checks the lines of vLLM's
 code it relies on.
 """
 from __future__ import annotations
@@ -36,15 +36,16 @@ from __future__ import annotations
 import logging
 import os
 
-from . import vllm_hook_points, vllm_runtime
-from .config import Config
+from commfold.vllm import hook_points
+from commfold.vllm import runtime
+from commfold.config import Config
 
 log = logging.getLogger("commfold")
 
 PICK_PASSES = ("replicate_vocab_parallel", "local_argmax")
 PICK, TOP_TOKENS = "draft pick", "draft get_top_tokens"
 _BASE = "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer"
-# what vLLM's proposers must still say for each hook to be right (see vllm_hook_points)
+# what vLLM's proposers must still say for each hook to be right (see hook_points)
 HOOK_POINTS = {
     PICK: ((f"{_BASE}._greedy_sample",
             "return self.model.compute_logits(hidden_states).argmax(dim=-1)"),),
@@ -78,7 +79,7 @@ def pick_config(config: Config) -> Config | None:
 def choose_pick(proposer, config: Config | None):
     """commfold's draft pick for `proposer` (a vLLM SpecDecodeBaseProposer), or None
     where vLLM's own pick runs (see the module docstring)."""
-    from .vllm_top_tokens import draft_top_tokens
+    from commfold.vllm.top_tokens import draft_top_tokens
 
     model = getattr(proposer, "model", None)
     if (config is None or getattr(proposer, "use_heterogeneous_vocab", False)
@@ -91,14 +92,14 @@ def choose_pick(proposer, config: Config | None):
 
 
 def states(config: Config, environ=os.environ, runner=None) -> list:
-    """The two hooks' states (vllm_runtime.HookState), installing nothing."""
+    """The two hooks' states (runtime.HookState), installing nothing."""
     off = None if pick_config(config) else \
         f"COMMFOLD_PASSES has none of {', '.join(PICK_PASSES)}"
-    runner = runner or vllm_runtime.runner_choice(environ)
+    runner = runner or runtime.runner_choice(environ)
     version = 2 if runner.version == 2 else 1
     points_of = HOOK_POINTS_V2 if version == 2 else HOOK_POINTS
-    return [vllm_runtime.gate(hook, off=off, environ=environ, runner=runner, version=version,
-                              missing=lambda points=points: vllm_hook_points.missing(points))
+    return [runtime.gate(hook, off=off, environ=environ, runner=runner, version=version,
+                              missing=lambda points=points: hook_points.missing(points))
             for hook, points in points_of.items()]
 
 
@@ -106,9 +107,9 @@ def hook_proposers(config: Config, environ=os.environ, runner=None) -> list:
     """Patch vLLM's draft proposers (idempotent): the greedy draft pick, and a
     get_top_tokens for drafters without one under use_local_argmax_reduction; each
     hook logs its line. Returns their states."""
-    from .vllm_top_tokens import install_get_top_tokens
+    from commfold.vllm.top_tokens import install_get_top_tokens
 
-    runner = runner or vllm_runtime.runner_choice(environ)
+    runner = runner or runtime.runner_choice(environ)
     pick, top_tokens = found = [s.log() for s in states(config, environ, runner)]
     chosen = pick_config(config)
     if runner.version == 2:
@@ -152,7 +153,7 @@ def _hook_v2_speculator(chosen: Config | None, pick: bool, top_tokens: bool) -> 
     and get_top_tokens installed before its use_local_argmax_reduction check."""
     from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator as spec
 
-    from .vllm_top_tokens import install_get_top_tokens
+    from commfold.vllm.top_tokens import install_get_top_tokens
 
     original_sample = spec.__dict__.get("sample_draft")
     base_logits = spec.__dict__.get("compute_draft_logits")

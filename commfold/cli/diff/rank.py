@@ -10,8 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from .render import render, unified
-from .target import Target
+from commfold.cli.diff.render import render, unified
+from commfold.cli.diff.target import Target
 
 
 class Recorder:

@@ -2,7 +2,7 @@
 
 It prints the installed vLLM and torch, the model runner vLLM's workers will build,
 and one row per hook - on or off and why - computed by the same functions whose
-lines the plugin logs at load (commfold.vllm_plugin.hook_states). Nothing is
+lines the plugin logs at load (commfold.vllm.plugin.hook_states). Nothing is
 installed, no engine starts, no device is initialized (vLLM is imported, as its
 workers import it). COMMFOLD_VLLM unset reads as set (what `COMMFOLD_VLLM=1` would
 give), and the table says so. Always exit 0: a missing or broken vLLM is an answer.
@@ -27,23 +27,24 @@ def report(environ: dict) -> list[str]:
     try:
         import vllm  # noqa: F401  (what a vLLM worker imports first)
 
-        from . import vllm_plugin, vllm_runtime
+        from commfold.vllm import plugin
+        from commfold.vllm import runtime
     except Exception as e:  # absent, or broken for this torch
         return lines + [f"vLLM: not usable here ({type(e).__name__}: {e}); the runtime "
                         "hooks need vLLM, the torch.compile passes do not"]
-    found = vllm_runtime.installed_vllm()
-    note = vllm_runtime.untested(found)
+    found = runtime.installed_vllm()
+    note = runtime.untested(found)
     lines.append(f"vLLM {' '.join(found) if found else '(no package metadata)'}: "
                  + (note or "tested") + _torch_pin(found, torch.__version__))
-    runner = vllm_runtime.runner_choice(environ)
-    name = {1: vllm_runtime.V1_RUNNER, 2: vllm_runtime.V2_RUNNER}.get(runner.version, "?")
+    runner = runtime.runner_choice(environ)
+    name = {1: runtime.V1_RUNNER, 2: runtime.V2_RUNNER}.get(runner.version, "?")
     lines.append(f"model runner: V{runner.version or '?'} {name} ({runner.why})")
-    if not vllm_plugin.enabled(environ):
-        environ = dict(environ, **{vllm_plugin.ENV_ON: "1"})
-        lines.append(f"{vllm_plugin.ENV_ON} is unset here: the table shows {vllm_plugin.ENV_ON}=1")
+    if not plugin.enabled(environ):
+        environ = dict(environ, **{plugin.ENV_ON: "1"})
+        lines.append(f"{plugin.ENV_ON} is unset here: the table shows {plugin.ENV_ON}=1")
     try:
-        states = vllm_plugin.hook_states(environ, runner)
-    except vllm_plugin.EnvError as e:
+        states = plugin.hook_states(environ, runner)
+    except plugin.EnvError as e:
         return lines + [str(e)]
     width = max(len(s.hook) for s in states)
     lines.append(f"{'hook':<{width}}  on   reason")

@@ -6,11 +6,11 @@
 2. ``COMMFOLD_VLLM=1 vllm serve ... -tp N``: ``register()``, the vLLM general plugin
    (entry point group ``vllm.general_plugins``), adds the pass to every VllmConfig
    (composed with a post-grad pass already there) and hooks the speculative drafter
-   (commfold.vllm_draft): its greedy pick without a full-vocab gather, and a
+   (commfold.vllm.draft): its greedy pick without a full-vocab gather, and a
    ``get_top_tokens`` for drafters that lack one; and the target's pick
-   (commfold.vllm_target_pick on the V1 runner, vllm_target_pick_v2 on V2). Every hook
+   (commfold.vllm.target_pick on the V1 runner, target_pick_v2 on V2). Every hook
    logs one line at load, on or off and why
-   (the table `commfold doctor` prints; commfold.vllm_runtime).
+   (the table `commfold doctor` prints; commfold.vllm.runtime).
 
 Options come from the environment, read when the pass is first used (its uuid() or a
 run; vLLM asks for the uuid when it builds its config, before it pickles the pass into
@@ -19,7 +19,7 @@ COMMFOLD_REPLICATE_MAX_BYTES. Importing this module reads no environment and can
 fail on a bad value; the first use raises one line that says what to set.
 COMMFOLD_REPORT_DIR makes every process (each rank) write its reports there as JSON;
 COMMFOLD_COMM_LOG_DIR makes every worker rank log the collectives of each engine step
-(commfold.vllm_comm_log; with or without COMMFOLD_VLLM).
+(commfold.vllm.step_log; with or without COMMFOLD_VLLM).
 
 Caches: vLLM keys its compile cache and Inductor its FX graph cache on the pass's
 ``uuid()`` (commfold's code hash + config) only if vLLM takes the pass as its own
@@ -35,11 +35,14 @@ import copy
 import os
 import sys
 
-from . import (vllm_comm_log, vllm_draft, vllm_runtime, vllm_target_pick,
-               vllm_target_pick_v2)
-from .config import ALL_PASSES, Config, unknown_passes
-from .manager import CommfoldPass
-from .vllm_runtime import HookState
+from commfold.vllm import step_log
+from commfold.vllm import draft
+from commfold.vllm import runtime
+from commfold.vllm import target_pick
+from commfold.vllm import target_pick_v2
+from commfold.config import ALL_PASSES, Config, unknown_passes
+from commfold.manager import CommfoldPass
+from commfold.vllm.runtime import HookState
 
 ENV_ON = "COMMFOLD_VLLM"
 ENV_PASSES = "COMMFOLD_PASSES"
@@ -47,7 +50,7 @@ ENV_REPLICATE = "COMMFOLD_REPLICATE_MAX_BYTES"
 PASS_KEY = "post_grad_custom_post_pass"
 _INDUCTOR_PASS_MODULE = "vllm.compilation.passes.inductor_pass"
 PASSES_HOOK = "graph passes"
-_runner: vllm_runtime.Runner | None = None  # the runner the hooks assumed at register()
+_runner: runtime.Runner | None = None  # the runner the hooks assumed at register()
 
 
 def enabled(environ=os.environ) -> bool:
@@ -125,7 +128,7 @@ def configure(vllm_config) -> None:
     elif enabled():
         compile_config[PASS_KEY] = VllmCommfoldPass(then=current)  # options: environment
     if enabled() and _runner is not None:
-        vllm_runtime.confirm_runner(vllm_config, _runner)
+        runtime.confirm_runner(vllm_config, _runner)
 
 
 def register() -> None:
@@ -137,12 +140,12 @@ def register() -> None:
     importlib.import_module(_INDUCTOR_PASS_MODULE)
     register_inductor_pass()
     _hook_vllm_config()
-    _runner = vllm_runtime.runner_choice()
+    _runner = runtime.runner_choice()
     passes_state().log()
-    vllm_comm_log.install(runner=_runner)  # only with COMMFOLD_COMM_LOG_DIR set
+    step_log.install(runner=_runner)  # only with COMMFOLD_COMM_LOG_DIR set
     if enabled():
-        vllm_draft.hook_proposers(config_from_env(), runner=_runner)
-        target_pick(_runner).install(runner=_runner)  # COMMFOLD_TARGET_PICK=0: off
+        draft.hook_proposers(config_from_env(), runner=_runner)
+        target_pick_hook(_runner).install(runner=_runner)  # COMMFOLD_TARGET_PICK=0: off
     else:
         for state in _unwanted():
             state.log()
@@ -158,22 +161,22 @@ def passes_state(environ=os.environ) -> HookState:
 
 def _unwanted() -> list[HookState]:
     return [HookState(hook, False, f"{ENV_ON} unset")
-            for hook in (*vllm_draft.HOOK_POINTS, vllm_target_pick.HOOK)]
+            for hook in (*draft.HOOK_POINTS, target_pick.HOOK)]
 
 
 def hook_states(environ=os.environ, runner=None) -> list[HookState]:
     """Every hook's state in `environ`, installing nothing: what register() logs."""
-    runner = runner or vllm_runtime.runner_choice(environ)
-    states = [passes_state(environ), vllm_comm_log.state(environ, runner)]
+    runner = runner or runtime.runner_choice(environ)
+    states = [passes_state(environ), step_log.state(environ, runner)]
     if not enabled(environ):
         return states + _unwanted()
-    return states + vllm_draft.states(config_from_env(environ), environ, runner) \
-        + [target_pick(runner).state(environ, runner)]
+    return states + draft.states(config_from_env(environ), environ, runner) \
+        + [target_pick_hook(runner).state(environ, runner)]
 
 
-def target_pick(runner: vllm_runtime.Runner):
+def target_pick_hook(runner: runtime.Runner):
     """The target-pick hook of the runner vLLM will build (one row either way)."""
-    return vllm_target_pick_v2 if runner.version == 2 else vllm_target_pick
+    return target_pick_v2 if runner.version == 2 else target_pick
 
 
 def _hook_vllm_config() -> None:

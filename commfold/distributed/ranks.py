@@ -19,7 +19,7 @@ this process's environment is the one that server started with: import-time sett
 no forkserver, ranks are spawned as before; ``RankPool.spawn_reason`` says why (also
 logged at INFO), and ``environment_kept()`` keeps a passing change from costing that.
 
-Ranks that compile the same graph lower it once between them (commfold.compile_once:
+Ranks that compile the same graph lower it once between them (commfold.distributed.compile_once:
 the first holds a lock on the graph's FX cache key, the others then load its result
 from Inductor's cache): a 4-rank test of the fused norm went from 134 to 71 CPU-seconds
 on 2 cores. ``compile_once=False`` keeps every rank lowering its own.
@@ -154,7 +154,7 @@ def _worker(rank, world_size, port, tasks, results, threads, compile_once, stder
 
     torch.set_num_threads(threads)
     if compile_once:
-        from commfold.compile_once import install
+        from commfold.distributed.compile_once import install
 
         install()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -231,7 +231,7 @@ class RankPool:
     every rank (fn must be importable: a module-level function) and returns the ranks'
     return values in rank order. With `compile_once` (the default) the ranks lower a
     graph they all compile once between them, through Inductor's FX graph cache
-    (commfold.compile_once); False: every rank lowers its own. ``spawn=True`` starts
+    (commfold.distributed.compile_once); False: every rank lowers its own. ``spawn=True`` starts
     every rank in a fresh interpreter, never forked: for ranks that use a CUDA GPU, whose
     driver must not have been touched before a fork (by imports the forkserver made).
     ``env`` (with spawn=True): variables the spawned ranks start with, set in this

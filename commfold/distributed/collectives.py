@@ -110,13 +110,9 @@ def _c10d_group(name: str):
 
 @cache
 def _vllm_group(name: str):
-    from vllm.distributed.parallel_state import _groups
+    from commfold.vllm.groups import group_named
 
-    ref = _groups.get(name)
-    group = ref() if ref is not None else None
-    if group is None:
-        raise RuntimeError(f"commfold: vLLM group {name!r} is not initialized in this process")
-    return group
+    return group_named(name)
 
 
 # shm_all_gather copies bytes but only accepts these dtypes: others travel bit-cast.
@@ -134,11 +130,6 @@ def _shm_all_gather(handle: int, x: torch.Tensor, world: int) -> torch.Tensor:
 def _vllm_shm_group(handle: int):
     """The vLLM GroupCoordinator whose CPU shared-memory communicator owns `handle`
     (handles are per process, so the lookup is not cached across group re-creation)."""
-    from vllm.distributed.parallel_state import _groups
+    from commfold.vllm.groups import group_of_shm_handle
 
-    for ref in list(_groups.values()):
-        group = ref()
-        shm = getattr(getattr(group, "device_communicator", None), "dist_module", None)
-        if getattr(shm, "handle", None) == handle:
-            return group
-    raise RuntimeError(f"commfold: no vLLM group owns shared-memory handle {handle} here")
+    return group_of_shm_handle(handle)

@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 import torch
 
-from .backend import backend
-from .config import Config
+from commfold.backend import backend
+from commfold.config import Config
 
 log = logging.getLogger("commfold")
 

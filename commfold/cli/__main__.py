@@ -1,0 +1,6 @@
+"""`python -m commfold.cli ...`: the `commfold` command."""
+import sys
+
+from commfold.cli import main
+
+sys.exit(main())
