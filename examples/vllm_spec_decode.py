@@ -146,7 +146,7 @@ def check(out: Path, results: dict) -> list[tuple[str, bool, str]]:
                        verify and all(s.in_phase("logits").vocab_gathers(WIDE_ROW)
                                       for s in verify), len(verify))
                 continue
-            if variant.startswith("commfold"):  # the target's own pick (#18): local verify
+            if variant.startswith("commfold"):  # the target's own pick: local verify
                 expect(f"{method}/{variant}: target verify picked locally, no vocab gather",
                        verify and not target_pick_problems(logs, WIDE_ROW),
                        target_pick_problems(logs, WIDE_ROW))

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import functools
 import os
-from contextlib import contextmanager
 from pathlib import Path
+
+from commfold.distributed.ranks import environment
 
 ISA_OK = "TORCHINDUCTOR_VEC_ISA_OK"
 
@@ -92,25 +93,9 @@ def share_modelinfos(cache_root: str | os.PathLike | None = None) -> None:
         pass
 
 
-@contextmanager
-def environ(env: dict[str, str]):
-    """os.environ plus `env` (an empty value unsets a variable) inside the block: one
-    process can start engines with commfold off, then on (each engine's workers
-    read the environment when they start)."""
-    saved = {k: os.environ.get(k) for k in env}
-    for k, v in env.items():
-        if v:
-            os.environ[k] = v
-        else:
-            os.environ.pop(k, None)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+# os.environ plus `env` (an empty value unsets a variable) inside a block: one process
+# can start engines with commfold off, then on (workers read the environment at start)
+environ = environment
 
 
 def pause_target_pick(worker, paused: bool) -> bool:

@@ -33,7 +33,7 @@ from commfold.fx.nodes import nbytes, numel_times, tensor_val
 from commfold.fx.edit import erase_if_dead, insert_call, replace_items, replay
 from commfold.ops import scan_chain
 from commfold.ops.local_argmax import SUPPORTED_DTYPES
-from commfold.patterns.gather import gather_candidates, match_vocab_gather
+from commfold.patterns.gather import after_vocab_gather, gather_candidates
 from commfold.patterns.greedy import GreedyPick, match_greedy
 from commfold.patterns.scan_chain import chain_steps
 from commfold.report import Comm
@@ -42,17 +42,12 @@ PATTERN = "all_gather->argmax"
 
 
 def run(ctx: PassContext) -> None:
-    for pick in ctx.matches(PATTERN, gather_candidates(ctx.graph), _greedy_pick):
+    for pick in ctx.matches(PATTERN, gather_candidates(ctx.graph),
+                           after_vocab_gather(match_greedy)):
         if tensor_val(pick.pick.args[0]).dtype not in SUPPORTED_DTYPES:
             ctx.skipped(PATTERN, pick.pick, "logits dtype not supported")
             continue
         rewrite_pick(ctx, pick)
-
-
-def _greedy_pick(coll):
-    gather = match_vocab_gather(coll)
-    # a gather on another dim is not a vocab gather: nothing to note
-    return match_greedy(gather) if gather else None
 
 
 def rewrite_pick(ctx: PassContext, m: GreedyPick, before: Comm | None = None) -> None:

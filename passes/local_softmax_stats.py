@@ -40,7 +40,7 @@ from commfold.context import PassContext
 from commfold.fx.nodes import arg, is_call, nbytes, numel_times, tensor_val
 from commfold.fx.edit import erase_if_dead, insert_call, replace_items
 from commfold.patterns.common import FLOAT_DTYPES, aten
-from commfold.patterns.gather import gather_candidates, match_vocab_gather
+from commfold.patterns.gather import after_vocab_gather, gather_candidates
 from commfold.patterns.greedy import GreedyPick
 from commfold.patterns.softmax_stats import (Greedy, RowReads, SoftmaxStats, exact_widening,
                                              match_row_reads)
@@ -53,7 +53,8 @@ PATTERN = "all_gather->softmax_stats"
 
 def run(ctx: PassContext) -> None:
     changed = False
-    for reads in ctx.matches(PATTERN, gather_candidates(ctx.graph), _row_reads):
+    for reads in ctx.matches(PATTERN, gather_candidates(ctx.graph),
+                           after_vocab_gather(match_row_reads)):
         bad = [s for s in reads.stats if tensor_val(s.base).dtype not in FLOAT_DTYPES]
         if bad:
             ctx.skipped(PATTERN, bad[0].amax, "softmax over non-floating logits")
@@ -62,11 +63,6 @@ def run(ctx: PassContext) -> None:
         changed = True
     if changed:  # the op sits before the amax; a chosen index may be computed later
         stable_topological_sort(ctx.graph)
-
-
-def _row_reads(coll):
-    gather = match_vocab_gather(coll)
-    return match_row_reads(gather) if gather else None
 
 
 def _rewrite(ctx: PassContext, m: RowReads) -> None:

@@ -32,7 +32,7 @@ from commfold.context import PassContext
 from commfold.fx.nodes import nbytes, numel_times, tensor_val
 from commfold.fx.edit import erase_if_dead, insert_call
 from commfold.ops.local_topk import SUPPORTED_DTYPES
-from commfold.patterns.gather import gather_candidates, match_vocab_gather
+from commfold.patterns.gather import after_vocab_gather, gather_candidates
 from commfold.patterns.topk import TopK, match_topk
 from commfold.report import Comm
 
@@ -42,17 +42,13 @@ PATTERN = "all_gather->topk"
 
 
 def run(ctx: PassContext) -> None:
-    for m in ctx.matches(PATTERN, gather_candidates(ctx.graph), _topk_pick):
+    for m in ctx.matches(PATTERN, gather_candidates(ctx.graph),
+                           after_vocab_gather(match_topk)):
         if tensor_val(m.reader.args[0]).dtype not in SUPPORTED_DTYPES:
             ctx.skipped(PATTERN, m.reader, "logits dtype not supported (float64: "
                                            "no room for an index in a 64-bit key)")
             continue
         _rewrite(ctx, m)
-
-
-def _topk_pick(coll):
-    gather = match_vocab_gather(coll)
-    return match_topk(gather) if gather else None
 
 
 def _rewrite(ctx: PassContext, m: TopK) -> None:

@@ -159,3 +159,12 @@ def _match_reshape_permute(coll, waits, shard, view, world, comm, rank) -> Vocab
     if not same_shape(nxt, shape[:-1] + [world * shape[-1]]):
         return Miss("rank and vocab dims are not merged into one vocab dim", coll)
     return VocabGather(shard, nxt, world, comm, coll, tuple(waits))
+
+
+def after_vocab_gather(match):
+    """coll -> match(its VocabGather), for the passes that read what a vocab gather
+    feeds; None where coll is no vocab gather (one on another dim: nothing to note)."""
+    def matcher(coll: fx.Node):
+        gather = match_vocab_gather(coll)
+        return match(gather) if gather else None
+    return matcher

@@ -20,7 +20,7 @@ suite's dearest seconds (each pair ~4 CPU-minutes on 2 cores), and the default r
 two are test_vllm_spec_decode.py's (the plugin in a live engine: the drafter's
 rewrites, the target's greedy verify picked locally, every step's collectives); this
 module is opt-in: COMMFOLD_VLLM_ALL_CASES=1 runs Llama bf16 through the plugin, which
-also carries the target pick's mixed / logprobs / prompt-logprobs batches (#18; the
+also carries the target pick's mixed / logprobs / prompt-logprobs batches (the
 pick itself is checked against vLLM's Sampler on ranks by test_vllm_target_pick.py in
 every run), and Qwen3 fp32 through the named pass, with and without vLLM's IR ops.
 """
@@ -53,7 +53,7 @@ VOCAB_SHARD = 512  # vocab 1000, padded to a multiple of 64 x TP: 1024 rows, 512
 CASES = {}
 # Cases whose runs also generate SAMPLING_BATCHES (a mixed batch: greedy + seeded
 # temperature sampling + a penalty; greedy with logprobs=5 and prompt_logprobs=3):
-# commfold's target pick (#18) takes the steps that qualify, vLLM the others.
+# commfold's target pick takes the steps that qualify, vLLM the others.
 SAMPLING_CASES = {"llama-bf16-plugin"}
 # In the default run the replicated embedding (2L fusions) and the bf16 plugin route
 # are test_vllm_spec_decode's (its target and drafters); vLLM's IR ops are tested on

@@ -123,7 +123,7 @@ def test_no_full_vocab_gather_while_drafting(spec_run, method):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_target_verify_picked_locally(spec_run, method):
-    """#18 under speculative decoding: with commfold every verify step is the target's
+    """The target pick under speculative decoding: with commfold every verify step is the target's
     local argmax at each draft position (no vocab-wide gather of its logits), then
     vLLM's accept/reject (identical acceptance: above); without commfold each verify
     step gathers the target's logits rows."""

@@ -113,7 +113,7 @@ def engine_greedy_tokens(model: str, dtype: str, commfold_route: str | None,
     return out
 
 
-# Batches whose steps take vLLM's sampler path or commfold's target pick (#18), each
+# Batches whose steps take vLLM's sampler path or commfold's target pick, each
 # generated in one call so its requests share every step: (prompt, sampling params).
 SAMPLING_BATCHES = {
     # greedy + seeded temperature sampling + a repetition penalty: the whole row needed

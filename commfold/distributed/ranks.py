@@ -19,10 +19,10 @@ this process's environment is the one that server started with: import-time sett
 no forkserver, ranks are spawned as before; ``RankPool.spawn_reason`` says why (also
 logged at INFO), and ``environment_kept()`` keeps a passing change from costing that.
 
-Ranks that compile the same graph lower it once between them (commfold.distributed.compile_once:
-the first holds a lock on the graph's FX cache key, the others then load its result
-from Inductor's cache): a 4-rank test of the fused norm went from 134 to 71 CPU-seconds
-on 2 cores. ``compile_once=False`` keeps every rank lowering its own.
+Ranks that compile the same graph lower it once between them
+(commfold.distributed.compile_once: the first holds a lock on the graph's FX cache key,
+the others then load its result from Inductor's cache), about half the CPU time of a
+multi-rank compile. ``compile_once=False`` keeps every rank lowering its own.
 """
 from __future__ import annotations
 
@@ -255,16 +255,8 @@ class RankPool:
         threads = threads or max(1, (os.cpu_count() or 1) // world_size)
         port = free_port()
         self._procs, self._stderr = [], []
-        saved = {k: os.environ.get(k) for k in env or {}}
-        os.environ.update(env or {})
-        try:
+        with environment(env or {}):
             self._start(ctx, world_size, port, threads, compile_once)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         self._calls = 0
 
     def _start(self, ctx, world_size, port, threads, compile_once):
@@ -357,3 +349,23 @@ def run_on_ranks(fn, world_size: int, *args, timeout: float = 300.0, compile_onc
     """Start world_size gloo ranks, run fn(*args, **kwargs) on each, stop them."""
     with RankPool(world_size, timeout=timeout, compile_once=compile_once) as pool:
         return pool.run(fn, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def environment(env: dict[str, str]):
+    """os.environ with `env` set (an empty value unsets the variable) inside the
+    block, as it was after."""
+    saved = {k: os.environ.get(k) for k in env}
+    for k, v in env.items():
+        if v:
+            os.environ[k] = v
+        else:
+            os.environ.pop(k, None)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
