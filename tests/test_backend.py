@@ -92,3 +92,21 @@ def cache_never_serves_another_config() -> list:
 def test_cache_never_serves_another_config(ranks2):
     for res in ranks2.run(cache_never_serves_another_config):
         assert res == [(5 * 2, 1, True), (5 * 48, 0, True), (5 * 2, 1, True)]
+
+
+def test_many_token_picks_in_one_process_all_compile():
+    """Dynamo stops compiling a code object after its recompile limit and runs it
+    eagerly (a pick would gather again, silently): each pick built by
+    commfold.vllm.top_tokens has a code object of its own, so a process holding more
+    picks than the limit (drafters, test suites) compiles every one with commfold."""
+    from commfold.report import clear_reports, reports
+    from commfold.vllm.top_tokens import top_tokens_fn
+
+    limit = torch._dynamo.config.recompile_limit
+    clear_reports()
+    for i in range(limit + 3):
+        head = torch.nn.Linear(4, 7 + i)
+        pick = top_tokens_fn(lambda h, head=head: head(h))
+        x = torch.randn(3, 4)
+        assert torch.equal(pick(x), head(x).argmax(-1))
+    assert len(reports()) >= limit + 3  # one commfold compile per pick

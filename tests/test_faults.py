@@ -42,7 +42,7 @@ ROUNDS = {
     "recognizers (a)": [("commfold.passes.local_argmax", "match_greedy", 1),
                         ("commfold.passes.fuse_allreduce_rmsnorm", "match_allreduce", 1),
                         ("commfold.passes.replicate_vocab_parallel", "match_embedding", 1)],
-    "recognizers (b)": [("commfold.passes.local_argmax", "match_vocab_gather", 1),
+    "recognizers (b)": [("commfold.passes.local_argmax", "after_vocab_gather", 1),
                         ("commfold.passes.fuse_allreduce_rmsnorm", "match_rmsnorm", 1),
                         ("commfold.passes.replicate_vocab_parallel", "match_lm_head", 1)],
     # only one pass faults: the others' rewrites stay

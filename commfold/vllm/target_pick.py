@@ -30,8 +30,9 @@ go through local_logprobs too, per request, as vLLM computes them.
 How: ``execute_model`` marks the step; the runner model's ``compute_logits`` (its
 own code, with the logits processor's gather turned into the identity) returns this
 rank's shard of the logits [rows, vocab shard] when the step qualifies; ``_sample``
-recognizes that shard and picks locally. The hook acts on the V1 model runner only;
-at install it logs one line, on or off and why (Model Runner V2; vLLM's code moved
+recognizes that shard and picks locally. This is the V1 model runner's hook (Model
+Runner V2's is commfold.vllm.target_pick_v2: the plugin installs the one of the runner
+vLLM will build); at install it logs one line, on or off and why (vLLM's code moved
 under the hook - the calls it relies on, checked by their source text;
 commfold.vllm.runtime). COMMFOLD_TARGET_PICK=0 turns only this hook off; ``pause()``
 switches it off and on at run time in a worker (through ``LLM.collective_rpc``), to

@@ -16,6 +16,7 @@ imports vLLM.
 from __future__ import annotations
 
 import logging
+import types
 from collections.abc import Callable
 
 import torch
@@ -26,6 +27,7 @@ from commfold.config import Config
 log = logging.getLogger("commfold")
 
 LOCAL_ARGMAX = Config(passes=("local_argmax",))
+_picks = 0  # picks built in this process
 
 
 def top_tokens_fn(compute_logits: Callable[[torch.Tensor], torch.Tensor],
@@ -40,6 +42,15 @@ def top_tokens_fn(compute_logits: Callable[[torch.Tensor], torch.Tensor],
     def greedy(hidden: torch.Tensor):
         logits = compute_logits(hidden)
         return tuple(logits.max(dim=-1)) if values else logits.argmax(dim=-1)
+
+    # Dynamo keeps compiled code per code object and stops compiling one after its
+    # recompile limit (then runs it eagerly: the gather back, silently): every pick
+    # gets a code object of its own, so one process may hold many (drafters, tests)
+    global _picks
+    _picks += 1
+    greedy = types.FunctionType(greedy.__code__.replace(co_name=f"greedy_{_picks}"),
+                                greedy.__globals__, greedy.__name__, greedy.__defaults__,
+                                greedy.__closure__)
 
     # A pick runs once per draft token, so its fixed cost counts at batch 1. Guards:
     # those on the hidden states stay (shape, dtype, device); those on the LM head's
