@@ -31,7 +31,7 @@ import torch
 from commfold.context import PassContext
 from commfold.fx.nodes import nbytes, numel_times, tensor_val
 from commfold.fx.edit import erase_if_dead, insert_call, replace_items, replay
-from commfold.ops import scan_chain
+from commfold.ops import chain_encoding
 from commfold.ops.local_argmax import SUPPORTED_DTYPES
 from commfold.patterns.gather import after_vocab_gather, gather_candidates
 from commfold.patterns.greedy import GreedyPick, match_greedy
@@ -82,7 +82,7 @@ def shard_and_chain(graph, shard, ops, memo=None) -> tuple:
     steps = chain_steps(ops)
     if steps == []:  # nothing but copies
         return shard, ()
-    chain = scan_chain.for_shard(tensor_val(shard), steps)
+    chain = chain_encoding.for_shard(tensor_val(shard), steps)
     if chain is not None:
         return shard, (chain,)
     return replay(graph, shard, ops, memo), ()

@@ -1,5 +1,5 @@
 """Elementwise ops between a gathered row and its reader, spelled as the steps a local
-selection op can evaluate itself (commfold.ops.scan_chain encodes them): multiply,
+selection op can evaluate itself (commfold.ops.chain_encoding encodes them): multiply,
 divide, add or subtract a Python number, tanh, float casts, clones. The caller
 replays anything else on the shard as graph ops."""
 from __future__ import annotations

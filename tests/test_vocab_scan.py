@@ -14,7 +14,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from commfold.ops import scan_chain as sc
+from commfold.ops import chain_encoding as sc
 from commfold.ops import vocab_scan
 from logit_cases import DTYPES, with_special
 

@@ -37,7 +37,7 @@ def _close(a, b) -> bool:
 
 def _both_ways(cases):
     """Rank body: every op on every case, C++ then fallback; mismatches listed."""
-    from commfold.ops import scan_chain as sc, vocab_scan
+    from commfold.ops import chain_encoding as sc, vocab_scan
     from commfold.ops.local_argmax import local_argmax
     from commfold.ops.local_topk import local_topk
     from commfold.ops.softmax_stats import softmax_stats

@@ -8,7 +8,7 @@ NaN included (a NaN is the maximum; the first NaN wins). Values travel bit-cast
 inside an int64 pair with their index: one collective, no float round trip of
 indices.
 
-``chain`` (commfold.ops.scan_chain) is an elementwise chain - scale, temperature,
+``chain`` (commfold.ops.chain_encoding) is an elementwise chain - scale, temperature,
 soft-cap - applied to each logit before it is compared, so the shard is read once
 (no scaled copy); the value returned is the chain's, in its output dtype.
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from commfold.distributed.collectives import communicator
-from commfold.ops import scan_chain, vocab_scan
+from commfold.ops import chain_encoding, vocab_scan
 from commfold.ops.vocab_slice import local_width
 
 _BITS = {torch.float32: torch.int32, torch.float16: torch.int16,
@@ -57,15 +57,15 @@ def local_argmax_eager(shard, valid_vocab, comm, keepdim=False, chain=None):
     if total == 0:
         raise RuntimeError("commfold.local_argmax: argmax over an empty vocab slice "
                            "(the original program's argmax raises here too)")
-    out = scan_chain.out_dtype(chain, shard.dtype)
+    out = chain_encoding.out_dtype(chain, shard.dtype)
     lead = shard.shape[:-1]
     rows = shard.reshape(-1, vs)
     if n_local > 0 and rows.shape[0] > 0:
         cols = rows[:, :n_local]
         if chain:
-            seen = scan_chain.apply(cols, chain)
+            seen = chain_encoding.apply(cols, chain)
             _, index = seen.max(dim=-1)
-            value = scan_chain.stored(seen.gather(-1, index[:, None]).squeeze(-1), out)
+            value = chain_encoding.stored(seen.gather(-1, index[:, None]).squeeze(-1), out)
         else:
             value, index = cols.max(dim=-1)
     else:  # this rank holds only padding: never chosen over a real column
@@ -85,7 +85,7 @@ def local_argmax_eager(shard, valid_vocab, comm, keepdim=False, chain=None):
 
 def _fake(shard, valid_vocab, comm, keepdim=False, chain=None):
     shape = list(shard.shape[:-1]) + ([1] if keepdim else [])
-    return (shard.new_empty(shape, dtype=scan_chain.out_dtype(chain, shard.dtype)),
+    return (shard.new_empty(shape, dtype=chain_encoding.out_dtype(chain, shard.dtype)),
             shard.new_empty(shape, dtype=torch.int64))
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from commfold.distributed.collectives import communicator
-from commfold.ops import scan_chain, vocab_scan
+from commfold.ops import chain_encoding, vocab_scan
 from commfold.ops.vocab_slice import local_width
 
 _BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
@@ -101,7 +101,7 @@ def local_topk_eager(shard, valid_vocab, comm, k, chain=None):
     if not 0 <= k <= total:  # every rank sees the same total: all raise, none gathers
         raise RuntimeError("commfold.local_topk: selected index k out of range "
                            "(the original program's topk raises here too)")
-    out = scan_chain.out_dtype(chain, shard.dtype)
+    out = chain_encoding.out_dtype(chain, shard.dtype)
     lead = shard.shape[:-1]
     rows = shard.reshape(-1, vs)
     pack = torch.full((rows.shape[0], k, 2), _NONE, dtype=torch.int64, device=shard.device)
@@ -109,7 +109,7 @@ def local_topk_eager(shard, valid_vocab, comm, k, chain=None):
     if take > 0:
         cols = rows[:, :n_local]
         if chain:  # topk compares the chain's values as stored in its dtype
-            cols = scan_chain.stored(scan_chain.apply(cols, chain), out)
+            cols = chain_encoding.stored(chain_encoding.apply(cols, chain), out)
         keys, values = _local_top(cols, take, rank * vs)
         pack[:, :take, 0] = keys
         pack[:, :take, 1] = values.view(_BITS[out]).to(torch.int64)
@@ -125,7 +125,7 @@ def local_topk_eager(shard, valid_vocab, comm, k, chain=None):
 
 def _fake(shard, valid_vocab, comm, k, chain=None):
     shape = list(shard.shape[:-1]) + [k]
-    return (shard.new_empty(shape, dtype=scan_chain.out_dtype(chain, shard.dtype)),
+    return (shard.new_empty(shape, dtype=chain_encoding.out_dtype(chain, shard.dtype)),
             shard.new_empty(shape, dtype=torch.int64))
 
 

@@ -27,7 +27,7 @@ commfold::softmax_stats is the whole thing in one op - the local statistics too 
 the rank's logits are read once: on CPU a C++ one-pass scan (commfold.ops.vocab_scan:
 per block the maximum, then sum(exp(x - max)) in float64 from L1, the partial sum
 rescaled when the maximum rises), the gather and the combine in C++; elsewhere the
-torch implementation below. ``chain`` (commfold.ops.scan_chain) is applied to each
+torch implementation below. ``chain`` (commfold.ops.chain_encoding) is applied to each
 logit first (a widening cast, a scale), without a materialized copy. valid_columns and
 softmax_combine (the two-step form, statistics as graph ops) remain for callers.
 """
@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from commfold.distributed.collectives import communicator
-from commfold.ops import scan_chain, vocab_scan
+from commfold.ops import chain_encoding, vocab_scan
 from commfold.ops.vocab_slice import local_width, slice_end
 
 
@@ -97,10 +97,10 @@ def softmax_stats_eager(x, picks, valid_vocab, comm, finite_shift, argmax, chain
     vocab_scan.note_communicator(c)
     vs = x.shape[-1]
     total, n_local = local_width(valid_vocab, c.world_size(), c.rank(), vs)
-    out = scan_chain.out_dtype(chain, x.dtype)
+    out = chain_encoding.out_dtype(chain, x.dtype)
     rows = x.reshape(-1, vs)
     cols = rows[:, :n_local]
-    seen = scan_chain.apply(cols, chain) if chain else cols  # the compared values
+    seen = chain_encoding.apply(cols, chain) if chain else cols  # the compared values
     n = rows.shape[0]
     if n_local > 0:
         wide = seen if seen.dtype in (torch.float32, torch.float64) else seen.float()
@@ -114,7 +114,7 @@ def softmax_stats_eager(x, picks, valid_vocab, comm, finite_shift, argmax, chain
         top = torch.full((n,), float("-inf"), dtype=torch.float64, device=x.device)
         s = torch.zeros((n,), dtype=torch.float64, device=x.device)
         first = torch.zeros((n,), dtype=torch.int64, device=x.device) if argmax else None
-    stored = scan_chain.stored(seen, out) if chain else rows
+    stored = chain_encoding.stored(seen, out) if chain else rows
     return _exchange(c, stored, vs, x.shape[:-1], out, top, s, first, picks, total,
                      finite_shift)
 
@@ -178,7 +178,7 @@ def _exchange(c, rows, vs: int, lead, dtype, m, s, first, picks, total: int,
 
 
 def _stats_fake(x, picks, valid_vocab, comm, finite_shift, argmax, chain=None):
-    dtype = scan_chain.out_dtype(chain, x.dtype)
+    dtype = chain_encoding.out_dtype(chain, x.dtype)
     lead = list(x.shape[:-1])
     stat = x.new_empty(lead + [1], dtype=dtype)
     index = x.new_empty(lead if argmax else [0], dtype=torch.int64)

@@ -63,17 +63,17 @@ def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
 
 def _inputs(c: dict, world: int, rank: int) -> dict:
     """A case's logits, this rank's shard and the full-row references (on CPU)."""
-    from commfold.ops import scan_chain
+    from commfold.ops import chain_encoding
 
     dtype = DTYPES[c["dtype"]]
     full, vocab = make_logits(dict(c, dtype=dtype), world)
-    chain = scan_chain.encode(CHAINS[c["chain"]], dtype)
-    out = scan_chain.out_dtype(chain, dtype)
-    seen = scan_chain.apply(full[:, :vocab], chain) if chain else full[:, :vocab]
+    chain = chain_encoding.encode(CHAINS[c["chain"]], dtype)
+    out = chain_encoding.out_dtype(chain, dtype)
+    seen = chain_encoding.apply(full[:, :vocab], chain) if chain else full[:, :vocab]
     value, index = seen.max(dim=-1)  # torch.argmax's rule
     return {"shard": shard_of(full, world, rank), "vocab": vocab, "chain": chain, "out": out,
-            "k": min(c["k"], vocab), "value": scan_chain.stored(value, out) if chain else value,
-            "index": index, "order": torch.sort(scan_chain.stored(seen, out) if chain else seen,
+            "k": min(c["k"], vocab), "value": chain_encoding.stored(value, out) if chain else value,
+            "index": index, "order": torch.sort(chain_encoding.stored(seen, out) if chain else seen,
                                                 dim=-1, descending=True, stable=True),
             "picks": torch.randint(0, vocab, (c["rows"], 2),
                                    generator=torch.Generator().manual_seed(c["seed"]))}

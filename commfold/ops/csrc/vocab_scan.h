@@ -20,7 +20,7 @@ using namespace simd;
 
 
 // ---------------------------------------------------------------------------------
-// Elementwise chains: [code, constant] pairs (commfold/ops/scan_chain.py writes them).
+// Elementwise chains: [code, constant] pairs (commfold/ops/chain_encoding.py writes them).
 enum Op { kMul = 1, kDiv = 2, kAdd = 3, kSub = 4, kTanh = 5, kCast = 6 };
 constexpr int kMaxChain = 16;
 struct Chain {

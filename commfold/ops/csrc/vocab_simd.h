@@ -27,7 +27,7 @@
 namespace commfold_scan {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
-enum Dt { F32 = 0, BF16 = 1, F16 = 2 };  // also the chain's cast codes (scan_chain.py)
+enum Dt { F32 = 0, BF16 = 1, F16 = 2 };  // also the chain's cast codes (chain_encoding.py)
 
 namespace simd {
 #if defined(CPU_CAPABILITY_AVX512)
