@@ -17,6 +17,7 @@ The result is the rank's served id ranges: ``[lo, hi) -> shard rows from row_sta
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +26,7 @@ import torch.fx as fx
 from commfold.fx.nodes import is_call, is_number, ndim, only_user, val
 
 from .allreduce import allreduce_candidates, match_allreduce
-from .common import Miss, aten, prims, vocab_slice_end
+from .common import AUTO_FUNCTIONALIZED, Miss, aten, prims, vocab_slice_end
 from .gather import VocabGather
 
 MAX_WINDOW = 1 << 23  # ids analysed densely per side (evaluated in 1M-id chunks)
@@ -241,6 +242,20 @@ def _served_ranges(leaf, idx, mask, keep_when: bool, shard_rows: int):
 
 # ------------------------------------------------------------------ LM head
 
+# vLLM CPU's matmuls on weights it packed for oneDNN at load (its LM head's too): the
+# graph holds a handle, not the weight
+_PACKED_MATMULS = ("_C::onednn_mm",)
+
+
+def _packed_matmul(node: fx.Node) -> bool:
+    """node reads the output of a functionalized matmul on a packed weight."""
+    if not (is_call(node, operator.getitem) and node.args
+            and is_call(node.args[0], *AUTO_FUNCTIONALIZED) and node.args[0].args):
+        return False
+    schema = getattr(node.args[0].args[0], "_schema", None)
+    return getattr(schema, "name", None) in _PACKED_MATMULS
+
+
 def match_lm_head(g: VocabGather) -> VocabParallelLMHead | Miss | None:
     """The matmul whose vocab-sharded logits g gathers and the slice after it; a Miss
     for an LM head this pass cannot take; None when no matmul made the logits."""
@@ -249,6 +264,9 @@ def match_lm_head(g: VocabGather) -> VocabParallelLMHead | Miss | None:
         reshape, logits = logits, logits.args[0]
     if is_call(logits, aten.addmm.default):
         return Miss("vocab-parallel LM head with a bias", logits)
+    if _packed_matmul(logits):
+        return Miss("LM head matmul on a packed weight (vLLM CPU's _C.onednn_mm): the weight "
+                    "is not in the graph to replicate", logits)
     if not is_call(logits, aten.mm.default):
         return None  # logits made some other way: not an LM head, nothing to note
     hidden, wt = logits.args

@@ -121,3 +121,14 @@ def vllm_shm_ops() -> None:
         import pytest
 
         pytest.skip("vLLM's kernel build here has no shm_allreduce")
+
+
+def require_vllm_kernels() -> None:
+    """Load vLLM's kernels the way vLLM does (current_platform.import_kernels: never
+    `import vllm._C`), for its other torch.ops._C ops; skip without vLLM (fail in CI)."""
+    from vllm_models import require_vllm
+
+    require_vllm()
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()

@@ -193,3 +193,21 @@ def test_lm_head_misses(group):
     w = placeholders(g)[1]
     w.meta["val"] = w.meta["val"].to(torch.float64)
     assert_miss(match_lm_head(gather), "LM head weight is not a 2-D tensor of the hidden dtype")
+
+
+def test_lm_head_on_a_packed_weight(group):
+    """vLLM CPU's LM head multiplies by a weight it packed for oneDNN at load
+    (``_C.onednn_mm`` with a handle): no weight in the graph, so no replication - and
+    the near-miss says why (vLLM's own kernels, loaded the way vLLM loads them)."""
+    from post_grad import require_vllm_kernels
+
+    require_vllm_kernels()
+
+    def logits(h, handle):
+        out = torch.empty(h.shape[0], VS)
+        torch.ops._C.onednn_mm(out, h, None, handle)
+        return out
+
+    _, m, _ = _head(group, logits, torch.randn(3, H), torch.zeros(1, dtype=torch.int64))
+    assert_miss(m, "LM head matmul on a packed weight (vLLM CPU's _C.onednn_mm): the weight "
+                   "is not in the graph to replicate")
