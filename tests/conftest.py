@@ -142,7 +142,8 @@ def pytest_sessionfinish(session, exitstatus):
 # one worker runs them all, in file order. Every other module is a group of its own,
 # so its module fixtures run once.
 VLLM_MODULES = {"test_cpu_portability", "test_fuse_vllm_shm", "test_fuse_vllm_spellings",
-                "test_vllm_draft_pick", "test_vllm_draft_pick_v2", "test_vllm_engine",
+                "test_vllm_draft_pick", "test_vllm_draft_pick_v2", "test_vllm_dspark_head",
+                "test_vllm_engine",
                 "test_vllm_hook_states",
                 "test_vllm_registration", "test_vllm_spec_decode", "test_vllm_target_pick",
                 "test_vllm_top_tokens"}

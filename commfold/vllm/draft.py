@@ -185,3 +185,27 @@ def _hook_v2_speculator(chosen: Config | None, pick: bool, top_tokens: bool) -> 
         _validate_local_argmax_reduction._commfold = True
         _validate_local_argmax_reduction.__wrapped__ = original_check
         spec._validate_local_argmax_reduction = _validate_local_argmax_reduction
+    if pick:
+        _hook_dspark(chosen)
+
+
+def _hook_dspark(chosen: Config | None) -> None:
+    """V2's DSpark speculator: a sharded Markov head replicated (commfold.vllm.eager_heads)."""
+    try:
+        from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
+    except ImportError as e:  # a vLLM without DSpark: nothing to hook
+        log.info("commfold: no DSpark speculator in this vLLM (%s)", e)
+        return
+    from .eager_heads import hook_markov_head
+
+    original = DSparkSpeculator.__dict__.get("load_draft_model")
+    if original is None or getattr(original, "_commfold", False) or chosen is None:
+        return
+
+    def load_draft_model(self, *args, _original=original, **kwargs):
+        model = _original(self, *args, **kwargs)
+        hook_markov_head(model, chosen)
+        return model
+
+    load_draft_model._commfold, load_draft_model.__wrapped__ = True, original
+    DSparkSpeculator.load_draft_model = load_draft_model
