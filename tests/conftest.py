@@ -140,10 +140,10 @@ def pytest_sessionfinish(session, exitstatus):
 # The vLLM modules share the vLLM rank pool, and their first test starts the
 # spec-decoding run that test_vllm_spec_decode.py reads (one SpecDecodeRun a worker):
 # one worker runs them all, in file order. Every other module is a group of its own,
-# so its module fixtures run once.
+# so its module fixtures run once (the V2 and DSpark modules among them, each with a
+# vLLM pool of its own: off the vLLM group's chain, the suite's longest).
 VLLM_MODULES = {"test_cpu_portability", "test_fuse_vllm_shm", "test_fuse_vllm_spellings",
-                "test_vllm_draft_pick", "test_vllm_draft_pick_v2", "test_vllm_dspark_head",
-                "test_vllm_engine",
+                "test_vllm_draft_pick", "test_vllm_engine",
                 "test_vllm_hook_states",
                 "test_vllm_registration", "test_vllm_spec_decode", "test_vllm_target_pick",
                 "test_vllm_top_tokens"}

@@ -71,7 +71,7 @@ def test_v2_pick_equals_v2s_sample(vllm_v2_ranks):
     _check(vllm_v2_ranks.run(step_cases, 2, CASES))
 
 
-@settings(max_examples=6, deadline=None, derandomize=True,
+@settings(max_examples=2, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(vocab=st.integers(1100, 2100), dtype=st.sampled_from(["float32", "bfloat16"]),
        drafts=st.lists(st.lists(st.integers(0, 1099), max_size=3), min_size=1, max_size=5),
