@@ -43,7 +43,7 @@ FIGURES = {"local_argmax", "allreduce_rmsnorm", "replicate"} | (
 def quick_run(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("bench")
     out = cwd / "results"  # --out relative to the caller's cwd, not the checkout's
-    # issue 7's figures (the sampling figure's passes have tests of their own). The CLI
+    # the rewrites' figures (the sampling figure's passes have tests of their own). The CLI
     # runs in this process (one torch import less); the suite is its subprocess, whose
     # output pytest shows if this fails.
     with pytest.MonkeyPatch.context() as mp:

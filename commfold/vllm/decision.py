@@ -74,20 +74,27 @@ def verify_refusal(method: str | None) -> str | None:
     return f"verification method {method or 'unknown'} (commfold knows {STRICT_GREEDY[0]})"
 
 
+def step_refusal(structured: bool, nan_check: bool, spec: bool,
+                 verify: str | None) -> str | None:
+    """Why a step stays vLLM's whatever its requests ask, on either runner: structured
+    output, vLLM counting NaNs over the whole row, a verification method other than
+    strict greedy; None when none applies."""
+    if structured:
+        return "structured output"
+    if nan_check:
+        return "VLLM_COMPUTE_NANS_IN_LOGITS"
+    return verify_refusal(verify) if spec else None
+
+
 def decide(md, *, spec: bool, structured: bool, logprobs_mode: str, vocab: int,
            nan_check: bool = False, verify: str | None = None) -> tuple[str | None, str]:
     """(mode, reason): mode "greedy" / "verify" / "logprobs", or None with why not.
     md is vLLM's SamplingMetadata of the step; nan_check: VLLM_COMPUTE_NANS_IN_LOGITS
     (vLLM counts NaNs over the whole row); verify: the engine's verification method
     (verify_method), read only under spec decoding - None there means unknown."""
-    if structured:
-        return None, "structured output"
-    if nan_check:
-        return None, "VLLM_COMPUTE_NANS_IN_LOGITS"
-    if spec:
-        refusal = verify_refusal(verify)
-        if refusal is not None:
-            return None, refusal
+    refusal = step_refusal(structured, nan_check, spec, verify)
+    if refusal is not None:
+        return None, refusal
     if not md.all_greedy:
         return None, "sampling (temperature > 0)"
     if not md.no_penalties:
@@ -164,16 +171,11 @@ def decide_v2(step: V2Step, *, spec: bool, structured: bool,
     why not. The same rules as ``decide`` (V1): strict greedy only, nothing needing
     the whole row; logprobs stay V2's (its Triton kernels compute them, commfold's
     match V1's torch ones)."""
-    if structured:
-        return None, "structured output"
-    if step.nan_check:
-        return None, "VLLM_COMPUTE_NANS_IN_LOGITS"
+    refusal = step_refusal(structured, step.nan_check, spec, verify)
+    if refusal is not None:
+        return None, refusal
     if step.sampler != "Sampler":
         return None, f"sampler {step.sampler} (commfold knows V2's Sampler)"
-    if spec:
-        refusal = verify_refusal(verify)
-        if refusal is not None:
-            return None, refusal
     if not step.temperatures:
         return None, "no requests"
     if any(t != 0.0 for t in step.temperatures):

@@ -28,6 +28,7 @@ class LogitsHead:
     vocab: int  # the true vocab (org_vocab_size): columns past it are padding
     shard: int  # columns per rank
     layer: torch.nn.Module | None = None  # the vocab-parallel layer of the logits
+    world: int = 2  # ranks of the TP group
 
     @staticmethod
     def find(runner) -> tuple[LogitsHead | None, str]:
@@ -60,7 +61,8 @@ class LogitsHead:
         vocab = processors[0].org_vocab_size
         if idx.org_vocab_start_index != tp.rank_in_group * shard or shard > vocab:
             return None, f"vocab layout (shard {shard}, vocab {vocab})"
-        return LogitsHead(model, processors[0], _comm_spec(tp), vocab, shard, head), ""
+        return LogitsHead(model, processors[0], _comm_spec(tp), vocab, shard, head,
+                          tp.world_size), ""
 
     def local_logits(self, hidden, compute=None):
         """`compute` (the model's compute_logits, by default) with the processor's

@@ -151,8 +151,8 @@ def _sample(original):
         mode, why = decide(self, input_batch, grammar_output)
         if mode is not None and getattr(self, "batch_sharder", None) is not None:
             rows = int(input_batch.logits_indices.shape[0])
-            ours, theirs = pick_bytes(rows, head_world(head)), all_to_all_bytes(
-                rows, head.vocab, head_world(head), hidden_states.element_size())
+            ours = pick_bytes(rows, head.world)
+            theirs = all_to_all_bytes(rows, head.vocab, head.world, hidden_states.element_size())
             if ours >= theirs:
                 mode, why = None, f"batch-sharded sampling moves less ({theirs} B < {ours} B)"
         step_log.note("target_pick", mode or f"vLLM ({why})")
@@ -166,12 +166,6 @@ def _sample(original):
             out = pick(self, head, shard, input_batch, mode)
         return out, out.num_sampled, out.num_rejected
     return sample
-
-
-def head_world(head: LogitsHead) -> int:
-    from vllm.distributed import get_tp_group
-
-    return get_tp_group().world_size
 
 
 def pick(runner, head: LogitsHead, shard, input_batch, mode: str):
