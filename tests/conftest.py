@@ -103,7 +103,7 @@ def vllm_imported():
     """vLLM imported (or the test skipped / failed in CI, with the install hint): the
     vLLM test modules' mark (vllm_models.require_vllm_installed). The variables its
     import sets in this process are taken back: they were read as it set them."""
-    from vllm_models import require_vllm
+    from harness.vllm_models import require_vllm
 
     with environment_kept():
         return require_vllm()
@@ -114,7 +114,7 @@ def spec_decode_run(tmp_path_factory):
     """The spec-decoding example's run (vllm_models.SpecDecodeRun), started by the
     vLLM group's first test and read by test_vllm_spec_decode.py; killed if still
     running at the end."""
-    from vllm_models import SpecDecodeRun
+    from harness.vllm_models import SpecDecodeRun
 
     run = SpecDecodeRun(tmp_path_factory.mktemp("spec"))
     yield run

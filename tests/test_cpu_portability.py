@@ -156,7 +156,7 @@ def test_vllm_tp_on_the_avx2_kernel_build():
     """vLLM's AVX2 build is the one loaded (never _C), it has no shared-memory
     collectives - the helper says so in one line instead of dying - and commfold's op
     runs on the gloo group vLLM falls back to."""
-    from vllm_models import require_vllm
+    from harness.vllm_models import require_vllm
 
     require_vllm()
     from commfold.distributed.ranks import RankPool

@@ -21,7 +21,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 import commfold
-import fuzz_programs as fp
+from harness import fuzz_programs as fp
 
 LA, FUSE, REP = fp.LA, fp.FUSE, fp.REP
 G = dict(kind="greedy", bad=None, seed=1, gather="funcol", dtype="f32", rows=3, vs=5, pad=1,

@@ -1,5 +1,5 @@
 """The CUDA delegation of commfold::allreduce_rmsnorm to FlashInfer, run on gloo CPU
-ranks against a stand-in of flashinfer.comm (tests/flashinfer_standin.py): which
+ranks against a stand-in of flashinfer.comm (harness/flashinfer_standin.py): which
 calls go to FlashInfer, what they hand over (workspace per group/hidden/dtype and
 its size, rows, residual, gamma, eps, Gemma's bias), results equal to the composite
 path, and every ineligible call (or a failed workspace) taking the composite path.
@@ -11,8 +11,7 @@ import os
 import torch
 import torch.distributed as dist
 
-import flashinfer_standin
-
+from harness import flashinfer_standin
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 DELEGATED = [  # dtype, shape, residual, weight, offset
     (F32, (5, 64), True, True, 0.0),

@@ -14,7 +14,7 @@ from commfold.ops import add_rmsnorm_cpu
 from commfold.ops.allreduce_rmsnorm import Scale, composite_add_norm
 from commfold.distributed.comm_log import record_collectives
 
-from models_norm import OFFSET, build_decoder, make_block
+from harness.models_norm import OFFSET, build_decoder, make_block
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 OP = "commfold::allreduce_rmsnorm"

@@ -1,6 +1,6 @@
 """Every sum all-reduce that reaches an RMSNorm is fused or explained: the pass
 fuse_allreduce_rmsnorm run (without ranks, on post-grad graphs of a fake process
-group) over every spelling the fusion tests build - tests/models_norm.py's blocks and
+group) over every spelling the fusion tests build - harness/models_norm.py's blocks and
 decoders, with and without a scaled residual branch, and the differential fuzz's norm
 blocks - and over deliberately unfusable ones. Each all-reduce within a few
 elementwise ops of a norm is rewritten, or the report holds a near-miss naming why.
@@ -13,13 +13,13 @@ import pytest
 import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
-from post_grad import fake_world, post_grad, vllm_ir_ops
+from harness.post_grad import fake_world, post_grad, vllm_ir_ops
 
 import commfold
-import fuzz_programs as fp
+from harness import fuzz_programs as fp
 from commfold.patterns.allreduce import allreduce_candidates, match_allreduce
 from commfold.patterns.norm_reach import norm_path
-from models_norm import NORMS, TPDecoder, make_block
+from harness.models_norm import NORMS, TPDecoder, make_block
 
 PASS = "fuse_allreduce_rmsnorm"
 DT = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}

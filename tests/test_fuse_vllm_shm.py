@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vllm_models import require_vllm_installed, skip_without_shm
+from harness.vllm_models import require_vllm_installed, skip_without_shm
 
 pytestmark = require_vllm_installed()
 

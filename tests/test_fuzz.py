@@ -1,4 +1,4 @@
-"""Differential fuzzing: random tensor-parallel programs (tests/fuzz_programs.py) run
+"""Differential fuzzing: random tensor-parallel programs (harness/fuzz_programs.py) run
 on 2 gloo ranks, compiled with commfold and with plain Inductor. Greedy tokens,
 max values and embeddings must be bit-equal, norms within 1e-5 (f32) / 2^-7 (bf16)
 relative, new residuals bit-equal; every rewrite site is rewritten exactly once, every
@@ -17,7 +17,7 @@ import os
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
-import fuzz_programs as fp
+from harness import fuzz_programs as fp
 
 LONG = os.environ.get("COMMFOLD_FUZZ", "") == "long"
 PER_BATCH = 6 if LONG else 2  # programs per batch (one rank-pool call)

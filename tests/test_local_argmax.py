@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import commfold
 from commfold.distributed.comm_log import record_collectives
 
-from argmax_programs import PROGRAMS, funcol_max_values, reference, setup_mesh
-from logit_cases import DTYPES, make_logits
+from harness.argmax_programs import PROGRAMS, funcol_max_values, reference, setup_mesh
+from harness.logit_cases import DTYPES, make_logits
 
 SPECIALS = ("normal", "ties", "nan", "inf", "neginf_row", "boundary_tie", "padding_bait")
 
@@ -159,13 +159,13 @@ def values_and_indices() -> dict:
 def test_max_values_and_indices(ranks2):
     import inspect
 
-    import argmax_programs
+    from harness import argmax_programs
     line = inspect.getsource(argmax_programs).splitlines().index(
         "    v, i = full[:, :vocab].max(dim=-1, keepdim=True)") + 1
     for res in ranks2.run(values_and_indices):
         # the report names the user's line that made the pick
         assert res == {"values": True, "indices": True, "rewrites": 1,
-                       "where": [f"tests/argmax_programs.py:{line} (funcol_max_values)"]}
+                       "where": [f"harness/argmax_programs.py:{line} (funcol_max_values)"]}
 
 
 def index_above_2_24() -> int:

@@ -24,8 +24,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import commfold
 from commfold.distributed.comm_log import record_collectives
 
-from softmax_programs import PROGRAMS, setup_mesh
-from logit_cases import DTYPES, make_logits
+from harness.softmax_programs import PROGRAMS, setup_mesh
+from harness.logit_cases import DTYPES, make_logits
 from test_local_argmax import SPECIALS, case_4_ranks_st, case_st
 
 # gathered float64 values per row per rank: (max, sum), plus the argmax or picks

@@ -23,8 +23,8 @@ from hypothesis import HealthCheck, assume, given, settings, strategies as st
 import commfold
 from commfold.distributed.comm_log import record_collectives
 
-from topk_programs import PROGRAMS, reference, scaled, setup_mesh
-from logit_cases import DTYPES, make_logits
+from harness.topk_programs import PROGRAMS, reference, scaled, setup_mesh
+from harness.logit_cases import DTYPES, make_logits
 
 SPECIALS = ("normal", "ties", "nan", "inf", "neginf_row", "boundary_tie", "signed_zero")
 KS = (2, 3, 8, 50)

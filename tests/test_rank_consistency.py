@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 import commfold
 from commfold.cli.demo_model import DecoderConfig, TPDecoder, sample_ids
 
-import fuzz_programs as fp
+from harness import fuzz_programs as fp
 
 SCENARIOS = ("perturbed",)  # rank 1 sleeps, rank 0 holds memory while compiling
 HELD_BYTES = 512 << 20

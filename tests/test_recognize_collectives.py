@@ -9,7 +9,7 @@ import operator
 import pytest
 import torch
 import torch.distributed._functional_collectives as funcol
-from post_grad import (assert_miss, fake_world, node, nodes, placeholders, post_grad,
+from harness.post_grad import (assert_miss, fake_world, node, nodes, placeholders, post_grad,
                        vllm_collectives, vllm_shm_ops)
 from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
 

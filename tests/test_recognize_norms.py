@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from post_grad import assert_miss, node, nodes, placeholders, post_grad, vllm_ir_ops
+from harness.post_grad import assert_miss, node, nodes, placeholders, post_grad, vllm_ir_ops
 
 from commfold.patterns import rmsnorm
 from commfold.patterns.common import aten, prims

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed._functional_collectives as funcol
-from post_grad import assert_miss, fake_world, node, nodes, placeholders, post_grad
+from harness.post_grad import assert_miss, fake_world, node, nodes, placeholders, post_grad
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from commfold.patterns.common import aten, c10d, prims

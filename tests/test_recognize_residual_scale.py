@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from post_grad import assert_miss, node, nodes, placeholders, post_grad, vllm_ir_ops
+from harness.post_grad import assert_miss, node, nodes, placeholders, post_grad, vllm_ir_ops
 
-from models_norm import scale_branch
+from harness.models_norm import scale_branch
 from commfold.patterns.common import aten
 from commfold.patterns.norm_reach import HOPS, norm_path, unmatched_norm
 from commfold.patterns.residual_scale import ResidualScale, match_residual_scale

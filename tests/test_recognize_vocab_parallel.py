@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
-from post_grad import assert_miss, fake_world, node, placeholders, post_grad
+from harness.post_grad import assert_miss, fake_world, node, placeholders, post_grad
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from commfold.patterns.common import aten, c10d
@@ -199,7 +199,7 @@ def test_lm_head_on_a_packed_weight(group):
     """vLLM CPU's LM head multiplies by a weight it packed for oneDNN at load
     (``_C.onednn_mm`` with a handle): no weight in the graph, so no replication - and
     the near-miss says why (vLLM's own kernels, loaded the way vLLM loads them)."""
-    from post_grad import require_vllm_kernels
+    from harness.post_grad import require_vllm_kernels
 
     require_vllm_kernels()
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_models import init_vllm_tp, require_vllm_installed
+from harness.vllm_models import init_vllm_tp, require_vllm_installed
 
 pytestmark = require_vllm_installed()
 

@@ -8,7 +8,7 @@ gather; a speculator with an acceptance estimator (adaptive verification reads t
 full logits) or with use_local_argmax_reduction keeps vLLM's path."""
 from __future__ import annotations
 
-from vllm_models import init_vllm_tp, require_vllm_installed, shm_supported
+from harness.vllm_models import init_vllm_tp, require_vllm_installed, shm_supported
 
 pytestmark = require_vllm_installed()
 

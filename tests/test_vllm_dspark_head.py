@@ -7,7 +7,7 @@ bit-identical to the unrewritten sharded head's; the head's matmul on vLLM CPU r
 a oneDNN-packed weight, so its gather stays, with the near-miss that says why."""
 from __future__ import annotations
 
-from vllm_models import init_vllm_tp, require_vllm_installed, shm_supported
+from harness.vllm_models import init_vllm_tp, require_vllm_installed, shm_supported
 
 pytestmark = require_vllm_installed()
 

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_models import ENGINE_ENV, SIZES, TOKENS_MARK, require_vllm_installed, write_model
+from harness.vllm_models import ENGINE_ENV, SIZES, TOKENS_MARK, require_vllm_installed, write_model
 
 pytestmark = require_vllm_installed()
 
@@ -44,7 +44,7 @@ from commfold.distributed.comm_log import read_step_logs  # noqa: E402
 from commfold.vllm.step_checks import target_pick_problems  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNNER = str(Path(__file__).with_name("vllm_models.py"))
+RUNNER = str(ROOT / "harness" / "vllm_models.py")
 LAYERS = SIZES["num_hidden_layers"]
 HIDDEN = SIZES["hidden_size"]
 VOCAB_SHARD = 512  # vocab 1000, padded to a multiple of 64 x TP: 1024 rows, 512 a rank

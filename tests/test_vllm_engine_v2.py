@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_models import ENGINE_ENV, SIZES, TOKENS_MARK, require_vllm_installed, write_model
+from harness.vllm_models import ENGINE_ENV, SIZES, TOKENS_MARK, require_vllm_installed, write_model
 
 pytestmark = require_vllm_installed()
 
@@ -29,7 +29,7 @@ if not (os.environ.get("COMMFOLD_VLLM_V2_ENGINE") or os.environ.get("COMMFOLD_VL
 from commfold.distributed.comm_log import read_step_logs  # noqa: E402
 from harness.triton_cpu import v2_engine_env  # noqa: E402
 
-RUNNER = str(Path(__file__).with_name("vllm_models.py"))
+RUNNER = str(Path(__file__).resolve().parents[1] / "harness" / "vllm_models.py")
 LAYERS, HIDDEN = SIZES["num_hidden_layers"], SIZES["hidden_size"]
 VOCAB_SHARD = 512
 

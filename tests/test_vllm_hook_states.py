@@ -13,7 +13,7 @@ import pytest
 
 from commfold.vllm import runtime as vllm_runtime
 from commfold.vllm.runtime import Runner, gate, runner_choice
-from vllm_models import require_vllm_installed
+from harness.vllm_models import require_vllm_installed
 
 pytestmark = require_vllm_installed()
 

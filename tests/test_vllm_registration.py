@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 
-from vllm_models import require_vllm_installed
+from harness.vllm_models import require_vllm_installed
 
 pytestmark = require_vllm_installed()
 

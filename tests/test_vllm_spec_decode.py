@@ -26,7 +26,7 @@ import json
 
 import pytest
 
-from vllm_models import SPEC_METHODS, require_vllm_installed
+from harness.vllm_models import SPEC_METHODS, require_vllm_installed
 
 pytestmark = require_vllm_installed()
 

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from commfold.vllm.runtime import Runner
-from vllm_models import init_vllm_tp, require_vllm_installed, shm_supported
+from harness.vllm_models import init_vllm_tp, require_vllm_installed, shm_supported
 
 pytestmark = require_vllm_installed()
 

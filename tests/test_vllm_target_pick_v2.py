@@ -11,7 +11,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_models import require_vllm_installed
+from harness.vllm_models import require_vllm_installed
 
 pytestmark = require_vllm_installed()
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_models import init_vllm_tp, require_vllm_installed, shm_supported, skip_without_shm
+from harness.vllm_models import (init_vllm_tp, require_vllm_installed, shm_supported,
+                                  skip_without_shm)
 
 pytestmark = require_vllm_installed()
 

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from commfold.ops import chain_encoding as sc
 from commfold.ops import vocab_scan
-from logit_cases import DTYPES, with_special
+from harness.logit_cases import DTYPES, with_special
 
 mod = vocab_scan.module()
 pytestmark = pytest.mark.skipif(mod is None, reason="no C++ toolchain here (the torch "

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from logit_cases import DTYPES, make_logits
+from harness.logit_cases import DTYPES, make_logits
 
 CHAINS = {"none": [], "temperature": [("div", 0.7)], "scale+offset": [("mul", 1.3), ("add", 2.0)],
           "to_f32": [("cast", torch.float32), ("mul", 0.5)]}

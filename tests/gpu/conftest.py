@@ -7,7 +7,8 @@ Rows: with COMMFOLD_GPU_CHECK_ROWS set, each test appends one JSON line - check,
 result (passed / FAILED: why / skipped: why), numbers (the test's ``numbers``
 property, set through ``record_property``) - for tools/gpu_check_table.py.
 tools/gpu_check.sh runs these tests without tests/conftest.py (--confcutdir), so
-this file puts tests/ on sys.path for the shared logit cases itself."""
+this file puts the checkout root on sys.path for the shared logit cases
+(harness/logit_cases.py) itself."""
 from __future__ import annotations
 
 import json
@@ -20,9 +21,9 @@ import pytest
 
 from gpu_device import DEVICE
 
-_TESTS = str(Path(__file__).resolve().parent.parent)
-if _TESTS not in sys.path:
-    sys.path.insert(0, _TESTS)
+_ROOT = str(Path(__file__).resolve().parents[2])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
 
 WORLD = 2
 # a hung collective fails within the check's 5 minutes; CPU mode compiles slowly

@@ -2,7 +2,7 @@
 local_argmax and local_topk bit-identical to the full-row rule (torch.argmax's first
 max, NaN the maximum; a stable descending sort's first k), softmax_stats' maximum and
 first max identical and its sum / logprobs within 2 ulps of the same op on CPU
-tensors. Logit rows from tests/logit_cases.py: ties, NaN, +-inf, -inf rows, ties
+tensors. Logit rows from harness/logit_cases.py: ties, NaN, +-inf, -inf rows, ties
 across the shard boundary, signed zeros, bait in the padding column; f32 / bf16 /
 fp16; and rows of Qwen's vocab (151936). On CPU (COMMFOLD_GPU_CHECK_DEVICE=cpu) the
 device calls run the ops' torch implementation - the code CUDA runs - and the
@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from gpu_device import (DEVICE, no_cpp_build_off_cpu, rank_device, requires_device, same_bits,
                         shard_of, ulp, world_comm)
-from logit_cases import DTYPES, make_logits
+from harness.logit_cases import DTYPES, make_logits
 
 try:  # the GPU machine may lack hypothesis: the fixed cases run without it
     from hypothesis import HealthCheck, Phase, given, settings, strategies as st

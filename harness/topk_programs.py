@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-import argmax_programs
-from argmax_programs import setup_mesh  # noqa: F401  (re-exported: DTensor programs need the mesh)
+from harness import argmax_programs
+from harness.argmax_programs import setup_mesh  # noqa: F401  (re-exported: DTensor programs need the mesh)
 
 
 def _world():

@@ -95,7 +95,7 @@ def assert_miss(result, reason: str, node: fx.Node | None = None) -> None:
 def vllm_collectives() -> None:
     """Register vLLM's custom-op collectives (torch.ops.vllm.all_reduce, all_gather)
     in this process; skip without vLLM (fail in CI)."""
-    from vllm_models import require_vllm
+    from harness.vllm_models import require_vllm
 
     require_vllm()
     import vllm.distributed.parallel_state  # noqa: F401  (registers torch.ops.vllm.*)
@@ -103,7 +103,7 @@ def vllm_collectives() -> None:
 
 def vllm_ir_ops() -> None:
     """Register vLLM's IR ops (torch.ops.vllm_ir.*); skip without vLLM."""
-    from vllm_models import require_vllm
+    from harness.vllm_models import require_vllm
 
     require_vllm()
     import vllm.ir.ops  # noqa: F401
@@ -114,7 +114,7 @@ def vllm_shm_ops() -> None:
     for torch.ops._C.shm_*; skip where this CPU's build has none (AVX2)."""
     import torch
 
-    from vllm_models import skip_without_shm
+    from harness.vllm_models import skip_without_shm
 
     skip_without_shm()
     if not hasattr(torch.ops._C, "shm_allreduce"):
@@ -126,7 +126,7 @@ def vllm_shm_ops() -> None:
 def require_vllm_kernels() -> None:
     """Load vLLM's kernels the way vLLM does (current_platform.import_kernels: never
     `import vllm._C`), for its other torch.ops._C ops; skip without vLLM (fail in CI)."""
-    from vllm_models import require_vllm
+    from harness.vllm_models import require_vllm
 
     require_vllm()
     from vllm.platforms import current_platform
