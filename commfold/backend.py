@@ -28,14 +28,15 @@ def backend(**options):
         def keep(report):  # saved before Inductor writes its cache entry: no race
             made.append(report)
             if key is not None:
-                report_cache.save(key, made)
+                report_cache.save(key, made, where)
 
         pass_ = CommfoldPass(config, then=user_pass, on_report=keep)
         key = report_cache.graph_key(gm, example_inputs, pass_.uuid())
+        where = report_cache.locations(gm) if key is not None else []
         with inductor_config.patch(post_grad_custom_post_pass=pass_):
             compiled = compile_fx(gm, example_inputs, **kwargs)
         if key is not None and not made:  # Inductor's cache served it:
-            for r in report_cache.load(key):  # republish what the passes did then
+            for r in report_cache.load(key, where):  # republish what the passes did then
                 publish(r)
         return compiled
 

@@ -94,6 +94,49 @@ def test_cache_never_serves_another_config(ranks2):
         assert res == [(5 * 2, 1, True), (5 * 48, 0, True), (5 * 2, 1, True)]
 
 
+PROGRAM = """
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+
+def pick(x):
+    return funcol.all_gather_tensor(x, -1, dist.group.WORLD).argmax(-1)
+"""
+
+
+def cached_report_names_the_moved_line(tmp: str) -> list:
+    """Inductor's cache key ignores stack traces: the same program compiled again after
+    lines were added above it is served from the cache, and its report must name the
+    line where the pick is now, not where it was."""
+    import importlib.util
+    import pathlib
+
+    out = []
+    path = pathlib.Path(tmp) / f"user_program_{dist.get_rank()}.py"
+    x = torch.randn(5, 48) * (1 + dist.get_rank())
+    with inductor_config.patch(fx_graph_cache=True):
+        for pad in ("", "# a comment\n\n\n"):
+            path.write_text(pad + PROGRAM)
+            spec = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            torch._dynamo.reset()
+            commfold.clear_reports()
+            torch.compile(module.pick, backend="commfold")(x)
+            report = commfold.last_report()
+            line = (pad + PROGRAM).splitlines().index("    return funcol.all_gather_tensor("
+                                                       "x, -1, dist.group.WORLD).argmax(-1)")
+            out.append((report.from_cache, [r.location for r in report.rewrites],
+                        f"{path.parent.name}/{path.name}:{line + 1} (pick)"))
+    return out
+
+
+def test_cached_report_names_the_moved_line(ranks2, tmp_path):
+    for res in ranks2.run(cached_report_names_the_moved_line, str(tmp_path)):
+        (hit0, where0, expect0), (hit1, where1, expect1) = res
+        assert hit1 and where0 == [expect0] and where1 == [expect1] and expect0 != expect1
+
+
 def test_many_token_picks_in_one_process_all_compile():
     """Dynamo stops compiling a code object after its recompile limit and runs it
     eagerly (a pick would gather again, silently): each pick built by
