@@ -132,16 +132,15 @@ class CommfoldPass(CustomGraphPass):
                         continue
                     current = name
                     before = snapshot(graph) if _observer is not None else None
-                    n_rewrites = len(report.rewrites)
                     t0 = time.perf_counter()
                     registry[name](PassContext(graph, config, report, name))
-                    if lint_each and len(report.rewrites) > n_rewrites:
+                    if lint_each:
                         graph.lint()
                     report.pass_seconds[name] = time.perf_counter() - t0
                     if _observer is not None:
                         observed.append((name, before, snapshot(graph)))
-                if not lint_each and report.rewrites:
-                    current = None
+                if not lint_each:  # also when no rewrite was recorded: passes
+                    current = None  # normalize spellings (patterns.slice_writeback)
                     graph.lint()
                 break
             except Exception as e:  # never break a user's compile

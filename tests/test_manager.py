@@ -16,12 +16,21 @@ def greedy(x):
     return funcol.all_gather_tensor(x, -1, dist.group.WORLD).argmax(-1)
 
 
-def failing_pass_program(strict: bool) -> dict:
+BROKEN = "used before it has been defined"  # FX's lint
+
+
+def failing_pass_program(strict: bool, dangling: bool = False) -> dict:
     import commfold.passes as passes
 
     real = passes.PASSES["local_argmax"]
 
     def rewrite_then_fail(ctx):
+        if dangling:  # an edit with no rewrite recorded, that leaves a broken graph
+            pick = next(n for n in ctx.graph.nodes if n.op == "output").args[0][0]
+            gone = ctx.graph.call_function(torch.ops.aten.clone.default, (pick.args[0],))
+            ctx.graph.erase_node(gone)
+            pick.replace_input_with(pick.args[0], gone)
+            return
         real(ctx)  # graph surgery really happens...
         raise RuntimeError("injected failure")  # ...then the pass dies
 
@@ -30,6 +39,9 @@ def failing_pass_program(strict: bool) -> dict:
     handler = logging.Handler()
     handler.emit = records.append
     logging.getLogger("commfold").addHandler(handler)
+    # the swapped pass is not in the cache key: compile afresh
+    no_cache = torch._inductor.config.patch(fx_graph_cache=False)
+    no_cache.__enter__()
     try:
         torch._dynamo.reset()
         x = torch.randn(3, 40) + dist.get_rank()
@@ -37,15 +49,18 @@ def failing_pass_program(strict: bool) -> dict:
         try:
             got = fn(x)
         except Exception as e:  # strict mode
-            return {"raised": "injected failure" in str(e)}
+            return {"raised": (BROKEN if dangling else "injected failure")
+                    in str(e)}
         with record_collectives() as log:
             fn(x)
         report = commfold.last_report()
         return {"raised": False, "same": torch.equal(got, greedy(x)),
                 "errors": [e.error for e in report.errors], "rewrites": len(report.rewrites),
                 "gather_elements": log.elements("all_gather"),
-                "warned": any("injected failure" in r.getMessage() for r in records)}
+                "warned": any((BROKEN if dangling else "injected failure")
+                              in r.getMessage() for r in records)}
     finally:
+        no_cache.__exit__(None, None, None)
         passes.PASSES["local_argmax"] = real
         logging.getLogger("commfold").removeHandler(handler)
 
@@ -55,6 +70,13 @@ def test_failing_pass_leaves_graph_unchanged(ranks2):
         assert res["same"] and res["warned"] and res["rewrites"] == 0
         assert res["errors"] == ["RuntimeError: injected failure"]
         assert res["gather_elements"] == 3 * 40  # the original full gather runs
+
+
+def test_a_pass_that_breaks_the_graph_without_a_rewrite_is_rolled_back(ranks2):
+    for res in ranks2.run(failing_pass_program, False, True):
+        assert res["same"] and res["warned"] and res["rewrites"] == 0
+        assert len(res["errors"]) == 1 and BROKEN in res["errors"][0]
+        assert res["gather_elements"] == 3 * 40
 
 
 def test_strict_raises(ranks2):
