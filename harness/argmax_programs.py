@@ -43,9 +43,8 @@ def dtensor_topk(shard, vocab, temp):
     from torch.distributed.tensor import DTensor, Shard
 
     full = DTensor.from_local(shard, _MESH, [Shard(1)], run_check=False).full_tensor()
-    cap = 30.0
-    capped = torch.tanh(full[:, :vocab] / cap) * cap  # Gemma-style soft cap
-    return torch.topk(capped, 1, dim=-1).indices.squeeze(-1)
+    scaled = full[:, :vocab] / temp * 2.0  # (a soft cap's tanh is left alone on CPU)
+    return torch.topk(scaled, 1, dim=-1).indices.squeeze(-1)
 
 
 def funcol_max_values(shard, vocab, temp):
@@ -54,15 +53,22 @@ def funcol_max_values(shard, vocab, temp):
     return v, i
 
 
+def funcol_scaled_in_place(shard, vocab, temp):
+    """vLLM's LogitsProcessor spelling: the gathered logits scaled in place."""
+    full = funcol.all_gather_single(shard, -1, _world())
+    full[:, :vocab] *= 1.0 / temp
+    return full[:, :vocab].argmax(-1)
+
+
 PROGRAMS = {"funcol_argmax": funcol_argmax, "inplace_max": inplace_max,
-            "dtensor_topk": dtensor_topk}
+            "dtensor_topk": dtensor_topk, "funcol_scaled_in_place": funcol_scaled_in_place}
 
 
 def reference(logits, vocab, temp, name):
     """What each program computes, on the full logits, in eager torch (argmax rule)."""
     x = logits[:, :vocab]
-    if name == "inplace_max":
+    if name in ("inplace_max", "funcol_scaled_in_place"):
         return torch.max(x * (1.0 / temp), dim=-1).indices
     if name == "dtensor_topk":
-        return (torch.tanh(x / 30.0) * 30.0).argmax(-1)  # first max; see test docstring
+        return (x / temp * 2.0).argmax(-1)  # first max; see test docstring
     return (x / temp).argmax(-1)

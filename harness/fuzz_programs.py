@@ -100,9 +100,15 @@ def program(min_blocks: int = 2, max_blocks: int = 4):
 
 # ------------------------------------------------------------------ expectations
 
+def soft_capped(b: dict) -> bool:
+    """A pick behind a tanh soft cap: left alone on CPU (its tanh is Sleef's or libm's
+    as Inductor tiles the kernel; passes/local_argmax.py says why)."""
+    return b["kind"] == "greedy" and b["bad"] is None and "softcap" in b["ops"]
+
+
 def is_distractor(b: dict) -> bool:
     return (b["kind"] == "greedy" and b["bad"] is not None) or \
-        (b["kind"] == "norm" and b["reduce"] != "sum")
+        (b["kind"] == "norm" and b["reduce"] != "sum") or soft_capped(b)
 
 
 def expected_rewrites(b: dict) -> dict:
@@ -119,6 +125,8 @@ def expected_near_miss(b: dict) -> str | None:
     is promised, e.g. a gather on the rows dim is simply not a vocab gather)."""
     if b["kind"] == "norm" and b["reduce"] != "sum":
         return FUSE
+    if soft_capped(b):
+        return PICK_PASS[b["pick"]]
     if b["kind"] == "greedy" and b["bad"] == "topk_smallest":
         return "local_topk"
     if b["kind"] == "greedy" and b["bad"] in ("neg_scale", "abs", "sin", "rsub",

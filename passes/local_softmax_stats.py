@@ -41,23 +41,31 @@ from commfold.fx.nodes import arg, is_call, nbytes, numel_times, tensor_val
 from commfold.fx.edit import erase_if_dead, insert_call, replace_items
 from commfold.patterns.common import FLOAT_DTYPES, aten
 from commfold.patterns.gather import after_vocab_gather, gather_candidates
+from commfold.patterns.slice_writeback import fold_readbacks
 from commfold.patterns.greedy import GreedyPick
 from commfold.patterns.softmax_stats import (Greedy, RowReads, SoftmaxStats, exact_widening,
                                              match_row_reads)
 from commfold.report import Comm
 
-from .local_argmax import rewrite_pick, shard_and_chain
+from .local_argmax import rewrite_pick, shard_and_chain, tanh_refusal
 
 PATTERN = "all_gather->softmax_stats"
 
 
 def run(ctx: PassContext) -> None:
+    fold_readbacks(ctx.graph)  # logits scaled in place: one reader again
     changed = False
     for reads in ctx.matches(PATTERN, gather_candidates(ctx.graph),
                            after_vocab_gather(match_row_reads)):
         bad = [s for s in reads.stats if tensor_val(s.base).dtype not in FLOAT_DTYPES]
         if bad:
             ctx.skipped(PATTERN, bad[0].amax, "softmax over non-floating logits")
+            continue
+        why = next(filter(None, (tanh_refusal(reads.gather.shard, r.chain)
+                                 for r in (*reads.stats, *reads.greedy))), None)
+        if why:
+            ctx.skipped(PATTERN, reads.stats[0].amax if reads.stats else reads.greedy[0].pick,
+                        why)
             continue
         _rewrite(ctx, reads)
         changed = True

@@ -10,7 +10,7 @@ Why it is safe:
   recognizer checks every node on the way has one consumer), so the full row need
   not exist;
 - the elementwise ops are replayed on the shard, so each logit compared is bit-for-bit
-  the value compared before;
+  the value compared before (a tanh on CPU excepted: not taken, see local_argmax);
 - shards are concatenated in rank order (checked), so a rank's column j is global
   column rank * Vs + j; commfold::local_topk ranks columns by unique (value, -index)
   keys: exact values, NaN largest, padding past the valid vocab masked;
@@ -33,20 +33,26 @@ from commfold.fx.nodes import nbytes, numel_times, tensor_val
 from commfold.fx.edit import erase_if_dead, insert_call
 from commfold.ops.local_topk import SUPPORTED_DTYPES
 from commfold.patterns.gather import after_vocab_gather, gather_candidates
+from commfold.patterns.slice_writeback import fold_readbacks
 from commfold.patterns.topk import TopK, match_topk
 from commfold.report import Comm
 
-from .local_argmax import shard_and_chain
+from .local_argmax import shard_and_chain, tanh_refusal
 
 PATTERN = "all_gather->topk"
 
 
 def run(ctx: PassContext) -> None:
+    fold_readbacks(ctx.graph)  # logits scaled in place: one reader again
     for m in ctx.matches(PATTERN, gather_candidates(ctx.graph),
                            after_vocab_gather(match_topk)):
         if tensor_val(m.reader.args[0]).dtype not in SUPPORTED_DTYPES:
             ctx.skipped(PATTERN, m.reader, "logits dtype not supported (float64: "
                                            "no room for an index in a 64-bit key)")
+            continue
+        why = tanh_refusal(m.gather.shard, m.elementwise)
+        if why:
+            ctx.skipped(PATTERN, m.reader, why)
             continue
         _rewrite(ctx, m)
 

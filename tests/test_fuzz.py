@@ -26,7 +26,7 @@ BATCHES = -(-PROGRAMS // PER_BATCH)  # random batches (hypothesis examples)
 BLOCKS = (3, 7) if LONG else (2, 4)  # blocks per program
 
 G = dict(kind="greedy", bad=None, seed=1, gather="funcol", dtype="f32", rows=3, vs=5, pad=1,
-         ops=["scale", "softcap"], pick="argmax", ties=True)
+         ops=["scale", "div"], pick="argmax", ties=True)
 
 
 def _norm(coll, norm, dtype, residual, reduce="sum", seed=2, scale=None):
@@ -40,6 +40,9 @@ COVERAGE = [
      dict(G, gather="dtensor", pick="topk", ties=False, pad=0, ops=["add"]),
      dict(G, gather="funcol", pick="topk3", ties=False, dtype="f32", ops=["div"]),
      dict(G, gather="inplace", pick="logprob", dtype="bf16", ops=["add"]),
+     # soft caps: left alone on CPU, each with its near-miss
+     dict(G, gather="inplace", pick="topk3", ties=False, vs=17, pad=2, ops=["softcap"]),
+     dict(G, gather="dtensor", pick="max", dtype="bf16", ops=["scale", "softcap"]),
      _norm("funcol", "hand", "f32", True), _norm("funcol_wait", "functional", "bf16", False),
      _norm("inplace", "gemma", "bf16", True), _norm("dtensor", "hand", "f32", True),
      _norm("inplace", "functional", "bf16", True, scale=0.22),

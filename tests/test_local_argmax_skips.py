@@ -26,8 +26,13 @@ def rows_gather(x, t):
     return funcol.all_gather_tensor(x, 0, dist.group.WORLD).argmax(-1)
 
 
+def soft_capped(x, t):  # Gemma's final soft cap: its tanh is Sleef's or libm's on CPU
+    return (torch.tanh(_gather(x) / 30.0) * 30.0).argmax(-1)
+
+
 CASES = {
     second_consumer: "other consumers",
+    soft_capped: "tanh on the logits",
     rows_gather: None,  # a gather of rows is no vocab gather: no rewrite, no record
 }
 

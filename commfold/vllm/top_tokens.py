@@ -7,6 +7,11 @@ logits, slice off the vocab padding, argmax" into a per-rank argmax plus one gat
 of (value, index) pairs, on the same communicator vLLM used (shared memory, gloo or
 vLLM's custom ops). Bit for bit the same token as the full gather, ties included.
 
+A soft-capped head (``LogitsProcessor.soft_cap``) keeps vLLM's eager pick, gather
+included, with one log line: vLLM computes its tanh eagerly (ATen's), and compiled
+code computes it as Inductor tiles the kernel (Sleef or libm), which differ in the
+last bits; the pick would then not be vLLM's.
+
 Draft proposers with ``use_local_argmax_reduction`` call ``model.get_top_tokens`` and
 refuse a drafter that lacks it; ``install_get_top_tokens`` supplies this one (the
 vLLM plugin does so when COMMFOLD_VLLM=1). ``draft_top_tokens`` is the pick for any
@@ -75,9 +80,22 @@ def top_tokens_fn(compute_logits: Callable[[torch.Tensor], torch.Tensor],
     return top_tokens
 
 
+def soft_capped(logits_processor, who: str) -> bool:
+    """True (and a log line) when the processor soft-caps its logits."""
+    cap = getattr(logits_processor, "soft_cap", None)
+    if cap is None:
+        return False
+    log.info("commfold: %s keeps vLLM's greedy pick and its full-vocab gather: its logits "
+             "are soft-capped (tanh %.4g), whose last bits compiled code does not "
+             "reproduce", who, cap)
+    return True
+
+
 def lm_head_top_tokens(logits_processor, lm_head, config: Config | None = None):
     """The greedy pick of vLLM's ``LogitsProcessor`` over a ``ParallelLMHead``: the
     drop-in for ``logits_processor.get_top_tokens(lm_head, hidden)``."""
+    if soft_capped(logits_processor, type(lm_head).__name__):
+        return lambda h: logits_processor(lm_head, h).argmax(dim=-1)
     return top_tokens_fn(lambda h: logits_processor(lm_head, h), config)
 
 
@@ -127,6 +145,8 @@ def draft_top_tokens(model, config: Config | None = None) -> Callable:
     -> argmax`` compiled with commfold, or for a drafter with a smaller draft vocab
     (``draft_id_to_target_id``) the local pick over its own logits plus the remap."""
     d2t = getattr(model, "draft_id_to_target_id", None)
+    if soft_capped(getattr(model, "logits_processor", None), f"the drafter {type(model).__name__}"):
+        return lambda h: model.compute_logits(h).argmax(dim=-1)
     if d2t is None:
         return top_tokens_fn(model.compute_logits, config)
     lp, head = model.logits_processor, model.lm_head

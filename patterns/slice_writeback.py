@@ -1,0 +1,49 @@
+"""The functionalized spelling of an in-place op on a slice: ``x[:, :V] *= c`` (vLLM's
+LogitsProcessor scales its gathered logits so) becomes
+
+    s = slice_scatter(base, f(slice(x, d, a, b)), d, a, b);  y = slice(s, d, a, b)
+
+where ``y`` reads back exactly the scattered values. Left so, the gathered row has
+two consumers and hides every pick behind it; ``fold_readbacks`` points each such read
+at the scattered values themselves (bit-identical: the same tensor) and drops the
+scatter when nothing else reads it."""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from commfold.fx.edit import erase_if_dead
+from commfold.fx.nodes import arg, dtype_of, is_call, same_shape
+
+from .common import aten
+
+_BOUNDS = ("dim", "start", "end", "step")
+
+
+def read_back(node: fx.Node) -> fx.Node | None:
+    """The scattered values `node` reads back, when it is such a slice."""
+    if not is_call(node, aten.slice.Tensor):
+        return None
+    scatter = node.args[0]
+    if not is_call(scatter, aten.slice_scatter.default):
+        return None
+    src = scatter.args[1]
+    if [arg(node, k) for k in _BOUNDS] == [arg(scatter, k) for k in _BOUNDS] \
+            and same_shape(node, src) and dtype_of(node) == dtype_of(src):
+        return src
+    return None
+
+
+def fold_readbacks(graph: fx.Graph) -> int:
+    """Replace each read-back slice by the values scattered, in graph order (a fold
+    can make a later slice one); returns how many."""
+    n = 0
+    for node in list(graph.nodes):
+        src = None if node._erased else read_back(node)
+        if src is None:
+            continue
+        scatter = node.args[0]
+        node.replace_all_uses_with(src)
+        graph.erase_node(node)
+        erase_if_dead(scatter)
+        n += 1
+    return n
