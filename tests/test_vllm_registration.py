@@ -52,6 +52,8 @@ _ROUTES = """
     cc = CompilationConfig(inductor_passes={{KEY: "commfold.vllm_pass"}})
     at_config = type(cc.inductor_compile_config[KEY]).__name__
     load_general_plugins()  # as EngineArgs does before it builds the VllmConfig
+    from vllm.ray.ray_env import get_env_vars_to_copy  # what Ray workers are given
+    ray_copies = sorted(v for v in get_env_vars_to_copy() if v.startswith("COMMFOLD_"))
     p = VllmConfig(compilation_config=cc).compilation_config.inductor_compile_config[KEY]
     import commfold
     # route 2: the plugin alone (COMMFOLD_VLLM), with and without a user's own pass
@@ -68,7 +70,8 @@ _ROUTES = """
                    getattr(getattr(getattr(u, "then", None), "callable", None), "__name__", None),
                    list(getattr(getattr(u, "config", None), "passes", []))],
         "drafter_hook": [getattr(SpecDecodeBaseProposer._get_model, "_commfold", False),
-                         getattr(SpecDecodeBaseProposer._greedy_sample, "_commfold", False)]}}))
+                         getattr(SpecDecodeBaseProposer._greedy_sample, "_commfold", False)],
+        "ray_copies": ray_copies}}))
 """
 
 
@@ -99,18 +102,19 @@ def test_named_pass_in_either_import_order_and_plugin_off(routes):
     assert routes["vllm_first"] == {
         "named": ["VllmCommfoldPass", "VllmCommfoldPass", True, list(commfold.ALL_PASSES)],
         "plugin": ["NoneType", "CallableInductorPass", None, []],
-        "drafter_hook": [False, False]}
+        "drafter_hook": [False, False], "ray_copies": []}
 
 
 def test_commfold_imported_first_and_plugin_on(routes):
     """commfold imported before vLLM: vLLM wraps the named pass, the plugin unwraps it.
     COMMFOLD_VLLM=1 adds the pass (options from COMMFOLD_PASSES), after a user's own
     post-grad pass is kept (runs after commfold's), and hooks draft-model loading and
-    the draft pick."""
+    the draft pick. vLLM's Ray executor would give its workers the COMMFOLD_ settings
+    (its env-copy list, extended by the plugin: vLLM copies VLLM_*, NCCL_*, ... only)."""
     assert routes["commfold_first"] == {
         "named": ["CallableInductorPass", "VllmCommfoldPass", True, ["local_argmax"]],
         "plugin": ["VllmCommfoldPass", "VllmCommfoldPass", "user_pass", ["local_argmax"]],
-        "drafter_hook": [True, True]}
+        "drafter_hook": [True, True], "ray_copies": ["COMMFOLD_PASSES", "COMMFOLD_VLLM"]}
 
 
 def _vllm_keys(pass_):

@@ -131,12 +131,31 @@ def configure(vllm_config) -> None:
         runtime.confirm_runner(vllm_config, _runner)
 
 
+RAY_PREFIXES = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
+
+
+def carry_to_ray_workers(environ=os.environ) -> bool:
+    """vLLM's Ray executor gives its workers only some of the driver's variables
+    (vllm/ray/ray_env.py: VLLM_*, NCCL_*, HF_*, ... and the prefixes listed in
+    VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY): list COMMFOLD_ there whenever a COMMFOLD_
+    variable is set, so Ray workers run with the driver's commfold settings as `mp`
+    workers (which inherit the environment) do. True when the list was extended."""
+    if not any(k.startswith("COMMFOLD_") for k in environ):
+        return False
+    have = {p.strip() for p in environ.get(RAY_PREFIXES, "").split(",") if p.strip()}
+    if "COMMFOLD_" in have:
+        return False
+    environ[RAY_PREFIXES] = ",".join(sorted(have | {"COMMFOLD_"}))
+    return True
+
+
 def register() -> None:
     """vLLM general-plugin entry point; vLLM calls it in every process it starts. Each
     hook logs one line, on or off and why (the table `commfold doctor` prints)."""
     import importlib
 
     global _runner
+    carry_to_ray_workers()
     importlib.import_module(_INDUCTOR_PASS_MODULE)
     register_inductor_pass()
     _hook_vllm_config()
