@@ -41,6 +41,9 @@ class Config:
         add + norm on the local rows, all-gather) on c10d groups for tensors of at
         least this many bytes whose rows divide by the world size; -1: never (the
         default, see commfold.ops.norm_flags).
+    fuse_cost_rule: leave an all-reduce + RMSNorm site unfused where the fused op
+        was measured slower than the unfused program (sizes, dtypes and communicators
+        in passes/fuse_allreduce_rmsnorm.py); False fuses every site it can.
     """
 
     passes: tuple[str, ...] = ALL_PASSES
@@ -50,6 +53,7 @@ class Config:
     strict: bool = False
     extra: tuple[tuple[str, str], ...] = field(default=())
     two_shot_min_bytes: int = TWO_SHOT_DEFAULT_MIN_BYTES
+    fuse_cost_rule: bool = True
 
     def __post_init__(self):
         passes = (self.passes,) if isinstance(self.passes, str) else tuple(self.passes)

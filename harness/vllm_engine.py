@@ -29,9 +29,14 @@ from commfold.distributed.ranks import environment
 ISA_OK = "TORCHINDUCTOR_VEC_ISA_OK"
 
 # What a vLLM CPU engine at TP=2 needs here: offline, a small KV cache, one core per
-# rank (auto binding needs NUMA information this VM lacks).
+# rank (auto binding needs NUMA information this VM lacks). These engines show every
+# rewrite commfold can make, so the fusion's cost rule is off: at these tiny sizes on
+# vLLM CPU's shared memory it would leave every norm unfused (slower there; the rule is
+# tested in test_fuse_vllm_shm.py, measured in docs/performance.md).
+NO_COST_RULE = {"COMMFOLD_FUSE_COST_RULE": "0"}
 BASE_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_CPU_OMP_THREADS_BIND": "0|1", "TOKENIZERS_PARALLELISM": "false"}
+            "VLLM_CPU_OMP_THREADS_BIND": "0|1", "TOKENIZERS_PARALLELISM": "false",
+            **NO_COST_RULE}
 
 
 @functools.cache

@@ -29,6 +29,15 @@ Why it is safe:
   whether the input's buffer may be reused (it must be dead) or is copied first.
 The decision depends on the graph and the config only: rank-consistent.
 
+Cost rule (Config.fuse_cost_rule): on vLLM CPU's shared-memory all-reduce the fused
+op was measured slower than the unfused all-reduce + Inductor's add + norm kernel
+below SHM_MIN_BYTES (32-bit: 0.95-0.99x up to 64 KiB, 1.06-1.18x from 256 KiB;
+16-bit: 0.89-0.94x up to 1 MiB, 1.02x at 2 MiB; TP=2, this machine, 150 rounds:
+docs/performance.md, "The fused norm's cost rule"). A site whose smallest possible size
+(a symbolic token count at its range's lower bound) is below that stays unfused, with a
+near-miss. On gloo the all-reduce's latency dominates and sites are fused; on CUDA
+FlashInfer's one-shot kernel decides for itself.
+
 Writes: auto_functionalized(commfold::allreduce_rmsnorm[.scaled], x, residual, weight,
 eps, offset, flags, comm[, scale]) -> getitem 0 (normed), getitem 1 (new residual: the op writes it
 over x, in place when Inductor's reinplacing finds x dead, into a copy otherwise).
@@ -43,7 +52,8 @@ from torch._inductor import config as inductor_config
 from torch._inductor.fx_utils import get_node_storage
 
 from commfold.context import PassContext
-from commfold.fx.nodes import nbytes, tensor_val
+from commfold.distributed.collectives import CommKind
+from commfold.fx.nodes import min_nbytes, nbytes, tensor_val
 from commfold.fx.edit import erase_if_dead, insert_call
 from commfold.ops import flashinfer_norm
 from commfold.ops.allreduce_rmsnorm import SUPPORTED_DTYPES, pack_flags
@@ -56,6 +66,9 @@ from commfold.patterns.vendor_fused import match_vendor_fusion
 from commfold.report import Comm
 
 PATTERN = "all_reduce->rmsnorm"
+# element size -> the least bytes at which the fused op is not slower on vLLM CPU's
+# shared-memory all-reduce (measured: see the module docstring)
+SHM_MIN_BYTES = {4: 256 * 1024, 2: 2 * 2**20}
 
 
 def run(ctx: PassContext) -> None:
@@ -66,7 +79,7 @@ def run(ctx: PassContext) -> None:
     two_shot = ctx.config.two_shot_min_bytes
     for ar, scale, norm in ctx.matches(PATTERN, allreduce_candidates(ctx.graph),
                                        _allreduce_norm):
-        why = _unsafe(ar, scale, norm)
+        why = _unsafe(ar, scale, norm) or (ctx.config.fuse_cost_rule and _slower(ar))
         if why:
             ctx.skipped(PATTERN, norm.output, why)
             continue
@@ -92,6 +105,21 @@ def _allreduce_norm(coll):
     if found is None and ar.reduce_op == "sum":
         return unmatched_norm(ar.reduced)
     return found
+
+
+def _slower(ar: AllReduce) -> str | None:
+    """Why the fused op would be slower here than the unfused program, or None."""
+    x = tensor_val(ar.input)
+    if not ar.comm.startswith(CommKind.VLLM_SHM.value + ":") or x.device.type != "cpu":
+        return None
+    least = SHM_MIN_BYTES.get(x.element_size())
+    size = min_nbytes(x)
+    if least is None or size >= least:
+        return None
+    return (f"cost rule: {size} bytes (its smallest size) is below {least} on vLLM CPU's "
+            f"shared-memory all-reduce, where the fused op is slower in {x.dtype} "
+            "(docs/performance.md; Config(fuse_cost_rule=False) or "
+            "COMMFOLD_FUSE_COST_RULE=0 fuses it)")
 
 
 def _unsafe(ar: AllReduce, scale: ResidualScale | None, norm: RMSNorm) -> str | None:

@@ -55,3 +55,14 @@ def test_vllm_pass_reads_the_environment_at_first_use(monkeypatch):
     monkeypatch.setenv("COMMFOLD_REPLICATE_MAX_BYTES", "1024")
     assert lazy.config == commfold.Config(passes=("local_argmax",), replicate_max_bytes=1024)
     assert VllmCommfoldPass(commfold.Config()).config == commfold.Config()  # given: no env
+
+
+def test_cost_rule_is_a_field_in_the_cache_key_and_an_environment_switch(monkeypatch):
+    on, off = commfold.Config(), commfold.Config(fuse_cost_rule=False)
+    assert on.fuse_cost_rule and on.key() != off.key()
+    assert commfold.CommfoldPass(on).uuid() != commfold.CommfoldPass(off).uuid()
+    monkeypatch.setenv("COMMFOLD_FUSE_COST_RULE", "0")
+    assert VllmCommfoldPass().config == off
+    monkeypatch.setenv("COMMFOLD_FUSE_COST_RULE", "off")
+    with pytest.raises(EnvError, match=r"COMMFOLD_FUSE_COST_RULE='off': set it to 0"):
+        VllmCommfoldPass().uuid()

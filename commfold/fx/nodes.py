@@ -72,6 +72,26 @@ def static_int(x) -> int | None:
     return None
 
 
+def lower_bound(x) -> int:
+    """The least value an int or SymInt can take (its ShapeEnv range; 0 if unknown)."""
+    n = static_int(x)
+    if n is not None:
+        return n
+    try:
+        low = x.node.shape_env.bound_sympy(x.node.expr).lower
+        return max(0, int(low)) if getattr(low, "is_finite", False) else 0
+    except Exception:
+        return 0
+
+
+def min_nbytes(t: torch.Tensor) -> int:
+    """The fewest bytes the tensor can hold over every size its symbols may take."""
+    n = t.element_size()
+    for d in t.shape:
+        n *= lower_bound(d)
+    return n
+
+
 def is_number(x) -> bool:
     """A Python int or float (a bool is not a number here)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool)

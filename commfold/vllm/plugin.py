@@ -47,6 +47,7 @@ from commfold.vllm.runtime import HookState
 ENV_ON = "COMMFOLD_VLLM"
 ENV_PASSES = "COMMFOLD_PASSES"
 ENV_REPLICATE = "COMMFOLD_REPLICATE_MAX_BYTES"
+ENV_COST_RULE = "COMMFOLD_FUSE_COST_RULE"
 PASS_KEY = "post_grad_custom_post_pass"
 _INDUCTOR_PASS_MODULE = "vllm.compilation.passes.inductor_pass"
 PASSES_HOOK = "graph passes"
@@ -78,6 +79,13 @@ def config_from_env(environ=os.environ) -> Config:
                            f"it to an integer >= 0 (e.g. 1048576) or unset it for the "
                            f"default {Config.replicate_max_bytes}")
         options["replicate_max_bytes"] = int(limit)
+    rule = environ.get(ENV_COST_RULE, "").strip()
+    if rule:
+        if rule not in ("0", "1"):
+            raise EnvError(f"commfold: {ENV_COST_RULE}={rule!r}: set it to 0 (fuse every "
+                           "all-reduce + RMSNorm site) or 1 (the default: not where the "
+                           "fused op was measured slower)")
+        options["fuse_cost_rule"] = rule == "1"
     return Config(**options)
 
 
