@@ -50,17 +50,24 @@ PATTERN = "all_gather->argmax"
 
 
 def run(ctx: PassContext) -> None:
-    fold_readbacks(ctx.graph)  # logits scaled in place: one reader again
-    for pick in ctx.matches(PATTERN, gather_candidates(ctx.graph),
-                           after_vocab_gather(match_greedy)):
-        if tensor_val(pick.pick.args[0]).dtype not in SUPPORTED_DTYPES:
-            ctx.skipped(PATTERN, pick.pick, "logits dtype not supported")
-            continue
-        why = tanh_refusal(pick.gather.shard, pick.elementwise)
-        if why:
-            ctx.skipped(PATTERN, pick.pick, why)
-            continue
+    for pick in qualified(ctx, PATTERN, match_greedy, lambda m: m.pick, SUPPORTED_DTYPES,
+                          "logits dtype not supported"):
         rewrite_pick(ctx, pick)
+
+
+def qualified(ctx: PassContext, pattern: str, match, reader, dtypes, dtype_reason: str):
+    """The matches of `match` after a vocab gather that a local pick can take: logits
+    of a dtype in `dtypes`, ops it can reproduce (tanh_refusal); the others recorded
+    as near-misses at reader(match)."""
+    fold_readbacks(ctx.graph)  # logits scaled in place: one reader again
+    for m in ctx.matches(pattern, gather_candidates(ctx.graph), after_vocab_gather(match)):
+        node = reader(m)
+        why = dtype_reason if tensor_val(node.args[0]).dtype not in dtypes else \
+            tanh_refusal(m.gather.shard, m.elementwise)
+        if why:
+            ctx.skipped(pattern, node, why)
+        else:
+            yield m
 
 
 def rewrite_pick(ctx: PassContext, m: GreedyPick, before: Comm | None = None) -> None:

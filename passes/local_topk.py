@@ -32,28 +32,18 @@ from commfold.context import PassContext
 from commfold.fx.nodes import nbytes, numel_times, tensor_val
 from commfold.fx.edit import erase_if_dead, insert_call
 from commfold.ops.local_topk import SUPPORTED_DTYPES
-from commfold.patterns.gather import after_vocab_gather, gather_candidates
-from commfold.patterns.slice_writeback import fold_readbacks
 from commfold.patterns.topk import TopK, match_topk
 from commfold.report import Comm
 
-from .local_argmax import shard_and_chain, tanh_refusal
+from .local_argmax import qualified, shard_and_chain
 
 PATTERN = "all_gather->topk"
 
 
 def run(ctx: PassContext) -> None:
-    fold_readbacks(ctx.graph)  # logits scaled in place: one reader again
-    for m in ctx.matches(PATTERN, gather_candidates(ctx.graph),
-                           after_vocab_gather(match_topk)):
-        if tensor_val(m.reader.args[0]).dtype not in SUPPORTED_DTYPES:
-            ctx.skipped(PATTERN, m.reader, "logits dtype not supported (float64: "
-                                           "no room for an index in a 64-bit key)")
-            continue
-        why = tanh_refusal(m.gather.shard, m.elementwise)
-        if why:
-            ctx.skipped(PATTERN, m.reader, why)
-            continue
+    for m in qualified(ctx, PATTERN, match_topk, lambda m: m.reader, SUPPORTED_DTYPES,
+                       "logits dtype not supported (float64: no room for an index in a "
+                       "64-bit key)"):
         _rewrite(ctx, m)
 
 
