@@ -18,8 +18,8 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                parallelize_module)
 
-from commfold.cli.demo_model import greedy_decode
-from harness.example import greedy_vs_inductor, run_example
+from commfold.cli.demo_model import greedy_decode, greedy_vs_inductor, show_comparison
+from commfold.distributed.ranks import run_here_or_spawn
 
 VOCAB, HIDDEN, LAYERS, HEADS, FFN = 1000, 64, 2, 4, 128
 BATCH, SEQ, STEPS = 4, 8, 4
@@ -108,4 +108,4 @@ def main() -> dict:
 
 
 if __name__ == "__main__":
-    run_example(main)
+    show_comparison(run_here_or_spawn(main))

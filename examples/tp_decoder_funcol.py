@@ -11,8 +11,9 @@ torch.compile backend changes.
     torchrun --nproc-per-node 2 -m examples.tp_decoder_funcol
     commfold diff examples/tp_decoder_funcol.py             # dump each rewrite
 """
-from commfold.cli.demo_model import DecoderConfig, TPDecoder, greedy_decode, sample_ids
-from harness.example import greedy_vs_inductor, run_example
+from commfold.cli.demo_model import (DecoderConfig, TPDecoder, greedy_decode,
+                                     greedy_vs_inductor, sample_ids, show_comparison)
+from commfold.distributed.ranks import run_here_or_spawn
 
 CONFIG = DecoderConfig(vocab=1001, hidden=64, layers=2, heads=4, ffn=128)  # 1001: padded
 BATCH, SEQ, STEPS = 4, 8, 4
@@ -26,4 +27,4 @@ def main() -> dict:
 
 
 if __name__ == "__main__":
-    run_example(main)
+    show_comparison(run_here_or_spawn(main))

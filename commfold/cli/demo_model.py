@@ -170,3 +170,32 @@ def sample_ids(cfg: DecoderConfig, batch: int, seq: int, seed: int = 1) -> torch
     """The same random prompt ids on every rank."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, cfg.vocab, (batch, seq), generator=g)
+
+
+def greedy_vs_inductor(decode, model, ids) -> dict:
+    """decode(step_fn, ids) with model compiled by stock Inductor and by commfold on
+    this rank; raises if the greedy tokens differ; returns this rank's tokens, report
+    summary and rewrites per pass (what the examples and `commfold diff` show)."""
+    import commfold
+
+    with torch.no_grad():
+        expected = decode(torch.compile(model, backend="inductor"), ids)
+        commfold.clear_reports()
+        tokens = decode(torch.compile(model, backend="commfold"), ids)
+    if not torch.equal(tokens, expected):
+        raise AssertionError(f"rank {dist.get_rank()}: commfold changed the greedy tokens:\n"
+                             f"{tokens}\nvs stock Inductor\n{expected}")
+    report = commfold.last_report()
+    return {"rank": dist.get_rank(), "tokens": tokens.tolist(), "summary": report.summary(),
+            "rewrites": {p: report.count(p) for p in commfold.ALL_PASSES}}
+
+
+def show_comparison(results: list) -> None:
+    """Print greedy_vs_inductor's results of every rank; exit 1 if ranks disagree."""
+    print(results[0]["summary"])
+    print("rewrites per pass, per rank:", [r["rewrites"] for r in results])
+    same = all(r["tokens"] == results[0]["tokens"] for r in results)
+    print(f"greedy tokens identical to stock Inductor on {len(results)} rank(s)"
+          f"{', and across ranks' if same else ''}: {results[0]['tokens']}")
+    if not same:
+        raise SystemExit("ranks produced different tokens")

@@ -351,6 +351,21 @@ def run_on_ranks(fn, world_size: int, *args, timeout: float = 300.0, compile_onc
         return pool.run(fn, *args, **kwargs)
 
 
+def run_here_or_spawn(fn, world_size: int = 2) -> list:
+    """Under torchrun or `commfold diff` (RANK set) this process is one rank: join the
+    gloo group, run fn(), leave; [fn()]. Otherwise spawn world_size gloo ranks on this
+    machine and run fn on each (run_on_ranks): every rank's result."""
+    if "RANK" not in os.environ:
+        return run_on_ranks(fn, world_size)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        return [fn()]
+    finally:
+        dist.destroy_process_group()
+
+
 @contextlib.contextmanager
 def environment(env: dict[str, str]):
     """os.environ with `env` set (an empty value unsets the variable) inside the
