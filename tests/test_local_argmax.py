@@ -112,7 +112,7 @@ def _run(pool, name, dtype_name, cases, with_inductor=False):
     return results
 
 
-@pytest.mark.parametrize("name", sorted(PROGRAMS))
+@pytest.mark.parametrize("name", sorted(set(PROGRAMS) - {"funcol_scaled_in_place"}))
 # 2 draws: hypothesis's simplest case, then 2 random ones (each case compiles the
 # program on every rank; COMMFOLD_HYPOTHESIS=random draws fresh ones each run)
 @settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
@@ -120,6 +120,15 @@ def _run(pool, name, dtype_name, cases, with_inductor=False):
        dtype_name=st.sampled_from(sorted(DTYPES)))
 def test_same_tokens_2_ranks(ranks2, name, cases, dtype_name):
     _run(ranks2, name, dtype_name, cases)
+
+
+def test_logits_scaled_in_place(ranks2):
+    """vLLM's LogitsProcessor spelling, `full[:, :vocab] *= 1 / T`: functionalized, the
+    row is read back from a slice_scatter; the pick is still local (one fixed case:
+    the spelling, not the values, is what is new; vLLM's own processor in
+    test_vllm_top_tokens.py)."""
+    _run(ranks2, "funcol_scaled_in_place", "f32",
+         [{"rows": 4, "vocab": 301, "seed": 5, "special": "ties"}])
 
 
 # past hypothesis's simplest case, with a shard of real columns on each of 4 ranks
