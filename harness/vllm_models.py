@@ -77,6 +77,7 @@ ENGINE_ENV = {
     "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
     "TOKENIZERS_PARALLELISM": "false",
     "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc(pause_target_pick)
+    "COMMFOLD_FUSE_COST_RULE": "0",  # every rewrite shown: harness/vllm_engine.py, BASE_ENV
 }
 # Inductor's CPU ISA probe done once here, not in every worker (~35 s a start)
 from harness.vllm_engine import fast_start_env, share_modelinfos  # noqa: E402
@@ -159,6 +160,51 @@ def sampling_outputs(llm, max_tokens: int) -> dict:
 
 
 TOKENS_MARK = "COMMFOLD_TOKENS "
+
+
+def engine_pair(tmp: Path, model: Path, dtype: str, route: str, torch_wrap: bool = False,
+                replicate_max: str | None = None, batches: bool = False,
+                timeout: float = 900) -> list[tuple]:
+    """Two engine runs in one subprocess (this file run as a script: vLLM's imports paid
+    once), commfold off, then on by `route` ("named" or "plugin"), sharing vLLM's and
+    Inductor's cache directories (fresh under `tmp`): per run (tokens, reports,
+    steps) - its greedy tokens (or {"greedy": tokens, batch: outputs} with `batches`),
+    the per-rank commfold reports (the dicts the workers wrote to COMMFOLD_REPORT_DIR)
+    and the per-rank engine step collective logs (read_step_logs). The subprocess's
+    output is kept in tmp/engine-std{out,err}.txt.
+    replicate_max: COMMFOLD_REPLICATE_MAX_BYTES of the commfold run (None: the default)."""
+    import glob
+
+    from commfold.distributed.comm_log import read_step_logs
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMMFOLD_")}
+    # the runner is a script of the checkout: its harness/ imports from the root
+    root = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    env.update(ENGINE_ENV, VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),
+               TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor-cache"))
+    runs, dirs = [], []
+    for r in (None, route):
+        name = r or "off"
+        dirs.append((tmp / f"reports-{name}", tmp / f"comm-log-{name}"))
+        run_env = {"COMMFOLD_REPORT_DIR": str(dirs[-1][0]),
+                   "COMMFOLD_COMM_LOG_DIR": str(dirs[-1][1]),
+                   "COMMFOLD_VLLM": "1" if r == "plugin" else "",
+                   "COMMFOLD_REPLICATE_MAX_BYTES": replicate_max if r and replicate_max else ""}
+        runs.append({"env": run_env, "kwargs": dict(
+            model=str(model), dtype=dtype, torch_wrap=torch_wrap,
+            commfold_route=r if r == "named" else None, sampling_batches=batches)})
+    proc = subprocess.run([sys.executable, __file__, json.dumps(runs)], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    (tmp / "engine-stdout.txt").write_text(proc.stdout)  # kept for a look afterwards
+    (tmp / "engine-stderr.txt").write_text(proc.stderr)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith(TOKENS_MARK)]
+    out = []
+    for tokens, (reports, comm_log) in zip(json.loads(line[len(TOKENS_MARK):]), dirs):
+        found = [json.loads(Path(f).read_text()) for f in sorted(glob.glob(f"{reports}/*.json"))]
+        out.append((tokens, found, read_step_logs(comm_log)))
+    return out
 
 
 

@@ -143,7 +143,7 @@ def pytest_sessionfinish(session, exitstatus):
 # so its module fixtures run once (the V2 and DSpark modules among them, each with a
 # vLLM pool of its own: off the vLLM group's chain, the suite's longest).
 VLLM_MODULES = {"test_cpu_portability", "test_fuse_vllm_shm", "test_fuse_vllm_spellings",
-                "test_vllm_draft_pick", "test_vllm_engine",
+                "test_vllm_draft_pick", "test_vllm_engine", "test_vllm_families",
                 "test_vllm_hook_states",
                 "test_vllm_registration", "test_vllm_spec_decode", "test_vllm_target_pick",
                 "test_vllm_top_tokens"}

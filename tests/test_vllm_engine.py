@@ -26,25 +26,17 @@ every run), and Qwen3 fp32 through the named pass, with and without vLLM's IR op
 """
 from __future__ import annotations
 
-import glob
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from harness.vllm_models import ENGINE_ENV, SIZES, TOKENS_MARK, require_vllm_installed, write_model
+from harness.vllm_models import SIZES, engine_pair, require_vllm_installed, write_model
 
 pytestmark = require_vllm_installed()
 
 from commfold.report import Report  # noqa: E402
-from commfold.distributed.comm_log import read_step_logs  # noqa: E402
 from commfold.vllm.step_checks import target_pick_problems  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-RUNNER = str(ROOT / "harness" / "vllm_models.py")
 LAYERS = SIZES["num_hidden_layers"]
 HIDDEN = SIZES["hidden_size"]
 VOCAB_SHARD = 512  # vocab 1000, padded to a multiple of 64 x TP: 1024 rows, 512 a rank
@@ -74,46 +66,13 @@ else:
     pytest.skip("engine pairs are opt-in (~4 CPU-minutes each): COMMFOLD_VLLM_ALL_CASES=1",
                 allow_module_level=True)
 
-def _engine_pair(tmp: Path, model: Path, dtype: str, route: str, torch_wrap: bool,
-                 replicate_max: str | None, batches: bool = False) -> list[dict]:
-    """Two engine runs in one subprocess (vLLM's imports paid once), commfold off,
-    then on by `route`, sharing vLLM's and Inductor's cache directories: per run its
-    greedy tokens (or {"greedy": tokens, batch: outputs} with batches), per-rank
-    commfold reports and per-rank engine step collective logs."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COMMFOLD_")}
-    # the runner is a script of the checkout: its harness/ imports from the root
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env.update(ENGINE_ENV, VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),
-               TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor-cache"))
-    runs, dirs = [], []
-    for r in (None, route):
-        name = r or "off"
-        dirs.append((tmp / f"reports-{name}", tmp / f"comm-log-{name}"))
-        run_env = {"COMMFOLD_REPORT_DIR": str(dirs[-1][0]),
-                   "COMMFOLD_COMM_LOG_DIR": str(dirs[-1][1]),
-                   "COMMFOLD_VLLM": "1" if r == "plugin" else "",
-                   "COMMFOLD_REPLICATE_MAX_BYTES": replicate_max if r and replicate_max else ""}
-        runs.append({"env": run_env, "kwargs": dict(
-            model=str(model), dtype=dtype, torch_wrap=torch_wrap,
-            commfold_route=r if r == "named" else None, sampling_batches=batches)})
-    proc = subprocess.run([sys.executable, RUNNER, json.dumps(runs)], env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
-    (line,) = [x for x in proc.stdout.splitlines() if x.startswith(TOKENS_MARK)]
-    out = []
-    for tokens, (reports, comm_log) in zip(json.loads(line[len(TOKENS_MARK):]), dirs):
-        found = [json.loads(Path(f).read_text()) for f in sorted(glob.glob(f"{reports}/*.json"))]
-        out.append((tokens, found, read_step_logs(comm_log)))
-    return out
-
-
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
 def engine_case(request, tmp_path_factory):
     arch, dtype, route, torch_wrap, replicate_max = CASES[request.param]
     tmp = tmp_path_factory.mktemp(request.param)
     model = write_model(tmp / "model", arch, weights=True)
     batches = request.param in SAMPLING_CASES
-    (base, base_reports, base_steps), (out, reports, steps) = _engine_pair(
+    (base, base_reports, base_steps), (out, reports, steps) = engine_pair(
         tmp, model, dtype, route, torch_wrap, replicate_max, batches)
     return dict(base_tokens=base["greedy"] if batches else base, base_reports=base_reports,
                 tokens=out["greedy"] if batches else out, reports=reports, dtype=dtype,
