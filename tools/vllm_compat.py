@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from commfold.vllm import draft, step_log, target_pick, target_pick_v2  # noqa: E402
+from commfold.vllm import draft, plugin, step_log, target_pick, target_pick_v2  # noqa: E402
 from commfold.vllm.decision import LEFT_TO_VLLM, STRICT_GREEDY  # noqa: E402
 from commfold.vllm.runtime import TESTED  # noqa: E402
 
@@ -55,6 +55,7 @@ HOOKS = {"graph passes": PLUGIN_POINTS, "step log (V1)": step_log.HOOK_POINTS,
          **{f"{h} (V2)": p for h, p in draft.HOOK_POINTS_V2.items()},
          "target pick (V1)": target_pick.HOOK_POINTS,
          "target pick (V2)": target_pick_v2.HOOK_POINTS,
+         "Ray workers' settings (read)": plugin.RAY_POINTS,
          "runner choice, verification method (read)": READS}
 
 

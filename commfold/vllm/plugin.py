@@ -32,9 +32,11 @@ pass that vLLM wrapped before the registration.
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import sys
 
+from commfold.vllm import hook_points
 from commfold.vllm import step_log
 from commfold.vllm import draft
 from commfold.vllm import runtime
@@ -43,6 +45,8 @@ from commfold.vllm import target_pick_v2
 from commfold.config import ALL_PASSES, Config, unknown_passes
 from commfold.manager import CommfoldPass
 from commfold.vllm.runtime import HookState
+
+log = logging.getLogger("commfold")
 
 ENV_ON = "COMMFOLD_VLLM"
 ENV_PASSES = "COMMFOLD_PASSES"
@@ -140,6 +144,9 @@ def configure(vllm_config) -> None:
 
 
 RAY_PREFIXES = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
+# where vLLM's Ray executor reads that list (tools/vllm_compat.py checks it per release)
+RAY_POINTS = (("vllm.ray.ray_env:get_env_vars_to_copy",
+               "envs.VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"),)
 
 
 def carry_to_ray_workers(environ=os.environ) -> bool:
@@ -154,6 +161,14 @@ def carry_to_ray_workers(environ=os.environ) -> bool:
     if "COMMFOLD_" in have:
         return False
     environ[RAY_PREFIXES] = ",".join(sorted(have | {"COMMFOLD_"}))
+    gone = hook_points.missing(RAY_POINTS)
+    if gone:
+        log.warning("commfold: Ray workers may not get the COMMFOLD_* settings: vLLM no "
+                    "longer reads %s where commfold expects it (%s); mp workers do",
+                    RAY_PREFIXES, gone[0])
+    else:
+        log.info("commfold: %s lists COMMFOLD_: Ray workers get commfold's settings",
+                 RAY_PREFIXES)
     return True
 
 
