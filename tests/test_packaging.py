@@ -55,6 +55,21 @@ def test_the_library_never_imports_the_checkouts_scaffolding():
     assert offenders == []
 
 
+def test_import_needs_only_the_declared_dependencies():
+    """torch does not require numpy (a torch-only venv has none): importing commfold
+    and each of its modules, the vLLM ones included (they import vLLM only when
+    called), must not need it either. Found by the torch matrix's fresh venvs."""
+    import subprocess
+    import sys
+
+    code = ("import sys, pkgutil, importlib; sys.modules['numpy'] = None; import commfold; "
+            "[importlib.import_module(m.name) for m in pkgutil.walk_packages("
+            "commfold.__path__, 'commfold.') if not m.name.endswith('__main__')]")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def _pyproject() -> dict:
     try:
         import tomllib

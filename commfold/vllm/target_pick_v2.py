@@ -33,7 +33,6 @@ from __future__ import annotations
 import logging
 import os
 
-import numpy as np
 import torch
 
 from commfold.vllm import step_log
@@ -120,9 +119,9 @@ def step_of(runner, input_batch) -> V2Step:
     logprobs = sampler.get_logprobs_dims(idx) is not None
     return V2Step(
         temperatures=tuple(float(t) for t in states.temperature.np[idx]),
-        top_k_or_p=bool(np.any(states.top_k.np[idx] != states.vocab_size)
-                        or np.any(states.top_p.np[idx] != 1.0)),
-        needs_processing=bool(np.any(sampler.needs_logits_processing[idx])),
+        top_k_or_p=bool((states.top_k.np[idx] != states.vocab_size).any()
+                        or (states.top_p.np[idx] != 1.0).any()),
+        needs_processing=bool(sampler.needs_logits_processing[idx].any()),
         logprobs=logprobs, sampler=type(sampler).__name__,
         trace_replay=getattr(sampler, "trace_replay_state", None) is not None,
         sampling_mask=bool(getattr(sampler, "return_sampling_mask", False)),
@@ -200,7 +199,7 @@ def verify(runner, input_batch, argmax, prefill_len):
     draft, _ = gather_draft_sampled(
         input_batch.input_ids, input_batch.positions, input_batch.logits_indices,
         input_batch.expanded_idx_mapping, input_batch.expanded_local_pos, prefill_len)
-    cu = torch.from_numpy(np.asarray(input_batch.cu_num_logits_np, dtype=np.int64))
+    cu = torch.as_tensor(input_batch.cu_num_logits_np, dtype=torch.int64)
     reqs, steps = input_batch.num_reqs, runner.rejection_sampler.num_speculative_steps
     counts = (cu[1:] - cu[:-1]).to(argmax.device)
     req = torch.repeat_interleave(torch.arange(reqs, device=argmax.device), counts)
