@@ -50,17 +50,17 @@ PATTERN = "all_gather->argmax"
 
 
 def run(ctx: PassContext) -> None:
-    for pick in qualified(ctx, PATTERN, match_greedy, lambda m: m.pick, SUPPORTED_DTYPES,
-                          "logits dtype not supported"):
+    for pick in qualified(ctx, PATTERN, after_vocab_gather(match_greedy), lambda m: m.pick,
+                          SUPPORTED_DTYPES, "logits dtype not supported"):
         rewrite_pick(ctx, pick)
 
 
-def qualified(ctx: PassContext, pattern: str, match, reader, dtypes, dtype_reason: str):
-    """The matches of `match` after a vocab gather that a local pick can take: logits
-    of a dtype in `dtypes`, ops it can reproduce (tanh_refusal); the others recorded
-    as near-misses at reader(match)."""
+def qualified(ctx: PassContext, pattern: str, matcher, reader, dtypes, dtype_reason: str):
+    """The matches of `matcher` (a recognizer after a vocab gather) that a local pick
+    can take: logits of a dtype in `dtypes`, ops it can reproduce (tanh_refusal); the
+    others recorded as near-misses at reader(match)."""
     fold_readbacks(ctx.graph)  # logits scaled in place: one reader again
-    for m in ctx.matches(pattern, gather_candidates(ctx.graph), after_vocab_gather(match)):
+    for m in ctx.matches(pattern, gather_candidates(ctx.graph), matcher):
         node = reader(m)
         why = dtype_reason if tensor_val(node.args[0]).dtype not in dtypes else \
             tanh_refusal(m.gather.shard, m.elementwise)

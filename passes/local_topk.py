@@ -32,6 +32,7 @@ from commfold.context import PassContext
 from commfold.fx.nodes import nbytes, numel_times, tensor_val
 from commfold.fx.edit import erase_if_dead, insert_call
 from commfold.ops.local_topk import SUPPORTED_DTYPES
+from commfold.patterns.gather import after_vocab_gather
 from commfold.patterns.topk import TopK, match_topk
 from commfold.report import Comm
 
@@ -41,7 +42,8 @@ PATTERN = "all_gather->topk"
 
 
 def run(ctx: PassContext) -> None:
-    for m in qualified(ctx, PATTERN, match_topk, lambda m: m.reader, SUPPORTED_DTYPES,
+    for m in qualified(ctx, PATTERN, after_vocab_gather(match_topk), lambda m: m.reader,
+                       SUPPORTED_DTYPES,
                        "logits dtype not supported (float64: no room for an index in a "
                        "64-bit key)"):
         _rewrite(ctx, m)
