@@ -13,7 +13,8 @@ program runs several rewrite sites (and distractors) in ONE compiled graph:
   must leave them.
 - ``norm``: partial sums -> all-reduce (funcol, funcol + explicit wait, in-place
   dist.all_reduce, DTensor Partial -> Replicate) -> optional scale of the reduced
-  branch (``x * c`` or ``x / c``: Granite's residual multiplier, MiniCPM's scale_depth)
+  branch (``x * c`` or ``x / c``: Granite's residual multiplier, MiniCPM's scale_depth;
+  by a 0-d tensor of x's dtype, a graph input: Gemma's ``x *= normalizer``)
   -> optional residual add -> RMSNorm (hand-written, F.rms_norm, Gemma 1 + w) in
   f32 / bf16. Distractor: a max / avg / min reduction (not a sum): no fusion.
 - ``embed``: vocab-parallel embedding (range mask, offset, lookup, zero rows,
@@ -31,6 +32,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from hypothesis import strategies as st
+
+from harness.models_norm import scale_branch
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 TOLERANCE = {"f32": 1e-5, "bf16": 2 ** -7, "logprob": 1e-6}  # relative (floor 1), vs plain Inductor
@@ -74,9 +77,12 @@ norm_block = st.fixed_dictionaries({
     "tokens": st.integers(1, 6), "hidden": st.sampled_from([8, 16, 48]),
     "residual": st.booleans(), "eps": st.sampled_from([1e-6, 1e-5]),
     "reduce": st.sampled_from(["sum", "sum", "sum", "max", "avg", "min"]),
-    # a scaled residual branch: None (none), a factor, or ("div", c)
+    # a scaled residual branch: None (none), a factor, or (spelling, c): ("div", c),
+    # by a 0-d tensor ("tensor", "itensor": in place, "tdiv")
     "scale": st.one_of(st.none(), st.sampled_from([0.22, -1.5, 1.0, 2.0**-10, 12.0]),
-                       st.tuples(st.just("div"), st.sampled_from([3.0, -0.5]))),
+                       st.tuples(st.just("div"), st.sampled_from([3.0, -0.5])),
+                       st.tuples(st.sampled_from(["tensor", "itensor", "tdiv"]),
+                                 st.sampled_from([0.22, -1.5, 45.25]))),
 })
 embed_block = st.fixed_dictionaries({
     "kind": st.just("embed"), "seed": seeds,
@@ -310,8 +316,8 @@ def _norm(b, x, r, w):
     coll = b["coll"] if b["reduce"] != "avg" or b["coll"] != "inplace" else "funcol"
     y = _all_reduce(x, coll, b["reduce"])
     scale = b.get("scale")
-    if isinstance(scale, (tuple, list)):  # ("div", c)
-        y = y / scale[1]
+    if isinstance(scale, (tuple, list)):  # (spelling, c)
+        y = scale_branch(y, scale[1], scale[0])
     elif scale is not None:
         y = y * scale
     if b["residual"]:

@@ -97,7 +97,8 @@ ALL_REDUCES = {"funcol": ar_funcol, "funcol_wait": ar_funcol_wait, "inplace": ar
 def scale_branch(y, scale, spelling="mul"):
     """A scaled residual branch, as decoders write it: Granite's
     ``y * residual_multiplier`` ("mul"), ``c * y`` ("rmul"), ``y / c`` ("div"), the
-    in-place ``y *= c`` of Granite's embedding ("imul")."""
+    in-place ``y *= c`` of Granite's embedding ("imul"); by a 0-d tensor of y's dtype
+    ``y * t`` ("tensor"), Gemma's ``y *= normalizer`` ("itensor"), ``y / t`` ("tdiv")."""
     if spelling == "mul":
         return y * scale
     if spelling == "rmul":
@@ -107,7 +108,33 @@ def scale_branch(y, scale, spelling="mul"):
     if spelling == "imul":
         y *= scale
         return y
+    t = scale_tensor(scale, y.dtype)  # a 0-d tensor: a graph input, as a buffer is
+    if spelling == "tensor":
+        return y * t
+    if spelling == "itensor":  # Gemma's embedding: `hidden_states *= self.normalizer`
+        y *= t
+        return y
+    if spelling == "tdiv":
+        return y / t
     raise ValueError(spelling)
+
+
+_SCALE_TENSORS: dict = {}
+
+
+def scale_tensor(scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """The 0-d tensor the tensor spellings scale by (one per value and dtype)."""
+    return _SCALE_TENSORS.setdefault((scale, dtype), torch.tensor(scale, dtype=dtype))
+
+
+def scale_value(scale: float, spelling: str, dtype: torch.dtype) -> float:
+    """The factor a program scales by: a number rounded to f32 (as Inductor's code
+    holds it), a tensor spelling's value in its dtype."""
+    return float(torch.tensor(scale, dtype=dtype if spelling in TENSOR_SCALES
+                              else torch.float32))
+
+
+TENSOR_SCALES = ("tensor", "itensor", "tdiv")
 
 
 def make_block(norm: str, coll: str, residual: bool, res_first: bool, eps: float,

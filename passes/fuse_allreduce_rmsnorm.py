@@ -3,7 +3,8 @@ RMSNorm after it become one commfold::allreduce_rmsnorm call.
 
 Uses: patterns.allreduce.AllReduce (any spelling: c10d functional, in-place
 dist.all_reduce, DTensor, vLLM), patterns.residual_scale.ResidualScale (a scaled
-residual branch, residual + all_reduce(x) * c: Granite, MiniCPM) and
+residual branch, residual + all_reduce(x) * c: Granite, MiniCPM; Gemma's embedding
+times its 0-d ``normalizer`` tensor) and
 patterns.rmsnorm.RMSNorm (hand-written f32 / bf16 / fp16, F.rms_norm / nn.RMSNorm,
 Gemma's 1 + w, no weight, vLLM's f32-sum fused add + norm, vLLM's IR ops). A sum
 all-reduce that reaches an RMSNorm within a few elementwise ops but matches nothing
@@ -38,9 +39,10 @@ docs/performance.md, "The fused norm's cost rule"). A site whose smallest possib
 near-miss. On gloo the all-reduce's latency dominates and sites are fused; on CUDA
 FlashInfer's one-shot kernel decides for itself.
 
-Writes: auto_functionalized(commfold::allreduce_rmsnorm[.scaled], x, residual, weight,
-eps, offset, flags, comm[, scale]) -> getitem 0 (normed), getitem 1 (new residual: the op writes it
-over x, in place when Inductor's reinplacing finds x dead, into a copy otherwise).
+Writes: auto_functionalized(commfold::allreduce_rmsnorm[.scaled | .scaled_tensor], x,
+residual, weight, eps, offset, flags, comm[, scale]) -> getitem 0 (normed), getitem 1
+(new residual: the op writes it over x, in place when Inductor's reinplacing finds x
+dead, into a copy otherwise).
 """
 from __future__ import annotations
 
@@ -137,7 +139,7 @@ def _unsafe(ar: AllReduce, scale: ResidualScale | None, norm: RMSNorm) -> str | 
             and tensor_val(ar.input).device.type in flashinfer_norm.DEVICE_TYPES:
         return flashinfer_norm.NO_SCALE
     # FX nodes compare by graph position (O(1)): no per-match walk of the graph
-    last_input = max(n for n in (ar.collective, norm.residual, norm.weight) if n is not None)
+    last_input = _last_operand(ar, scale, norm)
     readers = [u for n in (norm.h, norm.output) if n is not None for u in n.users
                if u not in norm.inner and u is not norm.output]
     if any(not u > last_input for u in readers):
@@ -154,7 +156,7 @@ def _rewrite(ctx: PassContext, ar: AllReduce, scale: ResidualScale | None, norm:
     emulate = bool(inductor_config.emulate_precision_casts) or norm.eager
     lowp = norm.dtype != torch.float32
     scaled = scale is not None and not scale.identity
-    anchor = max(n for n in (ar.collective, norm.residual, norm.weight) if n is not None)
+    anchor = _last_operand(ar, scale, norm)
     flags = pack_flags(
         offset_in_weight_dtype=norm.offset_in_weight_dtype and emulate,
         round_before_weight=norm.round_before_weight and emulate,
@@ -176,7 +178,8 @@ def _rewrite(ctx: PassContext, ar: AllReduce, scale: ResidualScale | None, norm:
                                            like=norm.output)
     op, args = torch.ops.commfold.allreduce_rmsnorm.default, {}
     if scaled:
-        op, args = torch.ops.commfold.allreduce_rmsnorm.scaled, dict(scale=scale.value)
+        op = torch.ops.commfold.allreduce_rmsnorm
+        op, args = op.scaled if scale.number else op.scaled_tensor, dict(scale=scale.value)
     with graph.inserting_after(anchor):
         fused = insert_call(
             graph, auto_functionalized, (op,),
@@ -208,6 +211,13 @@ def _rewrite(ctx: PassContext, ar: AllReduce, scale: ResidualScale | None, norm:
                 detail=_detail(x, norm, scale if scaled else None))
 
 
+def _last_operand(ar: AllReduce, scale: ResidualScale | None, norm: RMSNorm
+                  ) -> torch.fx.Node:
+    """The fused op's operand defined last: the op goes after it."""
+    c = scale.value if scale is not None and not scale.number else None
+    return max(n for n in (ar.collective, norm.residual, norm.weight, c) if n is not None)
+
+
 def _aliases(x: torch.fx.Node, *others) -> bool:
     """Whether another operand shares x's storage (the node itself or a view of it)."""
     mine = get_node_storage(x)
@@ -229,7 +239,7 @@ def _stored(norm: RMSNorm) -> bool:
 
 def _detail(x, norm: RMSNorm, scale: ResidualScale | None) -> str:
     parts = [str(x.dtype).replace("torch.", ""),
-             *([f"scaled ({'/' if scale.divides else '*'}{scale.value:g})"] if scale else []),
+             *([f"scaled ({'/' if scale.divides else '*'}{_scale_text(scale)})"] if scale else []),
              "+residual" if norm.residual is not None else "no residual",
              "no weight" if norm.weight is None else
              ("weight (1+w)" if norm.offset == 1.0 else
@@ -242,3 +252,7 @@ def _detail(x, norm: RMSNorm, scale: ResidualScale | None) -> str:
     elif norm.sum_in_f32:
         parts.append("f32 sum")
     return ", ".join(parts)
+
+
+def _scale_text(scale: ResidualScale) -> str:
+    return f"{scale.value:g}" if scale.number else "0-d tensor"

@@ -3,11 +3,15 @@ the branch they add to the residual stream (vLLM's Granite,
 ``residual + x * residual_multiplier``, its embedding ``x *= embedding_multiplier``;
 MiniCPM, ``x * (scale_depth / sqrt(num_layers))``). Post-grad (torch 2.13) spells it
 
-    m = mul.Tensor(x, c) | mul.Tensor(c, x) | div.Tensor(x, c)    (c a Python number)
+    m = mul.Tensor(x, c) | mul.Tensor(c, x) | div.Tensor(x, c)
 
-and m keeps x's dtype (a Python number never promotes a float tensor). Inductor's CPU
-code computes m in f32 (c rounded to f32) and inlines it into the add, unrounded; on
-CUDA it turns a division by a constant into a multiply by its reciprocal.
+with c a Python number, or a 0-d tensor of x's dtype (Gemma's ``x *= normalizer``, a
+buffer: a graph input whose value the graph does not know). m keeps x's dtype (neither
+promotes a float tensor). Inductor's CPU code computes m in f32 (c rounded to f32; a
+0-d tensor of x's dtype is exact in f32) and inlines it into the add, unrounded; on
+CUDA it turns a division by a constant into a multiply by its reciprocal. A 0-d tensor
+of another dtype is no scale here: Inductor first casts it to x's dtype (rounding it),
+eager ATen does not.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from commfold.fx.nodes import dtype_of, is_call, is_number
+from commfold.fx.nodes import dtype_of, is_call, is_number, tensor_val
 
 from .common import aten
 
@@ -24,13 +28,17 @@ from .common import aten
 class ResidualScale:
     x: fx.Node  # the value scaled
     scaled: fx.Node  # m, what the residual add (or the norm) reads
-    value: float  # c
+    value: float | fx.Node  # c: a number, or the node of a 0-d tensor of x's dtype
     divides: bool  # m = x / c (else x * c)
 
     @property
     def identity(self) -> bool:
         """x * 1 and x / 1 are x exactly: nothing to apply."""
-        return self.value == 1.0
+        return self.value == 1.0 if self.number else False
+
+    @property
+    def number(self) -> bool:
+        return not isinstance(self.value, fx.Node)
 
 
 def match_residual_scale(x: fx.Node) -> ResidualScale | None:
@@ -43,14 +51,26 @@ def match_residual_scale(x: fx.Node) -> ResidualScale | None:
 
 
 def scale_of(node: fx.Node, x: fx.Node) -> ResidualScale | None:
-    """node as a scale of x by a number, or None."""
+    """node as a scale of x by a number or a 0-d tensor of x's dtype, or None."""
     if node.kwargs or len(node.args) != 2 or dtype_of(node) != dtype_of(x):
         return None
     a, b = node.args
     if is_call(node, aten.mul.Tensor):
         c = b if a is x else a if b is x else None
-        if is_number(c):
-            return ResidualScale(x, node, float(c), False)
-    if is_call(node, aten.div.Tensor) and a is x and is_number(b) and b != 0:
-        return ResidualScale(x, node, float(b), True)
+        if is_number(c) or _scalar_tensor(c, x):
+            return ResidualScale(x, node, c if _scalar_tensor(c, x) else float(c), False)
+    if is_call(node, aten.div.Tensor) and a is x and b is not x:
+        if is_number(b) and b != 0:
+            return ResidualScale(x, node, float(b), True)
+        if _scalar_tensor(b, x):
+            return ResidualScale(x, node, b, True)
     return None
+
+
+def _scalar_tensor(c, x: fx.Node) -> bool:
+    """c is the node of a 0-d tensor of x's dtype, on x's device (or the CPU)."""
+    if not isinstance(c, fx.Node) or c is x:
+        return False
+    t, v = tensor_val(c), tensor_val(x)
+    return (t is not None and v is not None and t.dim() == 0 and t.dtype == v.dtype
+            and t.device.type in (v.device.type, "cpu"))

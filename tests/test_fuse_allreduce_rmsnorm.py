@@ -14,7 +14,7 @@ from commfold.ops import add_rmsnorm_cpu
 from commfold.ops.allreduce_rmsnorm import Scale, composite_add_norm
 from commfold.distributed.comm_log import record_collectives
 
-from harness.models_norm import OFFSET, build_decoder, make_block
+from harness.models_norm import OFFSET, build_decoder, make_block, scale_value
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 OP = "commfold::allreduce_rmsnorm"
@@ -39,8 +39,9 @@ def _reference(case, xs, r, w) -> torch.Tensor:
     """The exact (f64) result for the low-precision inputs."""
     h = xs.double().sum(0)
     if case.get("residual_scale") is not None:  # the graph's own f32 scalar
-        c = float(torch.tensor(case["residual_scale"], dtype=torch.float32))
-        h = h / c if case.get("scale_spelling") == "div" else h * c
+        spelling = case.get("scale_spelling", "mul")
+        c = scale_value(case["residual_scale"], spelling, xs.dtype)
+        h = h / c if spelling in ("div", "tdiv") else h * c
     h = h + (r.double() if case["residual"] else 0)
     n = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + case["eps"])
     return n * (w.double() + OFFSET.get(case["norm"], 0.0)) if case.get("weight", True) else n

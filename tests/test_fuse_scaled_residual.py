@@ -1,6 +1,7 @@
 """fuse_allreduce_rmsnorm on a scaled residual branch, residual + all_reduce(x) * c
 (vLLM's Granite residual and embedding multipliers, MiniCPM's scale_depth), on real
-gloo ranks: each site fused once (the op's scaled overload), the new residual
+gloo ranks: each site fused once (the op's scaled overloads: by a number, by a 0-d
+tensor as Gemma's normalizer), the new residual
 bit-equal to the unfused compiled program's, the normed output within its
 tolerances (f32 1e-5 relative; bf16/fp16 no further from an f64 reference), the
 graph's own collective once, for every scale spelling and scales negative, tiny,
@@ -38,7 +39,11 @@ FIXED = [_case("bf16", "hand", True, 0.22),
          _case("f16", "vllm_w32", True, 12.0, "imul", hidden=200),
          _case("bf16", "functional", False, 12.0, "imul", coll="inplace"),
          _case("f32", "hand", False, 0.5, weight=False),
-         _case("bf16", "gemma_lowp", True, 1.0, "mul", eps=0.25)]
+         _case("bf16", "gemma_lowp", True, 1.0, "mul", eps=0.25),
+         # by a 0-d tensor of the value's dtype, a graph input: Gemma's embedding
+         # `x *= normalizer` (no residual), and a divisor with a residual
+         _case("bf16", "gemma", False, 96**0.5, "itensor", coll="inplace"),
+         _case("f32", "hand", True, -3.7, "tdiv", res_first=True)]
 
 
 def test_scaled_spellings(ranks2):
@@ -60,7 +65,7 @@ def test_scaled_emulated_precision_casts(ranks2):
 def _in_range(case):
     """A divisor of at least 1 in magnitude: x / tiny overflows fp16 (NaN both ways)."""
     c = case["residual_scale"]
-    if case["scale_spelling"] == "div" and abs(c) < 1.0:
+    if case["scale_spelling"] in ("div", "tdiv") and abs(c) < 1.0:
         case = dict(case, residual_scale=1.0 / c)
     return case
 
@@ -75,7 +80,8 @@ scaled_case = st.fixed_dictionaries({
     "res_first": st.booleans(),
     "residual_scale": st.one_of(st.sampled_from(SCALES),
                                 st.floats(-64.0, 64.0).filter(lambda c: abs(c) >= 2.0**-30)),
-    "scale_spelling": st.sampled_from(["mul", "rmul", "div", "imul"]),
+    "scale_spelling": st.sampled_from(["mul", "rmul", "div", "imul", "tensor", "itensor",
+                                       "tdiv"]),
     "scale": st.sampled_from([1.0, 1e-3, 30.0]),
     "seed": st.integers(0, 10_000),
     "tokens": st.tuples(st.integers(2, 300), st.just(1)),

@@ -47,6 +47,7 @@ COVERAGE = [
      _norm("inplace", "gemma", "bf16", True), _norm("dtensor", "hand", "f32", True),
      _norm("inplace", "functional", "bf16", True, scale=0.22),
      _norm("dtensor", "gemma", "f32", False, scale=("div", 3.0)),
+     _norm("inplace", "gemma", "bf16", False, scale=("itensor", 45.25)),
      dict(kind="embed", seed=3, vocab=11, hidden=4, ids=(2, 3), spelling="masked_fill",
           coll="funcol"),
      dict(kind="embed", seed=4, vocab=7, hidden=8, ids=(1, 5), spelling="where", coll="inplace"),

@@ -44,13 +44,44 @@ def test_scale_spellings(dtype, spelling, value, divides):
     assert norm.residual is placeholders(g)[1] and norm.weight is placeholders(g)[2]
 
 
+@pytest.mark.parametrize("dtype", [f32, bf16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("spelling,divides", [("tensor", False), ("itensor", False),
+                                              ("tdiv", True)])
+def test_scale_by_a_0d_tensor(dtype, spelling, divides):
+    """y * t, Gemma's y *= normalizer and y / t, t a 0-d tensor of y's dtype lifted as
+    a graph input (as a module buffer is): the scale's value is the node."""
+    t = torch.tensor(33.0**0.5, dtype=dtype)
+    g = post_grad(lambda x, r, w, t: (lambda y: (_rms(r + y, w), r + y))(
+        {"tensor": lambda: -x * t, "itensor": lambda: (-x).mul_(t),
+         "tdiv": lambda: -x / t}[spelling]()), *_inputs(dtype), t)
+    x, t_node = node(g, aten.neg.default), placeholders(g)[3]
+    sc = match_residual_scale(x)
+    op = aten.div.Tensor if divides else aten.mul.Tensor
+    assert sc == ResidualScale(x, nodes(g, op)[0], t_node, divides)
+    assert not sc.identity and not sc.number
+    assert match_rmsnorm(sc.scaled).residual is placeholders(g)[1]
+
+
+def test_a_0d_tensor_of_another_dtype_is_no_scale():
+    """Inductor casts a 0-d f32 tensor to the bf16 value's dtype before it multiplies
+    (eager ATen does not): no scale, a near-miss naming the multiply."""
+    t = torch.tensor(0.22)
+    g = post_grad(lambda x, r, w, t: _rms(r + x * t, w), *_inputs(bf16), t)
+    x = placeholders(g)[0]
+    assert match_residual_scale(x) is None
+    assert_miss(unmatched_norm(x), "aten.mul.Tensor between all_reduce and rmsnorm",
+                nodes(g, aten.mul.Tensor)[0])
+
+
 def test_identity_and_not_a_scale():
     g = post_grad(lambda x, r, w: (x * 1, x * r, 2.0 / x, x.float() * 0.5), *_inputs())
     x = placeholders(g)[0]
     sc = match_residual_scale(x)  # x * 1 (an int) stays in the graph: the identity
     assert sc.identity and sc.value == 1.0 and sc.scaled.args == (x, 1)
-    g = post_grad(lambda x, r, w: (x * r, 2.0 / x, x.float() * 0.5, x * w[0]), *_inputs())
-    assert match_residual_scale(placeholders(g)[0]) is None  # tensors, a reciprocal, an upcast
+    g = post_grad(lambda x, r, w: (x * r, 2.0 / x, x.float() * 0.5, x * w[0].float()),
+                  *_inputs())
+    # a tensor, a reciprocal, an upcast, a 0-d tensor of another dtype
+    assert match_residual_scale(placeholders(g)[0]) is None
 
 
 def test_scaled_f32_sum_and_no_residual():

@@ -101,11 +101,12 @@ FAMILIES = {
     # pre-feedforward and the next input norms read a post norm's output + the
     # residual: no all-reduce, not sites. The embedding's all-reduce is scaled by
     # `normalizer`, a 0-d bf16 buffer (a graph input, not a number) before
-    # layers.0.input_layernorm: 1 near-miss naming aten.mul.Tensor. (Gemma2's head is
-    # tied: the pick's head is embed_tokens.)
-    "gemma2-sandwich": Family("gemma2", {}, SHARDED, post_norm(L),
-                              [("(embed_input_ids)", "aten.mul.Tensor")],
-                              counts=(2 * L, 1), weight="weight (1+w), "),
+    # layers.0.input_layernorm: fused too, 2L + 1 = 5. (Gemma2's head is tied: the
+    # pick's head is embed_tokens.)
+    "gemma2-sandwich": Family("gemma2", {}, SHARDED,
+                              {"layers.0.input_layernorm": "scaled (*0-d tensor), no residual",
+                               **post_norm(L)},
+                              [], counts=(2 * L + 1, 0), weight="weight (1+w), "),
     # Scaled residual: every branch is scaled by residual_multiplier before its add,
     # the embedding by embedding_multiplier (numbers): pre_norm with scales, 2L + 1 = 5
     # fused, all scaled.

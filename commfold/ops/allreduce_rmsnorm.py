@@ -8,7 +8,9 @@ residual branch do (Granite's ``residual + x * multiplier``):
 s = m (+ residual) with m = all_reduce(x) * scale (or / scale, SCALE_DIVIDES) in f32,
 rounded to D first only when the graph rounds it there (ROUND_SCALED: emulated casts,
 or an eager norm that reads m). A separate overload, so the unscaled call keeps its
-argument count (each argument costs per call: norm_flags).
+argument count (each argument costs per call: norm_flags). ``.scaled_tensor`` takes the
+scale as a 0-d tensor of x's dtype (Gemma's ``normalizer`` buffer, a graph input) and
+runs ``.scaled`` with its value, which f32 holds exactly.
 
 computed in f32, rounding only where asked: Inductor's CPU code keeps low-precision
 intermediates in f32 (a cast down and up again is not rounded unless
@@ -134,10 +136,19 @@ def _first_call_scaled(x, *args):
     return allreduce_rmsnorm(x, *args)
 
 
+_lib.define(f"allreduce_rmsnorm.scaled_tensor({_ARGS}, Tensor scale) -> Tensor")
+
+
+def _scaled_tensor(x, residual, weight, eps, weight_offset, flags, comm, scale):
+    return torch.ops.commfold.allreduce_rmsnorm.scaled(x, residual, weight, eps, weight_offset,
+                                                       flags, comm, float(scale))
+
+
 for _name in ("allreduce_rmsnorm_eager", "allreduce_rmsnorm_eager.scaled"):
     _lib.impl(_name, allreduce_rmsnorm, "CompositeExplicitAutograd")
 _lib.impl("allreduce_rmsnorm", _first_call, "CompositeExplicitAutograd")
 _lib.impl("allreduce_rmsnorm.scaled", _first_call_scaled, "CompositeExplicitAutograd")
+_lib.impl("allreduce_rmsnorm.scaled_tensor", _scaled_tensor, "CompositeExplicitAutograd")
 
 
 def _fake(x, residual, weight, eps, weight_offset, flags, comm, scale=1.0):
@@ -147,6 +158,7 @@ def _fake(x, residual, weight, eps, weight_offset, flags, comm, scale=1.0):
 for _name in ("allreduce_rmsnorm", "allreduce_rmsnorm_eager"):
     torch.library.register_fake(f"commfold::{_name}", _fake)
     torch.library.register_fake(f"commfold::{_name}.scaled", _fake)
+torch.library.register_fake("commfold::allreduce_rmsnorm.scaled_tensor", _fake)
 
 
 def _use_two_shot(c, rows: torch.Tensor, min_bytes: int) -> bool:
