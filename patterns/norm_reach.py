@@ -7,9 +7,10 @@ view, a broadcast add, ...): an untaken site is never silent.
 views, getitem) from the value to where a norm starts: the square that mean.dim
 reads (pow(., 2) or x * x), one of vLLM's IR norms, or commfold's fused norm (the
 value reaches it as a residual). The spellings take, in this order: one scale by a
-number or a 0-d tensor of the value's dtype (patterns.residual_scale), one residual add of a same-shape tensor of the same
-dtype, casts to f32 anywhere. The first op that breaks this order is named; when the
-path fits it and still nothing matched, the norm's first op is.
+number or a 0-d tensor of the value's dtype (patterns.residual_scale), one residual
+add of a same-shape tensor of the same dtype, casts to f32 anywhere. The first op
+that breaks this order is named; when the path fits it and still nothing matched, the
+norm's first op is.
 """
 from __future__ import annotations
 
