@@ -136,6 +136,32 @@ def _logprobs(entries):
             for d in entries]
 
 
+def logprob_mismatches(ours: list[dict], reference: list[dict], atol: float,
+                       same_ids: bool) -> list[str]:
+    """Where the logprobs batch's outputs (sampling_outputs) differ: tokens, which
+    positions have logprobs, values beyond atol, and - same_ids: both from the same
+    logits - the (token, rank) entries in order."""
+    problems = []
+    for i, (o, b) in enumerate(zip(ours, reference, strict=True)):
+        if o["tokens"] != b["tokens"]:
+            problems.append(f"request {i}: tokens {o['tokens']} != {b['tokens']}")
+        for key in ("logprobs", "prompt_logprobs"):
+            if (o[key] is None) != (b[key] is None):
+                problems.append(f"request {i}: {key} {o[key] is None} vs {b[key] is None}")
+                continue
+            for pos, (pb, po) in enumerate(zip(b[key] or [], o[key] or [], strict=True)):
+                where = f"request {i} {key}[{pos}]"
+                if (pb is None) != (po is None):
+                    problems.append(f"{where}: {po} vs {pb}")
+                elif pb is not None and same_ids and \
+                        [(t, r) for t, _, r in po] != [(t, r) for t, _, r in pb]:
+                    problems.append(f"{where}: (token, rank) {po} vs {pb}")
+                elif pb is not None and not all(
+                        abs(x - y) <= atol for (_, x, _), (_, y, _) in zip(po, pb)):
+                    problems.append(f"{where}: values {po} vs {pb} (atol {atol})")
+    return problems
+
+
 def sampling_outputs(llm, max_tokens: int) -> dict:
     """Tokens, logprobs and prompt logprobs of each SAMPLING_BATCHES batch; with the
     plugin on, also the logprobs batch with the target pick paused ("logprobs_vllm":

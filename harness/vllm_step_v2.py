@@ -19,7 +19,7 @@ MAX_REQS = 16
 START = 40  # the position of each request's first scheduled token (past its prefill)
 
 
-def sampler_for(vocab: int, params: list, steps: int):
+def sampler_for(vocab: int, params: list, steps: int, logprobs_mode: str = "raw_logprobs"):
     """V2's Sampler (+ RejectionSampler when steps > 0) with `params` (SamplingParams)
     added as requests 0..n-1, as the runner adds them."""
     from vllm.config import VllmConfig
@@ -33,7 +33,7 @@ def sampler_for(vocab: int, params: list, steps: int):
         states.add_request(f"r{i}", START, list(range(START)), 0, 16)
     states.apply_staged_writes()
     sampler = Sampler(VllmConfig(), MAX_REQS, vocab, cpu, states,
-                      num_speculative_tokens=steps + 1)
+                      logprobs_mode=logprobs_mode, num_speculative_tokens=steps + 1)
     for i, p in enumerate(params):
         sampler.add_request(i, p)
     sampler.apply_staged_writes()
@@ -82,9 +82,9 @@ def input_batch(drafts: list[list[int]], placeholder: int | None = None):
         cu_num_logits_np=cu, has_structured_output_reqs=False, prompt_lens=None)
 
 
-def runner(model, vocab: int, params: list, steps: int):
+def runner(model, vocab: int, params: list, steps: int, logprobs_mode: str = "raw_logprobs"):
     """What V2's GPUModelRunner.sample (and commfold's hook) read of the runner."""
-    sampler, rejection, spec = sampler_for(vocab, params, steps)
+    sampler, rejection, spec = sampler_for(vocab, params, steps, logprobs_mode)
     return SimpleNamespace(
         model=model, sampler=sampler, rejection_sampler=rejection, batch_sharder=None,
         speculator=SimpleNamespace(draft_logits=None), speculative_config=spec if steps
@@ -137,8 +137,9 @@ def step_cases(world: int, cases: list[dict]) -> list[dict]:
                 lo = int(batch.cu_num_logits_np[r])
                 for i in range(len(d)):
                     ids[lo + 1 + i] = int(full[lo + i]) if (r + i) % 3 != 2 else 0
-        theirs_runner = runner(model, case["vocab"], params, steps)
-        ours_runner = runner(model, case["vocab"], params, steps)
+        mode = case.get("logprobs_mode", "raw_logprobs")
+        theirs_runner = runner(model, case["vocab"], params, steps, mode)
+        ours_runner = runner(model, case["vocab"], params, steps, mode)
         with record_collectives() as vllm_log:
             theirs = original(theirs_runner, h, batch, None)[0]
         notes: list[str] = []
@@ -157,8 +158,56 @@ def step_cases(world: int, cases: list[dict]) -> list[dict]:
             vllm_counts=(theirs.num_sampled.tolist(), theirs.num_rejected.tolist()),
             dtype=(ours.sampled_token_ids.dtype, theirs.sampled_token_ids.dtype),
             ours_gathers=_vocab_gathers(ours_log, shard), calls=ours_log.calls(),
-            vllm_gathers=_vocab_gathers(vllm_log, shard)))
+            vllm_gathers=_vocab_gathers(vllm_log, shard),
+            logprobs=_logprobs(ours), vllm_logprobs=_logprobs(theirs),
+            ranks=_ranks(model.compute_logits(h[batch.logits_indices]), ours),
+            score_diff=_score_diff(ours, theirs)))
     return out
+
+
+def _logprobs(out):
+    """(token ids, ranks) of a SamplerOutput's logprobs, None without."""
+    t = out.logprobs_tensors
+    if t is None:
+        return None
+    return t.logprob_token_ids.tolist(), t.selected_token_ranks.tolist(), str(t.logprobs.dtype)
+
+
+def logprobs_agree(r: dict) -> bool:
+    """Ours and V2's logprobs: the same ids and dtype; the ranks V2 computes on a GPU.
+    V2's rank kernel under Triton's interpreter counts bf16 logits wrongly (its masked
+    lanes' -inf compares as >= the token's), so bf16 ranks are checked against torch,
+    float32 ones against V2 too."""
+    ours, theirs = r["logprobs"], r["vllm_logprobs"]
+    if ours is None or theirs is None:
+        return ours is theirs
+    same = ours[0] == theirs[0] and ours[2] == theirs[2] and ours[1] == r["ranks"]
+    return same and (r["case"]["dtype"] != "float32" or ours[1] == theirs[1])
+
+
+def _ranks(logits, out):
+    """What V2's rank kernel computes on a GPU - how many logits are >= the token's -
+    for the tokens `out` sampled, in torch (None without logprobs)."""
+    if out.logprobs_tensors is None:
+        return None
+    tokens = out.sampled_token_ids[:, :1]
+    return (logits >= logits.gather(1, tokens)).sum(-1).tolist()
+
+
+def _score_diff(ours, theirs):
+    """Largest |difference| of the two outputs' scores (equal where both are -inf or
+    NaN), in float32 ulps of the row's log-sum-exp L (column 0 scores the greedy token,
+    the maximum: logprob -L; logits modes: of the logit), where the float32 sums'
+    rounding lands; None when either has no logprobs."""
+    if ours.logprobs_tensors is None or theirs.logprobs_tensors is None:
+        return None
+    a, b = ours.logprobs_tensors.logprobs, theirs.logprobs_tensors.logprobs
+    if a.shape != b.shape:
+        return float("inf")
+    same = (a == b) | (a.isnan() & b.isnan())
+    big = torch.maximum(b[:, :1].abs(), torch.ones_like(b[:, :1])).expand_as(b)
+    ulp = torch.nextafter(big, torch.full_like(big, float("inf"))) - big
+    return float(((a - b).abs() / ulp).where(~same, torch.zeros_like(a)).max())
 
 
 def _vocab_gathers(log, shard: int) -> int:

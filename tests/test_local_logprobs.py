@@ -16,7 +16,7 @@ import math
 
 import torch
 import torch.distributed as dist
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 PAD = 1e4  # padding columns of the last shard: never part of the row
@@ -114,3 +114,58 @@ def test_dummy_logits_are_rows_l_decides(ranks2):
     for res in ranks2.run(local_vs_rule, 6, 2000, "bfloat16", "dummy", 5, True, 7):
         assert any(res["l_decides"]) and res["whole_rows_are_vllms"], res
         assert all(w for w, d in zip(res["whole"], res["l_decides"]) if d), res
+
+
+# --- Model Runner V2's rule: torch.topk of the logits, rank over the logits ---------
+
+def topk_scores_vs_v2_rule(rows, vocab, dtype, kind, k, exact_ties, logits_mode, seed):
+    """local_topk_scores against V2's compute_topk_scores rule on the whole row (in
+    torch): ids [argmax, topk(logits, k)], ranks (x >= x_token).sum(), scores the
+    logits or (x - M) - L with an exact L."""
+    from commfold.ops.local_logprobs import local_topk_scores
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    full = logits(rows, vocab, dtype, kind, seed)
+    vs = math.ceil(vocab / world)
+    padded = torch.nn.functional.pad(full, (0, world * vs - vocab), value=PAD)
+    shard = padded[:, rank * vs:(rank + 1) * vs].to(getattr(torch, dtype)).contiguous()
+    got = local_topk_scores(shard, vocab, f"c10d:{dist.group.WORLD.group_name}", k,
+                            logits_mode, exact_ties)
+    tokens = full.argmax(-1)
+    ids = torch.cat([tokens[:, None], torch.topk(full, k).indices], 1)
+    ranks = (full >= full.gather(1, tokens[:, None])).sum(-1)
+    x = full.gather(1, ids).double()
+    exact_l = torch.logsumexp(full.double(), -1)[:, None]
+    want = x if logits_mode else x - exact_l
+    top = torch.topk(full, k + 1).values
+    tied = (top[:, 1:] == top[:, :-1]).any(-1)
+    ok = ~got.whole
+    return {"tokens": torch.equal(got.tokens, tokens),
+            "ids": bool((got.ids == ids).all(-1)[ok].all()),
+            "ranks": bool((got.ranks == ranks)[ok].all()),
+            "scores": float((got.scores.double() - want).abs().max()),
+            "whole": got.whole.tolist(), "tied": tied.tolist()}
+
+
+@settings(max_examples=12, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@example(rows=4, vocab=2001, dtype="bfloat16", kind="ties", k=5, exact_ties=False,
+         logits_mode=False, seed=3)
+@example(rows=4, vocab=2001, dtype="float32", kind="ties", k=20, exact_ties=True,
+         logits_mode=True, seed=4)
+@given(rows=st.integers(1, 6), vocab=st.integers(1400, 3000),
+       dtype=st.sampled_from(["float32", "bfloat16"]), kind=st.sampled_from(["ties", "spread"]),
+       k=st.sampled_from([0, 1, 5, 20]), exact_ties=st.booleans(), logits_mode=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_v2_topk_scores_equal_the_whole_rows(ranks2, rows, vocab, dtype, kind, k, exact_ties,
+                                             logits_mode, seed):
+    """Ids (their order among equal logits included) and ranks exact, scores the logits
+    or within float32 rounding of the exact logprob. Without exact ties (another
+    device's torch.topk), exactly the rows whose top k + 1 hold equal logits go whole."""
+    for res in ranks2.run(topk_scores_vs_v2_rule, rows, vocab, dtype, kind, k, exact_ties,
+                          logits_mode, seed):
+        assert res["tokens"] and res["ids"] and res["ranks"], res
+        assert res["scores"] <= (0 if logits_mode else 1e-5), res
+        assert res["whole"] == ([False] * rows if exact_ties else res["tied"]), res
+        if kind == "ties" and not exact_ties and k:
+            assert any(res["whole"]), res  # the tie rule really ran

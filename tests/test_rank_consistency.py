@@ -7,6 +7,7 @@ Each compile uses a config no cached graph has (a nonce): a cache hit would repl
 saved report instead of running the passes under the perturbation."""
 from __future__ import annotations
 
+import pickle
 import time
 import uuid
 
@@ -43,14 +44,21 @@ def _fresh_backend(nonce: str):
 
 
 def _gathered(value) -> list:
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
+    """Every rank's value, pickled into uint8 tensors (torch 2.14's all_gather_object
+    needs numpy, which torch does not)."""
+    world = dist.get_world_size()
+    data = torch.tensor(list(pickle.dumps(value)), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([data.numel()]))
+    most = max(int(n) for n in sizes)
+    bufs = [torch.zeros(most, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(bufs, torch.cat([data, data.new_zeros(most - data.numel())]))
+    return [pickle.loads(bytes(b[:int(n)].tolist())) for b, n in zip(bufs, sizes)]
 
 
 def decoder_fingerprints(nonce: str) -> dict:
     """Per scenario: every rank's fingerprints of compiling TPDecoder (gathered here
-    with all_gather_object, so each rank sees all), and the tokens."""
+    on every rank, so each rank sees all), and the tokens."""
     cfg = DecoderConfig(vocab=300, hidden=32, layers=1, heads=2, ffn=64)
     model = TPDecoder(cfg)
     ids = sample_ids(cfg, batch=2, seq=4)

@@ -165,7 +165,10 @@ def test_each_method_on_model_runner_v2(release, method):
     (dict(temperatures=(0.0, 0.7)), "sampling (temperature > 0)"),
     (dict(needs_processing=True), "logits processing"),
     (dict(top_k_or_p=True), "top-k / top-p"),
-    (dict(logprobs=True), "logprobs on Model Runner V2"),
+    (dict(logprobs=True, logprob_token_ids=True), "logprob_token_ids"),
+    (dict(logprobs=True, num_logprobs=21, vocab=151936), "logprobs=21 (local up to 20)"),
+    (dict(logprobs=True, num_logprobs=20, vocab=1200), "logprobs=20 with vocab 1200 < 64 k"),
+    (dict(logprobs=True, logprobs_mode="other"), "logprobs_mode other"),
     (dict(trace_replay=True), "trace replay"),
     (dict(sampling_mask=True), "return_sampling_mask"),
     (dict(nan_check=True), "VLLM_COMPUTE_NANS_IN_LOGITS"),
@@ -180,6 +183,20 @@ def test_v2_steps_that_stay_vllms(change, why):
     assert mode is None and reason.startswith(why), reason
     assert decide_v2(GREEDY_V2, spec=False, structured=False) == ("greedy", "all greedy")
     assert decide_v2(GREEDY_V2, spec=False, structured=True) == (None, "structured output")
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs", "raw_logits",
+                                  "processed_logits"])
+def test_v2_greedy_logprobs_are_picked_locally(mode):
+    """V2 scores its top logits as logprobs or as logits: every mode local for a greedy
+    step (nothing processes its logits); not under spec decoding."""
+    import dataclasses
+
+    step = dataclasses.replace(GREEDY_V2, logprobs=True, num_logprobs=20, vocab=1280,
+                               logprobs_mode=mode)
+    assert decide_v2(step, spec=False, structured=False) == ("logprobs", "greedy, logprobs=20")
+    assert decide_v2(step, spec=True, structured=False, verify="standard") == (
+        None, "logprobs under spec decoding")
 
 
 @pytest.mark.parametrize("rows,vocab,tp", [(1, 1024, 2), (64, 151936, 2), (256, 32000, 4)])

@@ -19,7 +19,7 @@ V = 1500  # padded to 1536: rank 1 holds 732 real columns + 36 padding
 
 
 def _check(results):
-    from harness.vllm_step_v2 import step_cases  # noqa: F401  (the rank function's home)
+    from harness.vllm_step_v2 import logprobs_agree
 
     for res in results:
         for r in res:
@@ -29,7 +29,16 @@ def _check(results):
             assert r["dtype"][0] == r["dtype"][1], where
             assert r["vllm_gathers"] == 1, where
             mode = case["mode"]
-            if mode in ("greedy", "verify"):
+            assert logprobs_agree(r), (where, r["logprobs"], r["vllm_logprobs"], r["ranks"])
+            if r["logprobs"] is not None:  # logits exact; logprobs: V2's own sum order
+                limit = 0 if "logits" in case.get("logprobs_mode", "") else 4
+                assert r["score_diff"] <= limit, (where, r["score_diff"])
+            if mode == "logprobs":
+                assert r["notes"] == [mode] and r["logprobs"] is not None, where
+                # two small exchanges, and the rows done whole gathered
+                assert r["ours_gathers"] == int(case.get("whole", False)), where
+                assert r["calls"] == 2 + r["ours_gathers"], where
+            elif mode in ("greedy", "verify"):
                 assert r["notes"] == [mode], where
                 assert r["ours_gathers"] == 0 and r["calls"] == 1, where  # one pair exchange
                 if mode == "verify" and case.get("accept") and case.get("placeholder") is None:
@@ -53,8 +62,19 @@ CASES = [
          accept=True, placeholder=1, mode="verify"),
     dict(vocab=V, dtype="float32", seed=8, ties=True, rows=3, mode="temperature",
          params=dict(temperature=0.7, seed=1)),
+    # greedy with top logprobs: ties, bf16, V2's four modes, k = 0, a +inf row (whole)
     dict(vocab=V, dtype="float32", seed=9, ties=True, rows=3, mode="logprobs",
          params=dict(temperature=0.0, logprobs=2)),
+    dict(vocab=V, dtype="bfloat16", seed=13, ties=True, rows=5, mode="logprobs",
+         params=dict(temperature=0.0, logprobs=20), logprobs_mode="processed_logprobs"),
+    dict(vocab=V, dtype="bfloat16", seed=14, ties=True, rows=2, mode="logprobs",
+         params=dict(temperature=0.0, logprobs=5), logprobs_mode="raw_logits"),
+    dict(vocab=V, dtype="float32", seed=15, ties=False, rows=2, mode="logprobs",
+         params=dict(temperature=0.0, logprobs=0), logprobs_mode="processed_logits"),
+    dict(vocab=V, dtype="float32", seed=16, ties=False, rows=3, mode="logprobs",
+         params=dict(temperature=0.0, logprobs=3), special="inf1", whole=True),
+    dict(vocab=V, dtype="float32", seed=17, ties=True, rows=2, mode="logprob_token_ids",
+         params=dict(temperature=0.0, logprobs=2, logprob_token_ids=[3, 4])),
     dict(vocab=V, dtype="float32", seed=10, ties=True, rows=3, mode="penalties",
          params=dict(temperature=0.0, repetition_penalty=1.3)),
     dict(vocab=V, dtype="bfloat16", seed=12, ties=False, rows=4, mode="greedy", tied=True,

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -174,3 +175,89 @@ def _pack(values, index):
     v = torch.as_tensor(values, dtype=torch.float32)
     bits = v.view(torch.int32).to(torch.int64) & _LOW
     return (bits << 32) | torch.as_tensor(index, dtype=torch.int64)
+
+
+def local_topk_scores(shard: torch.Tensor, valid_vocab: int, comm: str, k: int,
+                      logits_mode: bool, exact_ties: bool | None = None):
+    """Model Runner V2's greedy logprobs (``compute_topk_scores`` without custom token
+    ids) over vocab-sharded logits: ids = [the first argmax, torch.topk(logits, k)
+    indices], scores = their logprobs (x - M) - L in float32 (logits_mode: the logits
+    themselves, as float32), rank = how many logits are >= the token's. V2 ranks the
+    *logits*, so ids and ranks do not depend on L, and are exact: the ranks' top-k
+    candidates (logprob_scan.candidates) reproduce torch.topk's CPU heap, its order
+    among equal logits included. exact_ties (default: on CPU) says whether the full
+    row's torch.topk runs that heap; elsewhere (CUDA's radix select orders equal values
+    its own way) rows whose top k + 1 logits hold two equal values are done whole.
+    Logprob scores differ from V2's only by L (V2's float32 block sums vs float64
+    here: a few float32 ulps).
+
+    Returns TopkScores: rows marked whole (a maximum not finite, a -inf among the top
+    k, a tie where ties are not exact) hold nothing usable; the caller computes them
+    from gathered rows with vLLM's own code. Every rank computes the same mask."""
+    c = communicator(comm)
+    world, rank = c.world_size(), c.rank()
+    rows, vs = shard.shape
+    _, n_local = local_width(valid_vocab, world, rank, vs)
+    if rank == 0 and n_local < k + 1:
+        raise ValueError(f"commfold.local_topk_scores: rank 0 holds {n_local} <= k = {k} "
+                         "columns")
+    if exact_ties is None:
+        exact_ties = shard.device.type == "cpu"
+    x, first = shard[:, :n_local], rank * vs
+    kk = k if exact_ties else k + 1  # one more: is the k-th tied with the next?
+    if n_local:
+        m, lse, arg = row_stats(x)
+        arg = arg + first
+        idx, count = candidates(shard, n_local, kk) if kk else (
+            torch.empty(rows, 0, dtype=torch.long, device=shard.device),
+            torch.zeros(rows, dtype=torch.long, device=shard.device))
+    else:
+        m = torch.full((rows,), -math.inf, device=shard.device)
+        arg = torch.zeros(rows, dtype=torch.long, device=shard.device)
+        lse = torch.full((rows,), -math.inf, device=shard.device)
+        idx = torch.empty(rows, 0, dtype=torch.long, device=shard.device)
+        count = torch.zeros(rows, dtype=torch.long, device=shard.device)
+    one = torch.stack([m.double(), lse.double(), arg.double(), count.double()], -1)
+    every = c.all_gather(one).view(world, rows, 4)
+    ms = every[..., 0]
+    big_m = ms.amax(0)
+    tokens = every[..., 2].gather(0, ms.argmax(0, keepdim=True))[0].long()
+    lses = every[..., 1]
+    part = torch.where(lses == -math.inf, torch.zeros_like(lses), torch.exp(lses - big_m))
+    log_s = part.sum(0).log().float()
+    big_m32 = big_m.float()
+    whole = ~big_m.isfinite()
+
+    # round 2: this rank's count of logits >= M (the token's) and its candidates
+    width = int(every[..., 3].max())
+    zero = torch.zeros_like(log_s)
+    two = torch.full((rows, 1 + width), int(_pack(-math.inf, 0)), dtype=torch.long,
+                     device=shard.device)
+    two[:, 0] = count_logprob_ge(shard, n_local, zero, zero, big_m32) if n_local else 0
+    if idx.shape[1]:
+        vals = torch.where(idx >= 0, x.gather(1, idx.clamp(min=0)).float(), -math.inf)
+        two[:, 1:1 + idx.shape[1]] = _pack(vals, idx.clamp(min=0) + first)
+    got = c.all_gather(two).view(world, rows, 1 + width)
+    ranks = got[..., 0].sum(0)
+    ids = tokens[:, None]
+    xs = big_m32[:, None]  # the token's logit: the maximum
+    if kk:
+        packed = got[..., 1:].permute(1, 0, 2).reshape(rows, world * width)
+        proxy = ((packed >> 32) & _LOW).to(torch.int32).view(torch.float32)
+        top, where = heap_topk(proxy, kk)
+        whole = whole | (top[:, :k] == -math.inf).any(-1)  # a -inf is no candidate
+        if not exact_ties:
+            whole = whole | (top[:, 1:] == top[:, :-1]).any(-1)
+        ids = torch.cat([ids, (packed & _LOW).gather(1, where[:, :k])], 1)
+        xs = torch.cat([xs, top[:, :k]], 1)
+    scores = xs if logits_mode else (xs - big_m32[:, None]) - log_s[:, None]
+    return TopkScores(tokens, ids, scores, ranks, whole, big_m32)
+
+
+class TopkScores(NamedTuple):
+    tokens: torch.Tensor  # [R] int64: the first maximum
+    ids: torch.Tensor  # [R, k + 1] int64: the token, then the top k
+    scores: torch.Tensor  # [R, k + 1] float32: their logprobs (or logits)
+    ranks: torch.Tensor  # [R] int64: logits >= the token's
+    whole: torch.Tensor  # [R] bool: rows to do from the gathered row
+    maxima: torch.Tensor  # [R] float32: the row's maximum (NaN when the row holds one)

@@ -18,6 +18,9 @@ from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
 LOGPROB_MODES = ("raw_logprobs", "processed_logprobs")
+# V2 scores its top logits as logprobs or as the logits themselves (exact locally); a
+# step commfold takes has no processing, so processed equals raw
+V2_LOGPROB_MODES = (*LOGPROB_MODES, "raw_logits", "processed_logits")
 
 # rejection_sample_method values whose greedy verification is commfold's pick
 STRICT_GREEDY = ("standard",)
@@ -117,14 +120,15 @@ def decide(md, *, spec: bool, structured: bool, logprobs_mode: str, vocab: int,
     return logprobs_mode_ok(k, logprobs_mode, vocab, spec)
 
 
-def logprobs_mode_ok(k: int, logprobs_mode: str, vocab: int, spec: bool = False):
+def logprobs_mode_ok(k: int, logprobs_mode: str, vocab: int, spec: bool = False,
+                     modes: tuple[str, ...] = LOGPROB_MODES):
     if spec:
         return None, "logprobs under spec decoding"
     if not 0 <= k <= MAX_LOGPROBS:
         return None, f"logprobs={k} (local up to {MAX_LOGPROBS})"
     if 64 * k > vocab:  # torch.topk takes nth_element there: order not reproducible
         return None, f"logprobs={k} with vocab {vocab} < 64 k"
-    if logprobs_mode not in LOGPROB_MODES:
+    if logprobs_mode not in modes:
         return None, f"logprobs_mode {logprobs_mode}"
     return "logprobs", f"greedy, logprobs={k}"
 
@@ -163,14 +167,18 @@ class V2Step:
     trace_replay: bool = False
     sampling_mask: bool = False  # return_sampling_mask
     nan_check: bool = False  # VLLM_COMPUTE_NANS_IN_LOGITS
+    num_logprobs: int = 0  # the step's most top logprobs a request asks for
+    logprob_token_ids: bool = False  # a request names its own logprob token ids
+    logprobs_mode: str = "raw_logprobs"  # the Sampler's
+    vocab: int = 0  # the model's vocab
 
 
 def decide_v2(step: V2Step, *, spec: bool, structured: bool,
               verify: str | None = None) -> tuple[str | None, str]:
     """(mode, reason) for a Model Runner V2 step: "greedy" / "verify", or None with
     why not. The same rules as ``decide`` (V1): strict greedy only, nothing needing
-    the whole row; logprobs stay V2's (its Triton kernels compute them, commfold's
-    match V1's torch ones)."""
+    the whole row; "logprobs" for greedy steps that want top logprobs (V2's
+    compute_topk_scores: commfold.ops.local_logprobs.local_topk_scores)."""
     refusal = step_refusal(structured, step.nan_check, spec, verify)
     if refusal is not None:
         return None, refusal
@@ -185,12 +193,15 @@ def decide_v2(step: V2Step, *, spec: bool, structured: bool,
                       "a thinking budget or a custom processor)")
     if step.top_k_or_p:
         return None, "top-k / top-p on a greedy request (V2 masks before its argmax)"
-    if step.logprobs:
-        return None, "logprobs on Model Runner V2 (its own kernels compute them)"
     if step.trace_replay:
         return None, "trace replay"
     if step.sampling_mask:
         return None, "return_sampling_mask"
+    if step.logprobs:
+        if step.logprob_token_ids:
+            return None, "logprob_token_ids"
+        return logprobs_mode_ok(step.num_logprobs, step.logprobs_mode, step.vocab, spec,
+                                V2_LOGPROB_MODES)
     return ("verify" if spec else "greedy"), "all greedy"
 
 

@@ -32,6 +32,7 @@ def missing(points) -> list[str]:
 def _missing(where: str, text: str | None) -> str | None:
     try:
         obj = resolve(where)
+        obj = _kernel_function(obj)
         # commfold's own wrappers (comm log, target pick, draft pick) wrap the original
         source = inspect.getsource(inspect.unwrap(obj)) if text is not None else ""
     except Exception as e:  # moved, renamed, no source
@@ -39,3 +40,11 @@ def _missing(where: str, text: str | None) -> str | None:
     if text is not None and text not in source:
         return f"{where}: {text.splitlines()[0].strip()}"
     return None
+
+
+def _kernel_function(obj):
+    """A Triton kernel's Python function (JITFunction / InterpretedFunction.fn)."""
+    fn = getattr(obj, "fn", None)
+    if inspect.isfunction(fn) and not (inspect.isroutine(obj) or inspect.isclass(obj)):
+        return fn
+    return obj

@@ -80,8 +80,12 @@ HOOK_POINTS = tuple((_RUNNER + m, None) for m in ("execute_model", "sample_token
 # Model Runner V2: execute_model is the forward, sample_tokens calls sample()
 _V2_RUNNER = "vllm.v1.worker.gpu.model_runner:GPUModelRunner."
 _V2_PHASES = {"sample": "sampling"}
+# V2's prompt logprobs: its worker computes them after sample(), from the gathered logits
+_V2_PROMPT = "vllm.v1.worker.gpu.sample.prompt_logprob:PromptLogprobsWorker"
+_V2_PROMPT_METHODS = ("compute_prompt_logprobs", "compute_prompt_token_id_logprobs")
 HOOK_POINTS_V2 = tuple((_V2_RUNNER + m, None) for m in ("execute_model", "sample_tokens",
                                                         *_V2_PHASES)) \
+    + tuple((f"{_V2_PROMPT}.{m}", None) for m in _V2_PROMPT_METHODS) \
     + tuple((_PROCESSOR + m, None) for m in _LOGITS)
 
 _recorder: _StepRecorder | None = None
@@ -204,6 +208,11 @@ def install(environ=os.environ, runner=None) -> bool:
     _wrap(GPUModelRunner, "sample_tokens", _step_finish)
     for method, name in phases.items():
         _wrap(GPUModelRunner, method, _in_phase(name))
+    if runner.version == 2:
+        from vllm.v1.worker.gpu.sample.prompt_logprob import PromptLogprobsWorker
+
+        for method in _V2_PROMPT_METHODS:
+            _wrap(PromptLogprobsWorker, method, _in_phase("prompt_logprobs"))
     for method in _LOGITS:
         _wrap(LogitsProcessor, method, _in_phase("logits"))
     module, _, name = DEVICE_COMMUNICATOR.partition(":")

@@ -15,6 +15,12 @@ requests (commfold.vllm.decision.decide_v2: the same on every rank):
   equals the target's argmax and is not a placeholder; the first rejected position
   and the bonus position take the target's argmax), drafts read by V2's own
   ``gather_draft_sampled``;
+- ``logprobs``: greedy as above, with top logprobs (k <= 20, 64 k <= vocab, no
+  logprob_token_ids, no spec decoding): V2's ``compute_topk_scores`` - the token and
+  torch.topk of the logits, their logprobs (or logits), the token's rank - from two
+  small all-gathers (commfold.ops.local_logprobs.local_topk_scores); ids and ranks
+  exact, logprobs within a few float32 ulps of V2's (its log-sum-exp sums in another
+  order); rows it cannot do exactly are gathered and scored by V2's own function;
 - anything else, and batch-sharded sampling unless the step qualifies (commfold's
   pick moves 16 bytes per row from each peer, its all-to-all a row's whole vocab
   shard), runs V2's own ``sample``.
@@ -52,6 +58,14 @@ HOOK_POINTS = (
     (f"{_RUNNER}.sample", "logits = self.model.compute_logits(sample_hidden_states)"),
     (f"{_RUNNER}.sample", "sampler_output = self.sampler(logits, input_batch)"),
     (f"{_RUNNER}.sample", "self.speculator.draft_logits"),
+    ("vllm.v1.worker.gpu.sample.sampler:Sampler.__call__",
+     "logits_mode=self.logprobs_mode in (\"raw_logits\", \"processed_logits\")"),
+    ("vllm.v1.worker.gpu.sample.logprob:compute_topk_scores",
+     "topk_indices = torch.topk(logits, num_logprobs, dim=-1).indices"),
+    ("vllm.v1.worker.gpu.sample.logprob:_topk_log_softmax_kernel",
+     "o = logits - max_val - lse"),
+    ("vllm.v1.worker.gpu.sample.logprob:_ranks_kernel",
+     "n += tl.sum((logits >= x).to(tl.int32))"),
     (f"{_RUNNER}.sample",
      "return sampler_output, sampler_output.num_sampled, sampler_output.num_rejected"),
     ("vllm.v1.worker.gpu.sample.sampler:Sampler.__call__",
@@ -110,25 +124,27 @@ def _head(runner) -> LogitsHead | None:
     return runner._commfold_head
 
 
-def step_of(runner, input_batch) -> V2Step:
+def step_of(runner, input_batch, vocab: int = 0) -> V2Step:
     """What V2's Sampler holds about the step's requests (V2's own arrays)."""
     sampler = runner.sampler
     idx = input_batch.idx_mapping_np
     idx = idx[idx >= 0]
     states = sampler.sampling_states
-    logprobs = sampler.get_logprobs_dims(idx) is not None
+    dims = sampler.get_logprobs_dims(idx)
     return V2Step(
         temperatures=tuple(float(t) for t in states.temperature.np[idx]),
         top_k_or_p=bool((states.top_k.np[idx] != states.vocab_size).any()
                         or (states.top_p.np[idx] != 1.0).any()),
         needs_processing=bool(sampler.needs_logits_processing[idx].any()),
-        logprobs=logprobs, sampler=type(sampler).__name__,
+        logprobs=dims is not None, num_logprobs=dims[0] if dims else 0,
+        logprob_token_ids=bool(dims and dims[1]), logprobs_mode=str(sampler.logprobs_mode),
+        vocab=vocab, sampler=type(sampler).__name__,
         trace_replay=getattr(sampler, "trace_replay_state", None) is not None,
         sampling_mask=bool(getattr(sampler, "return_sampling_mask", False)),
         nan_check=bool(getattr(sampler, "compute_nans", False)))
 
 
-def decide(runner, input_batch, grammar_output) -> tuple[str | None, str]:
+def decide(runner, input_batch, grammar_output, vocab: int = 0) -> tuple[str | None, str]:
     if target_pick._paused:
         return None, "paused"
     if runner.sampler is None or input_batch.num_reqs == 0:
@@ -138,7 +154,7 @@ def decide(runner, input_batch, grammar_output) -> tuple[str | None, str]:
                            runner.rejection_sampler) if spec else None
     if spec and type(runner.rejection_sampler).__name__ != "RejectionSampler":
         return None, f"rejection sampler {type(runner.rejection_sampler).__name__}"
-    return decide_v2(step_of(runner, input_batch), spec=spec,
+    return decide_v2(step_of(runner, input_batch, vocab), spec=spec,
                      structured=grammar_output is not None, verify=verify)
 
 
@@ -147,7 +163,7 @@ def _sample(original):
         head = _head(self)
         if head is None:
             return original(self, hidden_states, input_batch, grammar_output)
-        mode, why = decide(self, input_batch, grammar_output)
+        mode, why = decide(self, input_batch, grammar_output, head.vocab)
         if mode is not None and getattr(self, "batch_sharder", None) is not None:
             rows = int(input_batch.logits_indices.shape[0])
             ours = pick_bytes(rows, head.world)
@@ -174,7 +190,12 @@ def pick(runner, head: LogitsHead, shard, input_batch, mode: str):
 
     from commfold.ops.local_argmax import local_argmax
 
-    values, tokens = local_argmax(shard, head.vocab, head.comm)
+    scores = None
+    if mode == "logprobs":
+        scores = logprobs(runner, head, shard, input_batch)
+        values, tokens = scores.maxima, scores.tokens
+    else:
+        values, tokens = local_argmax(shard, head.vocab, head.comm)
     if values.isnan().any():  # gathered maxima: the same on every rank
         step_log.note("target_pick", "vLLM (NaN logits: V2's own pick)")
         return _vllm_samplers(runner, head.gather(shard), input_batch)
@@ -187,8 +208,44 @@ def pick(runner, head: LogitsHead, shard, input_batch, mode: str):
     num_sampled, num_rejected = get_num_sampled_and_rejected(
         num_sampled, input_batch.seq_lens, input_batch.cu_num_logits,
         input_batch.idx_mapping, prefill_len)
-    return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None, num_nans=None,
-                         num_sampled=num_sampled, num_rejected=num_rejected)
+    return SamplerOutput(sampled_token_ids=sampled,
+                         logprobs_tensors=tensors(runner, head, shard, scores),
+                         num_nans=None, num_sampled=num_sampled, num_rejected=num_rejected)
+
+
+def _logits_mode(runner) -> bool:
+    return runner.sampler.logprobs_mode in ("raw_logits", "processed_logits")
+
+
+def logprobs(runner, head: LogitsHead, shard, input_batch):
+    """commfold.ops.local_logprobs.local_topk_scores for the step's most top logprobs
+    (V2 scores every row with the batch's most, as here)."""
+    from commfold.ops.local_logprobs import local_topk_scores
+
+    idx = input_batch.idx_mapping_np
+    k = runner.sampler.get_logprobs_dims(idx[idx >= 0])[0]
+    return local_topk_scores(shard, head.vocab, head.comm, k, _logits_mode(runner))
+
+
+def tensors(runner, head: LogitsHead, shard, scores):
+    """V2's LogprobsTensors from local_topk_scores; rows it marks whole are gathered
+    (every rank the same rows) and scored by V2's own compute_topk_scores."""
+    if scores is None:
+        return None
+    from vllm.v1.outputs import LogprobsTensors
+    from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores
+
+    ids, values, ranks = scores.ids, scores.scores, scores.ranks
+    if bool(scores.whole.any()):
+        sel = scores.whole.nonzero()[:, 0]
+        full = head.gather(shard[sel].contiguous())
+        theirs = compute_topk_scores(full, ids.shape[1] - 1, scores.tokens[sel],
+                                     logits_mode=_logits_mode(runner))
+        ids, values, ranks = ids.clone(), values.clone(), ranks.clone()
+        ids[sel] = theirs.logprob_token_ids.long()
+        values[sel] = theirs.logprobs.float()
+        ranks[sel] = theirs.selected_token_ranks.long()
+    return LogprobsTensors(logprob_token_ids=ids, logprobs=values, selected_token_ranks=ranks)
 
 
 def verify(runner, input_batch, argmax, prefill_len):
