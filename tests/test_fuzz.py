@@ -67,7 +67,8 @@ TALLY = {"programs": 0, "blocks": 0, "rewrites": 0, "distractors": 0}
 
 
 def _run_batch(ranks2, programs):
-    per_rank = ranks2.run(fp.run_programs, programs)
+    # the long run shares the machine for hours: a batch may wait on the CPU, not hang
+    per_rank = ranks2.run(fp.run_programs, programs, **({"timeout": 3600} if LONG else {}))
     problems = []
     for i, blocks in enumerate(programs):
         found = fp.check(blocks, [r[i] for r in per_rank])
