@@ -4,6 +4,7 @@ Inductor side by side, written as results.json, results.md and PNG plots.
     python -m benchmarks                      # full run (TP=2, and TP=4 where listed)
     python -m benchmarks --quick              # tiny sizes: proves the suite works
     python -m benchmarks --only local_argmax decode --out /tmp/bench
+    python -m benchmarks --engine             # and the vLLM engine figures (needs vllm)
 
 Figures run on gloo ranks of this machine (a RankPool per world size); each figure's
 rank-side ``measure`` lives in its bench_*.py script (also runnable alone). Rank 0's
@@ -91,7 +92,15 @@ def _parser(prog: str) -> argparse.ArgumentParser:
                    help="run only these figures (" + ", ".join(FIGURES) + ")")
     p.add_argument("--timeout", type=float, default=1800, metavar="SECONDS",
                    help="give up on a figure after this long (default: 1800)")
+    p.add_argument("--engine", action="store_true",
+                   help="also rerun the vLLM engine figures into DIR/vllm_engine.json "
+                        "(benchmarks.bench_vllm_engine with the README's settings, "
+                        "--tokens 16 --repeats 2: about 11 minutes; needs vllm)")
     return p
+
+
+# the engine figures the README quotes: bench_vllm_engine with these arguments
+ENGINE_ARGS = ("--tokens", "16", "--repeats", "2")
 
 
 def run_suite(names, quick: bool, timeout: float, log=print) -> dict:
@@ -192,6 +201,12 @@ def main(argv=None, prog: str = "python -m benchmarks") -> int:
     written = write_results(results, a.out)
     print(f"[bench] {results['meta']['seconds']:.0f} s; wrote {written['json']}, "
           f"{written['markdown']}" + "".join(f", {p}" for p in written["plots"]))
+    if a.engine:
+        from benchmarks import bench_vllm_engine
+
+        print("[bench] vLLM engine figures ...", flush=True)
+        if bench_vllm_engine.main([*ENGINE_ARGS, "--out", str(a.out)]):
+            failed.append("vllm_engine")
     if failed:
         print(f"[bench] failed: {', '.join(failed)} (errors in results.json)", file=sys.stderr)
         return 1

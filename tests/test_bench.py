@@ -267,6 +267,25 @@ def test_only_keeps_the_other_figures(tmp_path):
     assert kept["figures"].keys() == {"decode"}
 
 
+@pytest.mark.parametrize("failing", [False, True])
+def test_engine_flag_reruns_the_engine_figures_into_out(tmp_path, monkeypatch, failing):
+    """`python -m benchmarks --engine` is the one command for every results file: the
+    engine figures with the README's settings, into the same --out; their failure
+    fails the command."""
+    from benchmarks import bench_vllm_engine, suite
+
+    calls = []
+    monkeypatch.setattr(suite, "run_suite", lambda names, quick, timeout: {
+        "meta": {"seconds": 0.0, "quick": quick}, "figures": {}})
+    monkeypatch.setattr(suite, "write_results", lambda results, out: {
+        "json": out / "results.json", "markdown": out / "results.md", "plots": []})
+    monkeypatch.setattr(bench_vllm_engine, "main",
+                        lambda argv: calls.append(argv) or int(failing))
+    assert suite.main(["--only", "scan", "--out", str(tmp_path)]) == 0 and calls == []
+    assert suite.main(["--only", "scan", "--engine", "--out", str(tmp_path)]) == int(failing)
+    assert calls == [[*suite.ENGINE_ARGS, "--out", str(tmp_path)]]
+
+
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_paired_rounds_put_every_variant_in_every_position(n):
     """Over 2n rounds each variant runs first, last and in between equally often."""
