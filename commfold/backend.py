@@ -28,15 +28,14 @@ def backend(**options):
         def keep(report):  # saved before Inductor writes its cache entry: no race
             made.append(report)
             if key is not None:
-                report_cache.save(key, made, where)
+                report_cache.save(key, made, report_cache.locations(gm))
 
         pass_ = CommfoldPass(config, then=user_pass, on_report=keep)
         key = report_cache.graph_key(gm, example_inputs, pass_.uuid())
-        where = report_cache.locations(gm) if key is not None else []
         with inductor_config.patch(post_grad_custom_post_pass=pass_):
             compiled = compile_fx(gm, example_inputs, **kwargs)
-        if key is not None and not made:  # Inductor's cache served it:
-            for r in report_cache.load(key, where):  # republish what the passes did then
+        if key is not None and not made:  # Inductor's cache served it: republish what
+            for r in report_cache.load(key, report_cache.locations(gm)):  # the passes did
                 publish(r)
         return compiled
 

@@ -54,7 +54,7 @@ from torch._inductor import config as inductor_config
 from torch._inductor.fx_utils import get_node_storage
 
 from commfold.context import PassContext
-from commfold.distributed.collectives import CommKind
+from commfold.distributed.collectives import CommKind, communicator
 from commfold.fx.nodes import min_nbytes, nbytes, tensor_val
 from commfold.fx.edit import erase_if_dead, insert_call
 from commfold.ops import flashinfer_norm
@@ -112,7 +112,7 @@ def _allreduce_norm(coll):
 def _slower(ar: AllReduce) -> str | None:
     """Why the fused op would be slower here than the unfused program, or None."""
     x = tensor_val(ar.input)
-    if not ar.comm.startswith(CommKind.VLLM_SHM.value + ":") or x.device.type != "cpu":
+    if communicator(ar.comm).kind is not CommKind.VLLM_SHM or x.device.type != "cpu":
         return None
     least = SHM_MIN_BYTES.get(x.element_size())
     size = min_nbytes(x)
