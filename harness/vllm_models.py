@@ -137,10 +137,11 @@ def _logprobs(entries):
 
 
 def logprob_mismatches(ours: list[dict], reference: list[dict], atol: float,
-                       same_ids: bool) -> list[str]:
+                       same_ids: bool, scored_rank: bool = True) -> list[str]:
     """Where the logprobs batch's outputs (sampling_outputs) differ: tokens, which
     positions have logprobs, values beyond atol, and - same_ids: both from the same
-    logits - the (token, rank) entries in order."""
+    logits - the (token, rank) entries in order (scored_rank=False: the first entry,
+    the scored token, by its token only)."""
     problems = []
     for i, (o, b) in enumerate(zip(ours, reference, strict=True)):
         if o["tokens"] != b["tokens"]:
@@ -153,13 +154,17 @@ def logprob_mismatches(ours: list[dict], reference: list[dict], atol: float,
                 where = f"request {i} {key}[{pos}]"
                 if (pb is None) != (po is None):
                     problems.append(f"{where}: {po} vs {pb}")
-                elif pb is not None and same_ids and \
-                        [(t, r) for t, _, r in po] != [(t, r) for t, _, r in pb]:
+                elif pb is not None and same_ids and _entries(po, scored_rank) != \
+                        _entries(pb, scored_rank):
                     problems.append(f"{where}: (token, rank) {po} vs {pb}")
                 elif pb is not None and not all(
                         abs(x - y) <= atol for (_, x, _), (_, y, _) in zip(po, pb)):
                     problems.append(f"{where}: values {po} vs {pb} (atol {atol})")
     return problems
+
+
+def _entries(position: list, scored_rank: bool) -> list:
+    return [(t, r if scored_rank or i else None) for i, (t, _, r) in enumerate(position)]
 
 
 def sampling_outputs(llm, max_tokens: int) -> dict:

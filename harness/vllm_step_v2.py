@@ -213,3 +213,68 @@ def _score_diff(ours, theirs):
 def _vocab_gathers(log, shard: int) -> int:
     return len([e for e in log.events if e.name in ("all_gather", "gather")
                 and any(s and s[-1] >= shard for s in e.shapes)])
+
+
+def prompt_cases(world: int, cases: list[dict]) -> list[dict]:
+    """In a spawned rank: V2's compute_prompt_logprobs_with_chunking for each case's
+    prompt positions, as vLLM ships it and under commfold's hook (the head found from a
+    V2 runner's sample(), as in an engine step); ids, ranks, score differences, the
+    hook's note, collectives. case: vocab, dtype, seed, ties, rows, k, logprobs_mode,
+    chunk (V2's CHUNK_SIZE for the case), targets_outside (a target past the vocab)."""
+    from harness import triton_cpu
+
+    triton_cpu.install()
+    import vllm.v1.worker.cpu.shm  # noqa: F401
+    from vllm.v1.worker.gpu.sample import prompt_logprob
+
+    from commfold.distributed.comm_log import record_collectives
+    from commfold.vllm import step_log, target_pick_v2
+    from harness import vllm_step
+    from harness.vllm_tp import init_vllm_tp
+
+    tp = init_vllm_tp(world, shm=False, reuse=True)
+    original = prompt_logprob.compute_prompt_logprobs_with_chunking
+    original = getattr(original, "__wrapped__", original)
+    hooked = target_pick_v2._prompt_scores(original)
+    chunk_size = prompt_logprob.CHUNK_SIZE
+    out = []
+    for case in cases:
+        dtype = getattr(torch, case["dtype"])
+        model = vllm_step.TinyLM(case["vocab"], dtype, case["seed"], case["ties"])
+        h = vllm_step.hidden(case["rows"], dtype, case["seed"] + 1, case["ties"])
+        g = torch.Generator().manual_seed(case["seed"] + 2)
+        targets = torch.randint(0, case["vocab"], (case["rows"],), generator=g)
+        if case.get("targets_outside"):
+            targets[-1] = case["vocab"] + 3
+        target_pick_v2._last_head = target_pick_v2._head(
+            runner(model, case["vocab"], [], 0))
+        prompt_logprob.CHUNK_SIZE = case.get("chunk", chunk_size)
+        args = (targets, h, model.compute_logits, case["k"],
+                case.get("logprobs_mode", "raw_logprobs"))
+        notes: list[str] = []
+        note = step_log.note
+        step_log.note = lambda key, value, notes=notes: notes.append(value)
+        try:
+            with record_collectives() as theirs_log:
+                theirs = original(*args)
+            with record_collectives() as ours_log:
+                ours = hooked(*args)
+        finally:
+            step_log.note = note
+            prompt_logprob.CHUNK_SIZE = chunk_size
+            target_pick_v2._last_head = None
+        logits = model.compute_logits(h)
+        inside = targets < case["vocab"]
+        want_ranks = (logits >= logits.gather(1, targets.clamp(max=case["vocab"] - 1)[:, None])
+                      ).sum(-1)
+        shard = model.head[0].weight.shape[0]
+        out.append(dict(
+            case=case, rank=tp.rank_in_group, notes=notes,
+            ids=ours[0].tolist() == theirs[0].tolist(),
+            ranks=bool((ours[2] == want_ranks)[inside].all()),
+            vllm_ranks=ours[2].tolist() == theirs[2].tolist(),
+            score_diff=_score_diff(*(SimpleNamespace(logprobs_tensors=SimpleNamespace(
+                logprobs=x[1])) for x in (ours, theirs))),
+            ours_gathers=_vocab_gathers(ours_log, shard), calls=ours_log.calls(),
+            vllm_gathers=_vocab_gathers(theirs_log, shard)))
+    return out

@@ -118,10 +118,11 @@ def test_dummy_logits_are_rows_l_decides(ranks2):
 
 # --- Model Runner V2's rule: torch.topk of the logits, rank over the logits ---------
 
-def topk_scores_vs_v2_rule(rows, vocab, dtype, kind, k, exact_ties, logits_mode, seed):
+def topk_scores_vs_v2_rule(rows, vocab, dtype, kind, k, exact_ties, logits_mode, seed,
+                           scored=False):
     """local_topk_scores against V2's compute_topk_scores rule on the whole row (in
-    torch): ids [argmax, topk(logits, k)], ranks (x >= x_token).sum(), scores the
-    logits or (x - M) - L with an exact L."""
+    torch): ids [the token (argmax, or a target: prompt logprobs), topk(logits, k)],
+    ranks (x >= x_token).sum(), scores the logits or (x - M) - L with an exact L."""
     from commfold.ops.local_logprobs import local_topk_scores
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -129,9 +130,11 @@ def topk_scores_vs_v2_rule(rows, vocab, dtype, kind, k, exact_ties, logits_mode,
     vs = math.ceil(vocab / world)
     padded = torch.nn.functional.pad(full, (0, world * vs - vocab), value=PAD)
     shard = padded[:, rank * vs:(rank + 1) * vs].to(getattr(torch, dtype)).contiguous()
+    g = torch.Generator().manual_seed(seed + 1)
+    targets = torch.randint(0, vocab, (rows,), generator=g) if scored else None
     got = local_topk_scores(shard, vocab, f"c10d:{dist.group.WORLD.group_name}", k,
-                            logits_mode, exact_ties)
-    tokens = full.argmax(-1)
+                            logits_mode, exact_ties, targets)
+    tokens = full.argmax(-1) if targets is None else targets
     ids = torch.cat([tokens[:, None], torch.topk(full, k).indices], 1)
     ranks = (full >= full.gather(1, tokens[:, None])).sum(-1)
     x = full.gather(1, ids).double()
@@ -150,20 +153,21 @@ def topk_scores_vs_v2_rule(rows, vocab, dtype, kind, k, exact_ties, logits_mode,
 @settings(max_examples=12, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @example(rows=4, vocab=2001, dtype="bfloat16", kind="ties", k=5, exact_ties=False,
-         logits_mode=False, seed=3)
+         logits_mode=False, seed=3, scored=False)
 @example(rows=4, vocab=2001, dtype="float32", kind="ties", k=20, exact_ties=True,
-         logits_mode=True, seed=4)
+         logits_mode=True, seed=4, scored=True)
 @given(rows=st.integers(1, 6), vocab=st.integers(1400, 3000),
        dtype=st.sampled_from(["float32", "bfloat16"]), kind=st.sampled_from(["ties", "spread"]),
        k=st.sampled_from([0, 1, 5, 20]), exact_ties=st.booleans(), logits_mode=st.booleans(),
-       seed=st.integers(0, 2**16))
+       seed=st.integers(0, 2**16), scored=st.booleans())
 def test_v2_topk_scores_equal_the_whole_rows(ranks2, rows, vocab, dtype, kind, k, exact_ties,
-                                             logits_mode, seed):
+                                             logits_mode, seed, scored):
     """Ids (their order among equal logits included) and ranks exact, scores the logits
-    or within float32 rounding of the exact logprob. Without exact ties (another
-    device's torch.topk), exactly the rows whose top k + 1 hold equal logits go whole."""
+    or within float32 rounding of the exact logprob, for the greedy token and for
+    targets (prompt logprobs). Without exact ties (another device's torch.topk),
+    exactly the rows whose top k + 1 hold equal logits go whole."""
     for res in ranks2.run(topk_scores_vs_v2_rule, rows, vocab, dtype, kind, k, exact_ties,
-                          logits_mode, seed):
+                          logits_mode, seed, scored):
         assert res["tokens"] and res["ids"] and res["ranks"], res
         assert res["scores"] <= (0 if logits_mode else 1e-5), res
         assert res["whole"] == ([False] * rows if exact_ties else res["tied"]), res

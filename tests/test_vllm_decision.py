@@ -199,6 +199,20 @@ def test_v2_greedy_logprobs_are_picked_locally(mode):
         None, "logprobs under spec decoding")
 
 
+@pytest.mark.parametrize("k,mode,vocab,want", [
+    (3, "raw_logprobs", 1280, ("logprobs", "prompt_logprobs=3")),
+    (0, "processed_logits", 64, ("logprobs", "prompt_logprobs=0")),
+    (-1, "raw_logprobs", 151936, (None, "prompt_logprobs=-1 (the whole vocab)")),
+    (21, "raw_logprobs", 151936, (None, "prompt_logprobs=21 (local up to 20)")),
+    (5, "raw_logprobs", 300, (None, "prompt_logprobs=5 with vocab 300 < 64 k")),
+    (5, "other", 151936, (None, "logprobs_mode other")),
+])
+def test_v2_prompt_logprobs_decision(k, mode, vocab, want):
+    from commfold.vllm.decision import decide_v2_prompt
+
+    assert decide_v2_prompt(k, mode, vocab) == want
+
+
 @pytest.mark.parametrize("rows,vocab,tp", [(1, 1024, 2), (64, 151936, 2), (256, 32000, 4)])
 def test_commfold_pick_moves_less_than_batch_sharded_sampling(rows, vocab, tp):
     """V2's batch-sharded sampling all-to-alls each row's vocab shard; commfold's pick

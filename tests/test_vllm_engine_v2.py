@@ -5,8 +5,8 @@ subprocess: greedy tokens identical; the mixed batch (temperature sampling, a
 penalty) identical to vLLM's, the logprobs batch's tokens too and its logprobs V2's
 (ids and ranks; values within float32 rounding); every step's collectives logged on
 both ranks by V2's step log; the target pick local on the greedy steps (one pair
-exchange, no vocab-wide gather) and the logprobs steps (two small all-gathers), and
-vLLM's own on the others, with the reason noted.
+exchange, no vocab-wide gather) and the logprobs steps (two small all-gathers, and two
+for the prompt logprobs), and vLLM's own on the others, with the reason noted.
 
 Opt-in (an engine pair is ~3 minutes on 2 cores): COMMFOLD_VLLM_V2_ENGINE=1, or
 COMMFOLD_VLLM_ALL_CASES=1."""
@@ -65,8 +65,11 @@ def test_v2_engine_tokens_identical(v2_pair):
     assert [r["tokens"] for r in on["logprobs"]] == [r["tokens"] for r in off["logprobs"]]
     # against V2's own scores of the same logits (the pick paused): ids and ranks, values
     # within float32 rounding; against the engine without commfold: values to the
-    # forward's rounding (the fused norm's tolerance, a bf16 logit's ulp)
-    assert logprob_mismatches(on["logprobs"], on["logprobs_vllm"], 2e-5, True) == []
+    # forward's rounding (the fused norm's tolerance, a bf16 logit's ulp). The scored
+    # token's rank is not compared: V2's rank kernel, run by Triton's interpreter here,
+    # miscounts bf16 logits (tests/test_vllm_target_pick_v2.py checks ours against
+    # what it computes on a GPU)
+    assert logprob_mismatches(on["logprobs"], on["logprobs_vllm"], 2e-5, True, False) == []
     assert logprob_mismatches(on["logprobs"], off["logprobs"], 1e-2, False) == []
 
 
@@ -82,6 +85,7 @@ def test_v2_step_log_and_target_pick(v2_pair):
         else:
             assert {"greedy", "logprobs", "vLLM (sampling (temperature > 0))",
                     "vLLM (paused)"} <= set(picks), picks
+            assert any(s.info.get("prompt_logprobs") == "logprobs" for s in r0), run
         for s in r0:
             if not s.info["tokens"]:
                 continue
@@ -91,10 +95,11 @@ def test_v2_step_log_and_target_pick(v2_pair):
                 assert s.vocab_gathers(VOCAB_SHARD) == [], (run, s)
                 assert sampling.calls() == sampling.calls("all_gather") == 1, (run, s)
             elif pick == "logprobs":  # two small all-gathers (rows done whole: none here)
-                # V2's prompt logprobs worker (after sample()) gathers its own logits
-                assert s.vocab_gathers(VOCAB_SHARD) == \
-                    s.in_phase("prompt_logprobs").vocab_gathers(VOCAB_SHARD), (run, s)
+                assert s.vocab_gathers(VOCAB_SHARD) == [], (run, s)
                 assert sampling.calls() == sampling.calls("all_gather") == 2, (run, s)
+                prompt = s.in_phase("prompt_logprobs")  # V2's worker, after sample()
+                if s.info.get("prompt_logprobs") == "logprobs":  # one chunk: two more
+                    assert prompt.calls() == prompt.calls("all_gather") == 2, (run, s)
             elif pick is not None or (run == "off" and sampling.calls()):
                 (gather,) = sampling.vocab_gathers(VOCAB_SHARD)  # vLLM's, as without
                 assert gather.shapes == ((s.info["requests"], VOCAB_SHARD),), (run, s)

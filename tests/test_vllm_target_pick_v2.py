@@ -106,3 +106,39 @@ def test_v2_verify_examples(vllm_v2_ranks, vocab, dtype, drafts, accept, ties, s
                 mode="verify" if spec else "greedy", accept=accept,
                 **(dict(drafts=drafts) if spec else dict(rows=len(drafts))))
     _check(vllm_v2_ranks.run(step_cases, 2, [case]))
+
+
+PROMPT_CASES = [
+    dict(vocab=V, dtype="float32", seed=21, ties=True, rows=9, k=3, chunk=4),  # 3 chunks
+    dict(vocab=V, dtype="bfloat16", seed=22, ties=False, rows=6, k=20,
+         logprobs_mode="processed_logprobs"),
+    dict(vocab=V, dtype="bfloat16", seed=23, ties=True, rows=5, k=0, logprobs_mode="raw_logits"),
+    dict(vocab=V, dtype="float32", seed=24, ties=False, rows=4, k=2, targets_outside=True),
+    dict(vocab=V, dtype="float32", seed=25, ties=False, rows=3, k=-1),  # the whole vocab
+]
+
+
+def test_v2_prompt_logprobs_equal_v2s(vllm_v2_ranks):
+    """V2's prompt logprobs (compute_prompt_logprobs_with_chunking) locally: per chunk
+    of prompt positions two small all-gathers, no vocab-wide gather (a target outside
+    the vocab: that row gathered, V2 scores it); ids as V2's, ranks as V2 computes them
+    on a GPU (its rank kernel under Triton's interpreter miscounts bf16: float32 ones
+    are checked against V2 too), scores within float32 rounding; k = -1 stays V2's."""
+    from harness.vllm_step_v2 import prompt_cases
+
+    for res in vllm_v2_ranks.run(prompt_cases, 2, PROMPT_CASES):
+        for r in res:
+            case, where = r["case"], f"rank {r['rank']} {r['case']}"
+            assert r["vllm_gathers"] >= 1, where
+            if case["k"] == -1:
+                assert r["notes"] == ["vLLM (prompt_logprobs=-1 (the whole vocab))"], where
+                continue
+            assert r["notes"] == ["logprobs"], where
+            assert r["ids"] and r["ranks"], where
+            assert r["vllm_ranks"] or case["dtype"] != "float32", where
+            limit = 0 if "logits" in case.get("logprobs_mode", "") else 4
+            assert r["score_diff"] <= limit, (where, r["score_diff"])
+            chunks = -(-case["rows"] // case.get("chunk", 1024))
+            whole = int(case.get("targets_outside", False))
+            assert r["ours_gathers"] == whole, where
+            assert r["calls"] == 2 * chunks + whole, where

@@ -178,11 +178,13 @@ def _pack(values, index):
 
 
 def local_topk_scores(shard: torch.Tensor, valid_vocab: int, comm: str, k: int,
-                      logits_mode: bool, exact_ties: bool | None = None):
-    """Model Runner V2's greedy logprobs (``compute_topk_scores`` without custom token
-    ids) over vocab-sharded logits: ids = [the first argmax, torch.topk(logits, k)
-    indices], scores = their logprobs (x - M) - L in float32 (logits_mode: the logits
-    themselves, as float32), rank = how many logits are >= the token's. V2 ranks the
+                      logits_mode: bool, exact_ties: bool | None = None,
+                      targets: torch.Tensor | None = None):
+    """Model Runner V2's logprobs (``compute_topk_scores`` without custom token ids)
+    over vocab-sharded logits: ids = [the token - targets [R] int64, or the first
+    argmax -, torch.topk(logits, k) indices], scores = their logprobs (x - M) - L in
+    float32 (logits_mode: the logits themselves, as float32), rank = how many logits
+    are >= the token's. V2 ranks the
     *logits*, so ids and ranks do not depend on L, and are exact: the ranks' top-k
     candidates (logprob_scan.candidates) reproduce torch.topk's CPU heap, its order
     among equal logits included. exact_ties (default: on CPU) says whether the full
@@ -192,8 +194,9 @@ def local_topk_scores(shard: torch.Tensor, valid_vocab: int, comm: str, k: int,
     here: a few float32 ulps).
 
     Returns TopkScores: rows marked whole (a maximum not finite, a -inf among the top
-    k, a tie where ties are not exact) hold nothing usable; the caller computes them
-    from gathered rows with vLLM's own code. Every rank computes the same mask."""
+    k or as the token's logit - V2's rank kernel counts its masked lanes then -, a tie
+    where ties are not exact) hold nothing usable; the caller computes them from
+    gathered rows with vLLM's own code. Every rank computes the same mask."""
     c = communicator(comm)
     world, rank = c.world_size(), c.rank()
     rows, vs = shard.shape
@@ -217,30 +220,44 @@ def local_topk_scores(shard: torch.Tensor, valid_vocab: int, comm: str, k: int,
         lse = torch.full((rows,), -math.inf, device=shard.device)
         idx = torch.empty(rows, 0, dtype=torch.long, device=shard.device)
         count = torch.zeros(rows, dtype=torch.long, device=shard.device)
-    one = torch.stack([m.double(), lse.double(), arg.double(), count.double()], -1)
-    every = c.all_gather(one).view(world, rows, 4)
+    xt = torch.zeros(rows, dtype=torch.float64, device=shard.device)
+    if targets is not None and n_local:  # the target's logit, where this rank holds it
+        local_t = targets - first
+        mine = (local_t >= 0) & (local_t < n_local)
+        xt = torch.where(mine, x.gather(1, local_t.clamp(0, n_local - 1)[:, None])[:, 0]
+                         .double(), xt)
+    one = torch.stack([m.double(), lse.double(), arg.double(), count.double(), xt], -1)
+    every = c.all_gather(one).view(world, rows, 5)
     ms = every[..., 0]
     big_m = ms.amax(0)
-    tokens = every[..., 2].gather(0, ms.argmax(0, keepdim=True))[0].long()
     lses = every[..., 1]
     part = torch.where(lses == -math.inf, torch.zeros_like(lses), torch.exp(lses - big_m))
     log_s = part.sum(0).log().float()
     big_m32 = big_m.float()
     whole = ~big_m.isfinite()
+    if targets is None:
+        tokens = every[..., 2].gather(0, ms.argmax(0, keepdim=True))[0].long()
+        x_t = big_m32  # the token's logit: the maximum
+    else:
+        tokens = targets.long()
+        x_t = every[..., 4].gather(0, (tokens // max(vs, 1)).clamp(0, world - 1)[None])[0]
+        x_t = x_t.float()
+        outside = (tokens < 0) | (tokens >= valid_vocab)  # vLLM reads what it reads there
+        whole = whole | (x_t == -math.inf) | x_t.isnan() | outside
 
-    # round 2: this rank's count of logits >= M (the token's) and its candidates
+    # round 2: this rank's count of logits >= the token's, and its candidates
     width = int(every[..., 3].max())
     zero = torch.zeros_like(log_s)
     two = torch.full((rows, 1 + width), int(_pack(-math.inf, 0)), dtype=torch.long,
                      device=shard.device)
-    two[:, 0] = count_logprob_ge(shard, n_local, zero, zero, big_m32) if n_local else 0
+    two[:, 0] = count_logprob_ge(shard, n_local, zero, zero, x_t) if n_local else 0
     if idx.shape[1]:
         vals = torch.where(idx >= 0, x.gather(1, idx.clamp(min=0)).float(), -math.inf)
         two[:, 1:1 + idx.shape[1]] = _pack(vals, idx.clamp(min=0) + first)
     got = c.all_gather(two).view(world, rows, 1 + width)
     ranks = got[..., 0].sum(0)
     ids = tokens[:, None]
-    xs = big_m32[:, None]  # the token's logit: the maximum
+    xs = x_t[:, None]
     if kk:
         packed = got[..., 1:].permute(1, 0, 2).reshape(rows, world * width)
         proxy = ((packed >> 32) & _LOW).to(torch.int32).view(torch.float32)
@@ -255,7 +272,7 @@ def local_topk_scores(shard: torch.Tensor, valid_vocab: int, comm: str, k: int,
 
 
 class TopkScores(NamedTuple):
-    tokens: torch.Tensor  # [R] int64: the first maximum
+    tokens: torch.Tensor  # [R] int64: the targets, or the first maximum
     ids: torch.Tensor  # [R, k + 1] int64: the token, then the top k
     scores: torch.Tensor  # [R, k + 1] float32: their logprobs (or logits)
     ranks: torch.Tensor  # [R] int64: logits >= the token's

@@ -205,6 +205,16 @@ def decide_v2(step: V2Step, *, spec: bool, structured: bool,
     return ("verify" if spec else "greedy"), "all greedy"
 
 
+def decide_v2_prompt(k: int, logprobs_mode: str, vocab: int) -> tuple[str | None, str]:
+    """(mode, reason) for Model Runner V2's prompt logprobs of a step: "logprobs" when
+    the step's most prompt logprobs k can be scored locally (V2 scores prompt positions
+    from the raw logits, whatever the requests' sampling parameters), else None."""
+    if k == -1:
+        return None, "prompt_logprobs=-1 (the whole vocab)"
+    mode, why = logprobs_mode_ok(k, logprobs_mode, vocab, False, V2_LOGPROB_MODES)
+    return mode, why.replace("logprobs=", "prompt_logprobs=").replace("greedy, ", "")
+
+
 def pick_bytes(rows: int, tp: int) -> int:
     """Bytes each rank receives for commfold's pick: one (value, index) pair, 16 B,
     per row from every other rank."""

@@ -21,6 +21,9 @@ requests (commfold.vllm.decision.decide_v2: the same on every rank):
   small all-gathers (commfold.ops.local_logprobs.local_topk_scores); ids and ranks
   exact, logprobs within a few float32 ulps of V2's (its log-sum-exp sums in another
   order); rows it cannot do exactly are gathered and scored by V2's own function;
+- prompt logprobs (V2's ``compute_prompt_logprobs_with_chunking``, after ``sample``:
+  k <= 20, 64 k <= vocab) the same way per chunk of prompt positions, scoring each
+  position's next prompt token (decide_v2_prompt);
 - anything else, and batch-sharded sampling unless the step qualifies (commfold's
   pick moves 16 bytes per row from each peer, its all-to-all a row's whole vocab
   shard), runs V2's own ``sample``.
@@ -45,8 +48,8 @@ from commfold.vllm import step_log
 from commfold.vllm import hook_points
 from commfold.vllm import runtime
 from commfold.vllm import target_pick
-from commfold.vllm.decision import (V2Step, all_to_all_bytes, decide_v2, pick_bytes,
-                            verify_method)
+from commfold.vllm.decision import (V2Step, all_to_all_bytes, decide_v2, decide_v2_prompt,
+                                    pick_bytes, verify_method)
 from commfold.vllm.logits_head import LogitsHead
 
 log = logging.getLogger("commfold")
@@ -54,6 +57,7 @@ log = logging.getLogger("commfold")
 HOOK = "target pick"  # the same row as V1's hook: one per engine
 _RUNNER = "vllm.v1.worker.gpu.model_runner:GPUModelRunner"
 _REJECT = "vllm.v1.worker.gpu.spec_decode.rejection_sampler"
+_PROMPT = "vllm.v1.worker.gpu.sample.prompt_logprob"
 HOOK_POINTS = (
     (f"{_RUNNER}.sample", "logits = self.model.compute_logits(sample_hidden_states)"),
     (f"{_RUNNER}.sample", "sampler_output = self.sampler(logits, input_batch)"),
@@ -79,6 +83,12 @@ HOOK_POINTS = (
      "accepted = target_argmax == draft_sampled"),
     ("vllm.model_executor.layers.logits_processor:LogitsProcessor._get_logits",
      "logits = self._gather_logits(logits)"),
+    (f"{_PROMPT}:PromptLogprobsWorker.compute_prompt_logprobs",
+     "compute_prompt_logprobs_with_chunking("),
+    (f"{_PROMPT}:compute_prompt_logprobs_with_chunking",
+     "prompt_logits = logits_fn(prompt_hidden_states[start_idx:end_idx])"),
+    (f"{_PROMPT}:compute_prompt_logprobs_with_chunking", "result = compute_topk_scores("),
+    (f"{_PROMPT}:CHUNK_SIZE", None),
 )
 
 
@@ -105,14 +115,60 @@ def install(environ=os.environ, runner=None) -> bool:
         return False
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
-    original = GPUModelRunner.__dict__["sample"]
-    if not getattr(original, "_commfold_target_pick", False):
-        wrapped = _sample(original)
-        wrapped.__wrapped__, wrapped.__name__ = original, "sample"
-        wrapped._commfold_target_pick = True
-        GPUModelRunner.sample = wrapped
+    from vllm.v1.worker.gpu.sample import prompt_logprob
+
+    for owner, name, make in ((GPUModelRunner, "sample", _sample),
+                              (prompt_logprob, "compute_prompt_logprobs_with_chunking",
+                               _prompt_scores)):
+        original = getattr(owner, name)
+        if not getattr(original, "_commfold_target_pick", False):
+            wrapped = make(original)
+            wrapped.__wrapped__, wrapped.__name__ = original, name
+            wrapped._commfold_target_pick = True
+            setattr(owner, name, wrapped)
     _installed = True
     return True
+
+
+_last_head: LogitsHead | None = None  # the head of the runner whose sample() ran last
+
+
+def _prompt_scores(original):
+    """V2's compute_prompt_logprobs_with_chunking, locally where decide_v2_prompt
+    qualifies the step (the same k, mode and vocab on every rank)."""
+    def compute_prompt_logprobs_with_chunking(prompt_token_ids, prompt_hidden_states,
+                                              logits_fn, num_prompt_logprobs,
+                                              logprobs_mode="raw_logprobs"):
+        from vllm.v1.worker.gpu.sample.prompt_logprob import CHUNK_SIZE
+
+        args = (prompt_token_ids, prompt_hidden_states, logits_fn, num_prompt_logprobs,
+                logprobs_mode)
+        head = _last_head
+        if head is None or getattr(logits_fn, "__self__", None) is not head.model:
+            mode, why = None, "no target pick head for this model"
+        elif target_pick._paused:
+            mode, why = None, "paused"
+        else:
+            mode, why = decide_v2_prompt(num_prompt_logprobs, logprobs_mode, head.vocab)
+        step_log.note("prompt_logprobs", mode or f"vLLM ({why})")
+        if mode is None:
+            return original(*args)
+        logits_mode = logprobs_mode in ("raw_logits", "processed_logits")
+        targets = prompt_token_ids.to(torch.int64)
+        parts = []
+        for start in range(0, targets.shape[0], CHUNK_SIZE):
+            shard = head.local_logits(prompt_hidden_states[start:start + CHUNK_SIZE],
+                                      logits_fn)
+            if shard is None:  # the model's code gave something else (logged; every
+                parts.append(original(targets[start:], prompt_hidden_states[start:],  # rank)
+                                      logits_fn, num_prompt_logprobs, logprobs_mode))
+                break
+            chunk = targets[start:start + CHUNK_SIZE]
+            scores = logprobs_scores(head, shard, num_prompt_logprobs, logits_mode, chunk)
+            parts.append(tensors(head, shard, scores, logits_mode))
+        return tuple(torch.cat([p[i] for p in parts]) for i in range(3))
+    return compute_prompt_logprobs_with_chunking
+
 
 
 def _head(runner) -> LogitsHead | None:
@@ -160,7 +216,8 @@ def decide(runner, input_batch, grammar_output, vocab: int = 0) -> tuple[str | N
 
 def _sample(original):
     def sample(self, hidden_states, input_batch, grammar_output):
-        head = _head(self)
+        global _last_head
+        head = _last_head = _head(self)
         if head is None:
             return original(self, hidden_states, input_batch, grammar_output)
         mode, why = decide(self, input_batch, grammar_output, head.vocab)
@@ -192,7 +249,9 @@ def pick(runner, head: LogitsHead, shard, input_batch, mode: str):
 
     scores = None
     if mode == "logprobs":
-        scores = logprobs(runner, head, shard, input_batch)
+        idx = input_batch.idx_mapping_np
+        k = runner.sampler.get_logprobs_dims(idx[idx >= 0])[0]
+        scores = logprobs_scores(head, shard, k, _logits_mode(runner))
         values, tokens = scores.maxima, scores.tokens
     else:
         values, tokens = local_argmax(shard, head.vocab, head.comm)
@@ -208,8 +267,12 @@ def pick(runner, head: LogitsHead, shard, input_batch, mode: str):
     num_sampled, num_rejected = get_num_sampled_and_rejected(
         num_sampled, input_batch.seq_lens, input_batch.cu_num_logits,
         input_batch.idx_mapping, prefill_len)
-    return SamplerOutput(sampled_token_ids=sampled,
-                         logprobs_tensors=tensors(runner, head, shard, scores),
+    logprobs = None
+    if scores is not None:
+        from vllm.v1.outputs import LogprobsTensors
+
+        logprobs = LogprobsTensors(*tensors(head, shard, scores, _logits_mode(runner)))
+    return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs,
                          num_nans=None, num_sampled=num_sampled, num_rejected=num_rejected)
 
 
@@ -217,22 +280,18 @@ def _logits_mode(runner) -> bool:
     return runner.sampler.logprobs_mode in ("raw_logits", "processed_logits")
 
 
-def logprobs(runner, head: LogitsHead, shard, input_batch):
-    """commfold.ops.local_logprobs.local_topk_scores for the step's most top logprobs
-    (V2 scores every row with the batch's most, as here)."""
+def logprobs_scores(head: LogitsHead, shard, k: int, logits_mode: bool, targets=None):
+    """commfold.ops.local_logprobs.local_topk_scores with k top logprobs (V2 scores
+    every row with the batch's most, as here) of the greedy token or the targets."""
     from commfold.ops.local_logprobs import local_topk_scores
 
-    idx = input_batch.idx_mapping_np
-    k = runner.sampler.get_logprobs_dims(idx[idx >= 0])[0]
-    return local_topk_scores(shard, head.vocab, head.comm, k, _logits_mode(runner))
+    return local_topk_scores(shard, head.vocab, head.comm, k, logits_mode, targets=targets)
 
 
-def tensors(runner, head: LogitsHead, shard, scores):
-    """V2's LogprobsTensors from local_topk_scores; rows it marks whole are gathered
-    (every rank the same rows) and scored by V2's own compute_topk_scores."""
-    if scores is None:
-        return None
-    from vllm.v1.outputs import LogprobsTensors
+def tensors(head: LogitsHead, shard, scores, logits_mode: bool):
+    """(token ids, scores, ranks) as V2's compute_topk_scores gives them, from
+    local_topk_scores; rows it marks whole are gathered (every rank the same rows) and
+    scored by V2's own compute_topk_scores."""
     from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores
 
     ids, values, ranks = scores.ids, scores.scores, scores.ranks
@@ -240,12 +299,12 @@ def tensors(runner, head: LogitsHead, shard, scores):
         sel = scores.whole.nonzero()[:, 0]
         full = head.gather(shard[sel].contiguous())
         theirs = compute_topk_scores(full, ids.shape[1] - 1, scores.tokens[sel],
-                                     logits_mode=_logits_mode(runner))
+                                     logits_mode=logits_mode)
         ids, values, ranks = ids.clone(), values.clone(), ranks.clone()
         ids[sel] = theirs.logprob_token_ids.long()
         values[sel] = theirs.logprobs.float()
         ranks[sel] = theirs.selected_token_ranks.long()
-    return LogprobsTensors(logprob_token_ids=ids, logprobs=values, selected_token_ranks=ranks)
+    return ids, values, ranks
 
 
 def verify(runner, input_batch, argmax, prefill_len):
