@@ -407,8 +407,15 @@ def run_program(blocks, backend=None, before_compile=None) -> dict:
     seen = len(commfold.reports())
     if before_compile is not None:
         before_compile()
+    from torch._dynamo.utils import counters
+
+    counters.clear()
     got = torch.compile(fn, backend=backend or commfold.backend())(*[a.clone() for a in args])
     reps = commfold.reports()[seen:]
+    # what Dynamo did when no graph reached commfold (a frame run eagerly, a break)
+    dynamo = {k: dict(v) for k, v in counters.items() if k in ("stats", "unimplemented",
+                                                                  "graph_break")} \
+        if not reps else {}
     counts, near = {}, {}
     for r in reps:
         for w in r.rewrites:
@@ -418,7 +425,7 @@ def run_program(blocks, backend=None, before_compile=None) -> dict:
     return {"mismatches": compare(blocks, got, want), "counts": counts, "near": near,
             "errors": [f"{e.pass_name}: {e.error}" for r in reps for e in r.errors],
             "fingerprints": [r.fingerprint() for r in reps], "graphs": len(reps),
-            "from_cache": any(r.from_cache for r in reps)}
+            "from_cache": any(r.from_cache for r in reps), "dynamo": dynamo}
 
 
 def run_programs(programs, **kw) -> list[dict]:
@@ -448,7 +455,9 @@ def check(blocks, results: list[dict]) -> list[str]:
         if r["errors"]:
             problems.append(f"rank {rank}: pass errors {r['errors']}")
         if r["counts"] != want:
-            problems.append(f"rank {rank}: rewrites {r['counts']} != expected {want}")
+            problems.append(f"rank {rank}: rewrites {r['counts']} != expected {want} "
+                            f"({r['graphs']} graph(s), from cache: {r['from_cache']}"
+                            + (f", Dynamo: {r['dynamo']}" if r.get("dynamo") else "") + ")")
         for p, n in misses.items():
             if r["near"].get(p, 0) < n:
                 problems.append(f"rank {rank}: {r['near'].get(p, 0)} near-miss(es) of {p}, "
