@@ -2,12 +2,17 @@
 post-grad custom pass (composed with any pass the user already set)."""
 from __future__ import annotations
 
+import logging
+
 from torch._inductor import config as inductor_config
 
 from commfold.config import Config
 from commfold import report_cache
 from commfold.manager import CommfoldPass
 from commfold.report import publish
+
+
+log = logging.getLogger("commfold")
 
 
 def backend(**options):
@@ -35,8 +40,15 @@ def backend(**options):
         with inductor_config.patch(post_grad_custom_post_pass=pass_):
             compiled = compile_fx(gm, example_inputs, **kwargs)
         if key is not None and not made:  # Inductor's cache served it: republish what
-            for r in report_cache.load(key, report_cache.locations(gm)):  # the passes did
+            served = report_cache.load(key, report_cache.locations(gm))  # the passes did
+            for r in served:
                 publish(r)
+            if not served:
+                log.info("commfold: Inductor's cache served a graph (%d nodes) whose report "
+                         "this process never saved (its lowered form was compiled from "
+                         "another Python graph): no report for it; "
+                         "TORCHINDUCTOR_FX_GRAPH_CACHE=0 TORCHINDUCTOR_AUTOGRAD_CACHE=0 "
+                         "recompile it", len(gm.graph.nodes))
         return compiled
 
     commfold_compile.config = config

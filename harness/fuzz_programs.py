@@ -410,7 +410,12 @@ def run_program(blocks, backend=None, before_compile=None) -> dict:
     from torch._dynamo.utils import counters
 
     counters.clear()
-    got = torch.compile(fn, backend=backend or commfold.backend())(*[a.clone() for a in args])
+    # the passes must run on every program: a program whose lowered form an earlier one
+    # had would be served from Inductor's caches (rewritten then, its report not ours)
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        got = torch.compile(fn, backend=backend or commfold.backend())(
+            *[a.clone() for a in args])
     reps = commfold.reports()[seen:]
     # what Dynamo did when no graph reached commfold (a frame run eagerly, a break)
     dynamo = {k: dict(v) for k, v in counters.items() if k in ("stats", "unimplemented",

@@ -153,3 +153,32 @@ def test_many_token_picks_in_one_process_all_compile():
         x = torch.randn(3, 4)
         assert torch.equal(pick(x), head(x).argmax(-1))
     assert len(reports()) >= limit + 3  # one commfold compile per pick
+
+
+def test_a_cache_hit_without_its_report_says_so(tmp_path, monkeypatch, caplog):
+    """Inductor's cache serves a graph whose report was never saved here (its lowered
+    form came from another Python graph; here: the saved report removed): no stale or
+    invented report, one line saying so and how to recompile."""
+    import logging
+    import shutil
+
+    from commfold import report_cache
+
+    monkeypatch.setattr(report_cache, "_dir", lambda: tmp_path / "reports")
+
+    def f(x):
+        return (x * 2 + 1).relu()
+
+    x = torch.randn(4, 8)
+    with inductor_config.patch(fx_graph_cache=True), caplog.at_level(logging.INFO, "commfold"):
+        for attempt in range(2):
+            torch._dynamo.reset()
+            commfold.clear_reports()
+            torch.compile(f, backend="commfold")(x)
+            if attempt == 0:
+                assert commfold.last_report() is not None
+                assert (tmp_path / "reports").exists()
+                shutil.rmtree(tmp_path / "reports")
+    assert commfold.last_report() is None  # the second compile: served, nothing to replay
+    assert any("whose report this process never saved" in r.getMessage()
+               for r in caplog.records)
