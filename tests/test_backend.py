@@ -4,6 +4,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import uuid
 
 import pytest
 import torch
@@ -166,8 +167,10 @@ def test_a_cache_hit_without_its_report_says_so(tmp_path, monkeypatch, caplog):
 
     monkeypatch.setattr(report_cache, "_dir", lambda: tmp_path / "reports")
 
+    nonce = float(uuid.uuid4().int % 10_000) + 0.5  # a graph no earlier run cached
+
     def f(x):
-        return (x * 2 + 1).relu()
+        return (x * nonce + 1).relu()
 
     x = torch.randn(4, 8)
     with inductor_config.patch(fx_graph_cache=True), caplog.at_level(logging.INFO, "commfold"):
