@@ -55,16 +55,21 @@ def logits(rows: int, vocab: int, dtype: str, kind: str, seed: int) -> torch.Ten
     return x.to(getattr(torch, dtype)).float()
 
 
-def local_vs_rule(rows, vocab, dtype, kind, k, scored, seed):
-    from commfold.ops.local_logprobs import local_logprobs
-
+def _sharded(rows, vocab, dtype, kind, seed, scored):
+    """(the full logits, this rank's padded shard in dtype, targets or None)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     full = logits(rows, vocab, dtype, kind, seed)
     vs = math.ceil(vocab / world)
     padded = torch.nn.functional.pad(full, (0, world * vs - vocab), value=PAD)
     shard = padded[:, rank * vs:(rank + 1) * vs].to(getattr(torch, dtype)).contiguous()
     g = torch.Generator().manual_seed(seed + 1)
-    targets = torch.randint(0, vocab, (rows,), generator=g) if scored else None
+    return full, shard, torch.randint(0, vocab, (rows,), generator=g) if scored else None
+
+
+def local_vs_rule(rows, vocab, dtype, kind, k, scored, seed):
+    from commfold.ops.local_logprobs import local_logprobs
+
+    full, shard, targets = _sharded(rows, vocab, dtype, kind, seed, scored)
     whole = torch.zeros(rows, dtype=torch.bool)
 
     def fallback(f, tokens, kk):  # vLLM's code on whole rows: the rule with torch's L
@@ -125,13 +130,7 @@ def topk_scores_vs_v2_rule(rows, vocab, dtype, kind, k, exact_ties, logits_mode,
     ranks (x >= x_token).sum(), scores the logits or (x - M) - L with an exact L."""
     from commfold.ops.local_logprobs import local_topk_scores
 
-    world, rank = dist.get_world_size(), dist.get_rank()
-    full = logits(rows, vocab, dtype, kind, seed)
-    vs = math.ceil(vocab / world)
-    padded = torch.nn.functional.pad(full, (0, world * vs - vocab), value=PAD)
-    shard = padded[:, rank * vs:(rank + 1) * vs].to(getattr(torch, dtype)).contiguous()
-    g = torch.Generator().manual_seed(seed + 1)
-    targets = torch.randint(0, vocab, (rows,), generator=g) if scored else None
+    full, shard, targets = _sharded(rows, vocab, dtype, kind, seed, scored)
     got = local_topk_scores(shard, vocab, f"c10d:{dist.group.WORLD.group_name}", k,
                             logits_mode, exact_ties, targets)
     tokens = full.argmax(-1) if targets is None else targets
