@@ -65,72 +65,30 @@ def local_logprobs(shard: torch.Tensor, valid_vocab: int, comm: str, k: int,
     _, n_local = local_width(valid_vocab, world, rank, vs)
     if rank == 0 and n_local < k:  # the row's first k entries are rank 0's
         raise ValueError(f"commfold.local_logprobs: rank 0 holds {n_local} < k = {k} columns")
-    x = shard[:, :n_local]
-    first = rank * vs
-
-    # round 1: (m, log-sum-exp, first argmax, x at the target, candidate count)
-    if n_local:  # one pass: max, first max / first NaN (torch.argmax), float64 sum
-        m, lse, arg = row_stats(x)
-        arg = arg + first
-    else:  # only padding here: never the maximum
-        m = torch.full((rows,), -math.inf, device=shard.device)
-        arg = torch.zeros(rows, dtype=torch.long, device=shard.device)
-        lse = torch.full((rows,), -math.inf, device=shard.device)
-    xt = torch.zeros(rows, dtype=torch.float64, device=shard.device)
-    if targets is not None and n_local:
-        local_t = targets - first
-        mine = (local_t >= 0) & (local_t < n_local)
-        got_t = x.gather(1, local_t.clamp(0, n_local - 1)[:, None])[:, 0].double()
-        xt = torch.where(mine, got_t, xt)
-    idx, count = candidates(shard, n_local, k) if k else (
-        torch.empty(rows, 0, dtype=torch.long, device=shard.device),
-        torch.zeros(rows, dtype=torch.long, device=shard.device))
-    one = torch.stack([m.double(), lse.double(), arg.double(), xt, count.double()], -1)
-    every = c.all_gather(one).view(world, rows, 5)
-
-    ms = every[..., 0]
-    big_m = ms.amax(0)
-    winner = ms.argmax(0, keepdim=True)  # first max / first NaN over ranks
-    tokens = every[..., 2].gather(0, winner)[0].long() if targets is None else targets.long()
-    lses = every[..., 1]  # -inf: a rank holding nothing (or only -inf)
-    part = torch.where(lses == -math.inf, torch.zeros_like(lses), torch.exp(lses - big_m))
-    log_s = part.sum(0).log().float()
+    x, first = shard[:, :n_local], rank * vs
+    one = _round_one(c, shard, n_local, first, k, targets)
+    tokens, x_t, big_m, log_s = one.tokens, one.x_t, one.big_m, one.log_s
     big_m32 = big_m.float()
-    if targets is None:
-        x_t = big_m32
-    else:  # the owner's value (-0.0 and NaN bits as the logits hold them)
-        owner = (targets // max(vs, 1)).clamp(0, world - 1)
-        x_t = every[..., 3].gather(0, owner[None])[0].float()
     lp_t = (x_t - big_m32) - log_s
     whole = ~big_m.isfinite()
 
     # round 2: this rank's part of the rank count (x - M >= x_t - M, on the logits: L
-    # cannot change it) and of the count within the margin below; its candidates as
-    # int64 (float32 value bits << 32 | global index)
-    width = int(every[..., 4].max())
+    # cannot change it) and of the count within the margin below; its candidates
     d_t = x_t - big_m32
     no_l = torch.zeros_like(log_s)
     ge = count_logprob_ge(shard, n_local, big_m32, no_l, d_t)
     near = count_logprob_ge(shard, n_local, big_m32, no_l, d_t - _margin(lp_t))
-    two = torch.full((rows, 2 + width), int(_pack(-math.inf, 0)), dtype=torch.long,
-                     device=shard.device)
-    two[:, 0], two[:, 1] = ge, near
-    if idx.shape[1]:  # this rank's candidates, in the first columns of the width
-        vals = torch.where(idx >= 0, x.gather(1, idx.clamp(min=0)).float(), -math.inf)
-        two[:, 2:2 + idx.shape[1]] = _pack(vals, idx.clamp(min=0) + first)
-    got = c.all_gather(two).view(world, rows, 2 + width)
-    ranks = got[..., 0].sum(0)
-    whole = whole | (got[..., 1].sum(0) != ranks)  # a column L may tie with the token
+    counts, proxy_x, proxy_ids = _round_two(c, x, first, one.idx, [ge, near], one.width)
+    ranks = counts[:, 0]
+    whole = whole | (counts[:, 1] != ranks)  # a column L may tie with the token
     ids = tokens[:, None]
     lps = lp_t[:, None]
     if k:
-        packed = got[..., 2:].permute(1, 0, 2).reshape(rows, world * width)
-        proxy_x = ((packed >> 32) & _LOW).to(torch.int32).view(torch.float32)
         d = torch.where(proxy_x == -math.inf, -math.inf, proxy_x - big_m32[:, None])
         proxy = d - log_s[:, None]
         whole = whole | _near_distinct(d, proxy)
         top, where = heap_topk(proxy, k)
-        ids = torch.cat([ids, (packed & _LOW).gather(1, where)], 1)
+        ids = torch.cat([ids, proxy_ids.gather(1, where)], 1)
         lps = torch.cat([lps, top], 1)
 
     if bool(whole.any()):  # every rank computes the same mask: all gather these rows
@@ -208,19 +166,65 @@ def local_topk_scores(shard: torch.Tensor, valid_vocab: int, comm: str, k: int,
         exact_ties = shard.device.type == "cpu"
     x, first = shard[:, :n_local], rank * vs
     kk = k if exact_ties else k + 1  # one more: is the k-th tied with the next?
-    if n_local:
+    one = _round_one(c, shard, n_local, first, kk, targets)
+    tokens, x_t, big_m, log_s = one.tokens, one.x_t, one.big_m, one.log_s
+    big_m32 = big_m.float()
+    whole = ~big_m.isfinite()
+    if targets is not None:  # vLLM reads what it reads outside the vocab
+        outside = (tokens < 0) | (tokens >= valid_vocab)
+        whole = whole | (x_t == -math.inf) | x_t.isnan() | outside
+
+    # round 2: this rank's count of logits >= the token's, and its candidates
+    zero = torch.zeros_like(log_s)
+    ge = count_logprob_ge(shard, n_local, zero, zero, x_t) if n_local else \
+        torch.zeros(rows, dtype=torch.long, device=shard.device)
+    counts, proxy, proxy_ids = _round_two(c, x, first, one.idx, [ge], one.width)
+    ranks = counts[:, 0]
+    ids = tokens[:, None]
+    xs = x_t[:, None]
+    if kk:
+        top, where = heap_topk(proxy, kk)
+        whole = whole | (top[:, :k] == -math.inf).any(-1)  # a -inf is no candidate
+        if not exact_ties:
+            whole = whole | (top[:, 1:] == top[:, :-1]).any(-1)
+        ids = torch.cat([ids, proxy_ids.gather(1, where[:, :k])], 1)
+        xs = torch.cat([xs, top[:, :k]], 1)
+    scores = xs if logits_mode else (xs - big_m32[:, None]) - log_s[:, None]
+    return TopkScores(tokens, ids, scores, ranks, whole, big_m32)
+
+
+class _RoundOne(NamedTuple):
+    """Round 1's outcome: the same on every rank but idx."""
+    tokens: torch.Tensor  # [R] int64: the targets, or the first maximum
+    x_t: torch.Tensor  # [R] float32: the token's logit (the owner's bits)
+    big_m: torch.Tensor  # [R] float64: M, the row's maximum
+    log_s: torch.Tensor  # [R] float32: L = log sum exp(x - M)
+    idx: torch.Tensor  # [R, <= width] int64: this rank's candidates' columns (-1: none)
+    width: int  # the most candidates a rank holds in a row
+
+
+def _round_one(c, shard, n_local: int, first: int, k: int,
+               targets: torch.Tensor | None) -> _RoundOne:
+    """One all-gather of (m, log-sum-exp, first argmax, candidate count, x at the
+    target) per row per rank: from one pass over each shard (softmax-statistics
+    scan), the row's M, L, token and the token's logit on every rank."""
+    rows, vs = shard.shape
+    world = c.world_size()
+    x = shard[:, :n_local]
+    dev = shard.device
+    if n_local:  # one pass: max, first max / first NaN (torch.argmax), float64 sum
         m, lse, arg = row_stats(x)
         arg = arg + first
-        idx, count = candidates(shard, n_local, kk) if kk else (
-            torch.empty(rows, 0, dtype=torch.long, device=shard.device),
-            torch.zeros(rows, dtype=torch.long, device=shard.device))
+    else:  # only padding here: never the maximum
+        m = torch.full((rows,), -math.inf, device=dev)
+        arg = torch.zeros(rows, dtype=torch.long, device=dev)
+        lse = torch.full((rows,), -math.inf, device=dev)
+    if k and n_local:
+        idx, count = candidates(shard, n_local, k)
     else:
-        m = torch.full((rows,), -math.inf, device=shard.device)
-        arg = torch.zeros(rows, dtype=torch.long, device=shard.device)
-        lse = torch.full((rows,), -math.inf, device=shard.device)
-        idx = torch.empty(rows, 0, dtype=torch.long, device=shard.device)
-        count = torch.zeros(rows, dtype=torch.long, device=shard.device)
-    xt = torch.zeros(rows, dtype=torch.float64, device=shard.device)
+        idx = torch.empty(rows, 0, dtype=torch.long, device=dev)
+        count = torch.zeros(rows, dtype=torch.long, device=dev)
+    xt = torch.zeros(rows, dtype=torch.float64, device=dev)
     if targets is not None and n_local:  # the target's logit, where this rank holds it
         local_t = targets - first
         mine = (local_t >= 0) & (local_t < n_local)
@@ -230,45 +234,37 @@ def local_topk_scores(shard: torch.Tensor, valid_vocab: int, comm: str, k: int,
     every = c.all_gather(one).view(world, rows, 5)
     ms = every[..., 0]
     big_m = ms.amax(0)
-    lses = every[..., 1]
+    lses = every[..., 1]  # -inf: a rank holding nothing (or only -inf)
     part = torch.where(lses == -math.inf, torch.zeros_like(lses), torch.exp(lses - big_m))
     log_s = part.sum(0).log().float()
-    big_m32 = big_m.float()
-    whole = ~big_m.isfinite()
-    if targets is None:
+    if targets is None:  # first max / first NaN over ranks; its logit is the maximum
         tokens = every[..., 2].gather(0, ms.argmax(0, keepdim=True))[0].long()
-        x_t = big_m32  # the token's logit: the maximum
-    else:
+        x_t = big_m.float()
+    else:  # the owner's value (-0.0 and NaN bits as the logits hold them)
         tokens = targets.long()
-        x_t = every[..., 4].gather(0, (tokens // max(vs, 1)).clamp(0, world - 1)[None])[0]
-        x_t = x_t.float()
-        outside = (tokens < 0) | (tokens >= valid_vocab)  # vLLM reads what it reads there
-        whole = whole | (x_t == -math.inf) | x_t.isnan() | outside
+        owner = (tokens // max(vs, 1)).clamp(0, world - 1)
+        x_t = every[..., 4].gather(0, owner[None])[0].float()
+    return _RoundOne(tokens, x_t, big_m, log_s, idx, int(every[..., 3].max()))
 
-    # round 2: this rank's count of logits >= the token's, and its candidates
-    width = int(every[..., 3].max())
-    zero = torch.zeros_like(log_s)
-    two = torch.full((rows, 1 + width), int(_pack(-math.inf, 0)), dtype=torch.long,
-                     device=shard.device)
-    two[:, 0] = count_logprob_ge(shard, n_local, zero, zero, x_t) if n_local else 0
-    if idx.shape[1]:
+
+def _round_two(c, x: torch.Tensor, first: int, idx: torch.Tensor,
+               counts: list[torch.Tensor], width: int):
+    """One all-gather of this rank's counts and its candidates (float32 value bits
+    << 32 | global index, one int64 each). Returns (the counts summed over ranks
+    [R, len(counts)], every rank's candidates in rank order: values [R, world * width]
+    float32, -inf in unused slots, and their global indices)."""
+    rows, n, world = x.shape[0], len(counts), c.world_size()
+    two = torch.full((rows, n + width), int(_pack(-math.inf, 0)), dtype=torch.long,
+                     device=x.device)
+    for j, count in enumerate(counts):
+        two[:, j] = count
+    if idx.shape[1]:  # this rank's candidates, in the first columns of the width
         vals = torch.where(idx >= 0, x.gather(1, idx.clamp(min=0)).float(), -math.inf)
-        two[:, 1:1 + idx.shape[1]] = _pack(vals, idx.clamp(min=0) + first)
-    got = c.all_gather(two).view(world, rows, 1 + width)
-    ranks = got[..., 0].sum(0)
-    ids = tokens[:, None]
-    xs = x_t[:, None]
-    if kk:
-        packed = got[..., 1:].permute(1, 0, 2).reshape(rows, world * width)
-        proxy = ((packed >> 32) & _LOW).to(torch.int32).view(torch.float32)
-        top, where = heap_topk(proxy, kk)
-        whole = whole | (top[:, :k] == -math.inf).any(-1)  # a -inf is no candidate
-        if not exact_ties:
-            whole = whole | (top[:, 1:] == top[:, :-1]).any(-1)
-        ids = torch.cat([ids, (packed & _LOW).gather(1, where[:, :k])], 1)
-        xs = torch.cat([xs, top[:, :k]], 1)
-    scores = xs if logits_mode else (xs - big_m32[:, None]) - log_s[:, None]
-    return TopkScores(tokens, ids, scores, ranks, whole, big_m32)
+        two[:, n:n + idx.shape[1]] = _pack(vals, idx.clamp(min=0) + first)
+    got = c.all_gather(two).view(world, rows, n + width)
+    packed = got[..., n:].permute(1, 0, 2).reshape(rows, world * width)
+    values = ((packed >> 32) & _LOW).to(torch.int32).view(torch.float32)
+    return got[..., :n].sum(0), values, packed & _LOW
 
 
 class TopkScores(NamedTuple):
