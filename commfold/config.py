@@ -48,7 +48,7 @@ class Config:
 
     passes: tuple[str, ...] = ALL_PASSES
     # measured: passes/replicate_vocab_parallel.py's docstring and
-    # benchmarks/results/README.md, "Replication"
+    # the `replicate` figure in benchmarks/results/results.md
     replicate_max_bytes: int = 64 * 2**20
     strict: bool = False
     extra: tuple[tuple[str, str], ...] = field(default=())
