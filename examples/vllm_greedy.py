@@ -61,7 +61,7 @@ def main(model: str | None = None) -> int:
         return 1
     from harness.vllm_engine import fast_start_env
 
-    env = dict(os.environ, **ENV, **fast_start_env())
+    env = {**os.environ, **ENV, **fast_start_env()}
     with tempfile.TemporaryDirectory() as tmp:
         if model is None:
             from harness.tiny_models import write_model
