@@ -176,8 +176,7 @@ def local_topk_scores(shard: torch.Tensor, valid_vocab: int, comm: str, k: int,
 
     # round 2: this rank's count of logits >= the token's, and its candidates
     zero = torch.zeros_like(log_s)
-    ge = count_logprob_ge(shard, n_local, zero, zero, x_t) if n_local else \
-        torch.zeros(rows, dtype=torch.long, device=shard.device)
+    ge = count_logprob_ge(shard, n_local, zero, zero, x_t)  # 0 where n_local is 0
     counts, proxy, proxy_ids = _round_two(c, x, first, one.idx, [ge], one.width)
     ranks = counts[:, 0]
     ids = tokens[:, None]
