@@ -14,14 +14,16 @@ Decides, from shapes and the config only (so every rank decides the same):
   configured too, stays sharded for local_argmax unless its full weight is at most
   ``ARGMAX_REPLICATE_MAX_BYTES`` (see below).
 
-The default replicate_max_bytes (64 MiB, Config) by measurement (benchmarks/
-bench_replicate.py, TP=2, 2-core CPU, gloo, batch 1, V=151936, f32; noisy, shared
-machine): a replicated EMBEDDING is faster at every size (1.9-7x at 37 MiB, 2.3-12x at
-148 MiB: the step loses its all-reduce and reads the same rows), so for embeddings the
-limit is memory plus the one-time build (0.25-0.45 s at 37 MiB, 1.2-2.1 s at 148 MiB).
-A replicated LM HEAD reads the whole weight each step: about break-even at 37 MiB
-(1.02-1.06x), slower at 148 MiB (0.63-0.80x). 64 MiB keeps heads near break-even,
-builds under ~1 s, and costs at most 64 MiB per layer per rank.
+The default replicate_max_bytes (64 MiB, Config) by measurement: the `replicate`
+figure in benchmarks/results/results.md (benchmarks/bench_replicate.py, TP=2, gloo,
+batch 1, V=151936, f32, on this project's 2-core CPU). A replicated EMBEDDING is faster
+at every measured size (the step loses its all-reduce and reads the same rows), so for
+embeddings the limit is memory plus the one-time build. A replicated LM HEAD reads the
+whole weight each step instead of its shard plus a gather of logits: faster for small
+heads, slower from a size that depends on the machine (on the 2-core CPU between 18.5
+and 37 MiB, `python -m benchmarks.bench_replicate --r 4 16 32 64 --layers head`).
+Heads between that crossover and 64 MiB are replicated and can be slower there: set
+``replicate_max_bytes`` lower where that matters (docs/performance.md).
 
 Why it is safe: the replica is every rank's shard, bit for bit, in rank order, trimmed
 to the ids the ranks serve / the sliced vocab (commfold.ops.replicate builds it once,
@@ -53,12 +55,9 @@ LM_HEAD = "vocab_parallel_lm_head"
 # Replicate-vs-local_argmax rule for an LM head read only by a greedy pick. A
 # replicated head reads the FULL weight each step, (W-1)/W of it extra; local_argmax
 # reads the shard and gathers one (value, index) pair per row: a latency-bound
-# collective. So replication wins for small heads, local_argmax for large ones. Measured
-# (benchmarks/bench_replicate.py --layers head+argmax, TP=2, 2-core CPU, batch 1, V=151936,
-# median ms local_argmax / replicated): 1.2 MiB 4.09/1.11, 4.6 MiB 3.78/1.38,
-# 18.5 MiB 1.50/2.28. The crossover lies between 4.6 and 18.5 MiB on a loaded machine;
-# a quiet machine has cheaper collectives, which moves it down: 4 MiB. Figures:
-# benchmarks/results/README.md, "Replication" (table in results.md, "Vocab-parallel").
+# collective. So replication wins for small heads, local_argmax for large ones:
+# `python -m benchmarks.bench_replicate --r 4 16 --layers head+argmax` (TP=2, gloo, 2-core
+# CPU) reads them even at 2.3 MiB and local_argmax ahead from 9.3 MiB, hence 4 MiB.
 ARGMAX_REPLICATE_MAX_BYTES = 4 << 20
 
 
