@@ -31,7 +31,7 @@ from commfold.ops import replicate
 from commfold.distributed.ranks import run_on_ranks
 from harness.bench import comm_of_variants, time_side_by_side
 
-BIG = 1 << 40  # replicate_max_bytes for the benchmark: replicate whatever is measured
+BIG = 1 << 40  # the replicate limits for the benchmark: replicate whatever is measured
 LAYERS = ("embedding", "head", "head+argmax")
 
 
@@ -55,7 +55,8 @@ def head_program(vocab, argmax):
 
 
 def _compile(fn, passes):
-    return torch.compile(fn, backend=commfold.backend(passes=passes, replicate_max_bytes=BIG))
+    limits = dict(replicate_max_bytes=BIG, replicate_head_max_bytes=BIG)
+    return torch.compile(fn, backend=commfold.backend(passes=passes, **limits))
 
 
 def _time(variants: dict, args, iters: int) -> dict:

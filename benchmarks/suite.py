@@ -59,7 +59,7 @@ FIGURES = {f.name: f for f in (
            extra={4: (["float32"], [1024, 4096], [1, 16, 256, 2048], 30)}),
     Figure("replicate", "Vocab-parallel embedding and LM head: sharded vs replicated (batch 1)",
            bench_replicate.measure,
-           full=(V, (64, 256), 1, 7, ("embedding", "head")),
+           full=(V, (16, 32, 64, 256), 1, 7, ("embedding", "head")),
            quick=(1000, (16,), 1, 5, ("embedding", "head"))),
     Figure("decode", "End to end: greedy decode loop of a TP decoder, LM head in the graph",
            bench_decode.measure,

@@ -33,6 +33,10 @@ class Config:
     passes: which passes run, in this order (see ``ALL_PASSES``).
     replicate_max_bytes: a vocab-parallel embedding / LM head whose FULL weight is at
         most this many bytes is replicated on every rank (no per-step collective).
+    replicate_head_max_bytes: LM heads only, a tighter bound for speed (a replicated
+        head reads its full weight each step): None takes the limit measured for the
+        head's device (HEAD_REPLICATE_MAX_BYTES in passes/replicate_vocab_parallel.py;
+        replicate_max_bytes where none was measured).
     strict: raise on an internal pass error instead of leaving the graph unchanged
         (for tests; users keep the default so a compile never breaks).
     extra: free-form (key, value) pairs that only enter the cache key (tests use a
@@ -50,6 +54,7 @@ class Config:
     # measured: passes/replicate_vocab_parallel.py's docstring and
     # the `replicate` figure in benchmarks/results/results.md
     replicate_max_bytes: int = 64 * 2**20
+    replicate_head_max_bytes: int | None = None
     strict: bool = False
     extra: tuple[tuple[str, str], ...] = field(default=())
     two_shot_min_bytes: int = TWO_SHOT_DEFAULT_MIN_BYTES
@@ -65,6 +70,9 @@ class Config:
         object.__setattr__(self, "passes", passes)
         if self.replicate_max_bytes < 0:
             raise ValueError("commfold: replicate_max_bytes must be >= 0")
+        if self.replicate_head_max_bytes is not None and self.replicate_head_max_bytes < 0:
+            raise ValueError("commfold: replicate_head_max_bytes must be >= 0 or None "
+                             "(the measured limit for the head's device)")
         if self.two_shot_min_bytes < -1:
             raise ValueError("commfold: two_shot_min_bytes must be >= -1 (-1: never)")
 

@@ -5,14 +5,15 @@
 
 The drafter is Markov-style: the next token depends on the current one only.
     h = tanh(mix(embed(tok)) + proj(ctx(tok)));  tok = argmax(head(h))
-- embed: vocab-parallel embedding V x r; head: vocab-parallel LM head r x V (the
-  logits all-gathered on the vocab dim, then argmax): both small enough to replicate
-  at r=64 (37.1 MiB each, f32) under the default replicate_max_bytes (64 MiB);
+- embed: vocab-parallel embedding V x r: replicated at r=64 (37.1 MiB, f32), under
+  the default replicate_max_bytes (64 MiB);
 - ctx: a vocab-parallel embedding V x 128 (74.2 MiB), above the threshold: it must
-  stay sharded (its all-reduce stays).
-The greedy pick after the head competes with local_argmax: by the measured rule
-(passes/replicate_vocab_parallel.py, ARGMAX_REPLICATE_MAX_BYTES) a head this size is
-left to local_argmax, which the report records.
+  stay sharded (its all-reduce stays);
+- head: vocab-parallel LM head r x V (the logits all-gathered on the vocab dim, then
+  argmax). A greedy pick after a head competes with local_argmax: by the measured rule
+  (passes/replicate_vocab_parallel.py, ARGMAX_REPLICATE_MAX_BYTES) a head this size is
+  left to local_argmax, which the report records (without local_argmax it would stay
+  sharded too: over the CPU's head limit, replicate_head_max_bytes).
 
 Greedy drafting runs the same steps under the sharded original (the program compiled
 with no commfold pass) and under commfold; the tokens must be identical. Prints each

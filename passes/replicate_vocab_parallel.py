@@ -14,16 +14,21 @@ Decides, from shapes and the config only (so every rank decides the same):
   configured too, stays sharded for local_argmax unless its full weight is at most
   ``ARGMAX_REPLICATE_MAX_BYTES`` (see below).
 
-The default replicate_max_bytes (64 MiB, Config) by measurement: the `replicate`
-figure in benchmarks/results/results.md (benchmarks/bench_replicate.py, TP=2, gloo,
-batch 1, V=151936, f32, on this project's 2-core CPU). A replicated EMBEDDING is faster
-at every measured size (the step loses its all-reduce and reads the same rows), so for
-embeddings the limit is memory plus the one-time build. A replicated LM HEAD reads the
-whole weight each step instead of its shard plus a gather of logits: faster for small
-heads, slower from a size that depends on the machine (on the 2-core CPU between 18.5
-and 37 MiB, `python -m benchmarks.bench_replicate --r 4 16 32 64 --layers head`).
-Heads between that crossover and 64 MiB are replicated and can be slower there: set
-``replicate_max_bytes`` lower where that matters (docs/performance.md).
+Size limits, measured (the `replicate` figure in benchmarks/results/results.md;
+benchmarks/bench_replicate.py, TP=2, gloo, batch 1, V=151936, f32, 2-core CPU):
+- EMBEDDINGS: replicate_max_bytes (64 MiB, Config). A replicated embedding is faster
+  at every measured size (the step loses its all-reduce and reads the same rows), so
+  the limit is memory plus the one-time build.
+- LM HEADS: also at most HEAD_REPLICATE_MAX_BYTES for the weight's device (below), or
+  Config.replicate_head_max_bytes when set. A replicated head reads the whole weight
+  each step instead of its shard plus a gather of logits: faster for small heads,
+  slower from a size that depends on the machine. On the 2-core CPU, sharded over
+  replicated was 2.08x at 2.3 MiB, 1.38x at 9.3, 1.14x at 18.5 and 0.84x at 37.1
+  (`python -m benchmarks.bench_replicate --r 4 16 32 64 --layers head`), hence 16 MiB
+  there, under the crossover with a margin for slower machines. No other device was
+  measured: there heads use replicate_max_bytes (a GPU reads a weight in microseconds,
+  so its crossover is likely far higher; vLLM's hand-replicated DSpark Markov head
+  measured a gain on GPUs).
 
 Why it is safe: the replica is every rank's shard, bit for bit, in rank order, trimmed
 to the ids the ranks serve / the sliced vocab (commfold.ops.replicate builds it once,
@@ -60,6 +65,11 @@ LM_HEAD = "vocab_parallel_lm_head"
 # CPU) reads them even at 2.3 MiB and local_argmax ahead from 9.3 MiB, hence 4 MiB.
 ARGMAX_REPLICATE_MAX_BYTES = 4 << 20
 
+# device type -> the largest LM head (full weight, bytes) replicated by default: the
+# measured crossover, with a margin (module docstring); unlisted devices: no limit
+# beyond Config.replicate_max_bytes
+HEAD_REPLICATE_MAX_BYTES = {"cpu": 16 << 20}
+
 
 def run(ctx: PassContext) -> None:
     for m in ctx.matches(EMBEDDING, embedding_candidates(ctx.graph), match_embedding):
@@ -71,6 +81,19 @@ def run(ctx: PassContext) -> None:
 def _lm_head_match(coll):
     gather = match_vocab_gather(coll)
     return match_lm_head(gather) if gather else None
+
+
+def head_limit(config, device_type: str) -> tuple[int, str]:
+    """The largest LM head replicated on `device_type`, and what sets it (for the
+    report). From the config and the device type only: rank-consistent."""
+    if config.replicate_head_max_bytes is not None:
+        if config.replicate_head_max_bytes < config.replicate_max_bytes:
+            return config.replicate_head_max_bytes, "replicate_head_max_bytes"
+        return config.replicate_max_bytes, "replicate_max_bytes"
+    measured = HEAD_REPLICATE_MAX_BYTES.get(device_type)
+    if measured is not None and measured < config.replicate_max_bytes:
+        return measured, f"the measured {device_type} head limit (replicate_head_max_bytes)"
+    return config.replicate_max_bytes, "replicate_max_bytes"
 
 
 def _row_bytes(shard) -> int:
@@ -106,9 +129,9 @@ def _lm_head(ctx: PassContext, m: VocabParallelLMHead) -> None:
     vs = int(tensor_val(m.shard).shape[0])
     cols = m.valid_vocab or g.world_size * vs
     full = cols * _row_bytes(m.shard)
-    if full > ctx.config.replicate_max_bytes:
-        ctx.skipped(LM_HEAD, m.output, f"full weight {full} B > replicate_max_bytes "
-                                           f"{ctx.config.replicate_max_bytes} B")
+    limit, name = head_limit(ctx.config, tensor_val(m.shard).device.type)
+    if full > limit:
+        ctx.skipped(LM_HEAD, m.output, f"full weight {full} B > {name} {limit} B")
         return
     pick = match_greedy(g)
     if pick and "local_argmax" in ctx.config.passes and full > ARGMAX_REPLICATE_MAX_BYTES:

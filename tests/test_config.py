@@ -57,6 +57,20 @@ def test_vllm_pass_reads_the_environment_at_first_use(monkeypatch):
     assert VllmCommfoldPass(commfold.Config()).config == commfold.Config()  # given: no env
 
 
+def test_head_limit_is_a_field_in_the_cache_key_and_an_environment_variable(monkeypatch):
+    measured, set_ = commfold.Config(), commfold.Config(replicate_head_max_bytes=1 << 20)
+    assert measured.replicate_head_max_bytes is None and measured.key() != set_.key()
+    assert commfold.CommfoldPass(measured).uuid() != commfold.CommfoldPass(set_).uuid()
+    with pytest.raises(ValueError, match="replicate_head_max_bytes must be >= 0 or None"):
+        commfold.Config(replicate_head_max_bytes=-1)
+    monkeypatch.setenv("COMMFOLD_REPLICATE_HEAD_MAX_BYTES", str(1 << 20))
+    assert VllmCommfoldPass().config == set_
+    monkeypatch.setenv("COMMFOLD_REPLICATE_HEAD_MAX_BYTES", "16MiB")
+    with pytest.raises(EnvError, match=r"COMMFOLD_REPLICATE_HEAD_MAX_BYTES='16MiB' is not a "
+                                       r"byte count.*measured per device"):
+        VllmCommfoldPass().uuid()
+
+
 def test_cost_rule_is_a_field_in_the_cache_key_and_an_environment_switch(monkeypatch):
     on, off = commfold.Config(), commfold.Config(fuse_cost_rule=False)
     assert on.fuse_cost_rule and on.key() != off.key()

@@ -380,6 +380,53 @@ def test_argmax_rule(ranks2):
         assert r["rewrites"] == {PASS: 1} and r["equal"] and r["calls"] == 0, r
 
 
+def run_head_limit(vocab, hidden, **config):
+    """A head whose logits are used (no greedy pick) under the head size limit."""
+    torch._dynamo.reset()  # a fresh compile (not an entry of an earlier test's frame)
+    rank, world = _rank()
+    g = torch.Generator().manual_seed(7)
+    shard = head_shard(torch.randn(vocab, hidden, generator=g), world, rank)
+    fn = make_head(vocab)
+    commfold.clear_reports()
+    compiled = torch.compile(fn, backend=commfold.backend(config=STRICT.replace(**config)))
+    h = torch.randn(3, hidden, generator=g)
+    compiled(h, shard)
+    with record_collectives() as log:
+        got = compiled(h, shard)
+    report = commfold.last_report()
+    return dict(rewrites=report.count(PASS), reasons=[m.reason for m in report.near_misses],
+                close=torch.allclose(got, fn(h, shard), rtol=1e-5, atol=1e-5),
+                calls=log.calls())
+
+
+def test_head_limit(ranks2):
+    """LM heads have a tighter, per-device limit than embeddings (a replicated head
+    reads its full weight each step): on CPU the measured HEAD_REPLICATE_MAX_BYTES,
+    inclusive; replicate_head_max_bytes overrides it both ways; replicate_max_bytes
+    still bounds it. Skips name the limit that applied, the same on every rank."""
+    from commfold.passes.replicate_vocab_parallel import HEAD_REPLICATE_MAX_BYTES
+
+    cpu = HEAD_REPLICATE_MAX_BYTES["cpu"]
+    at, over = cpu // (64 * 4), cpu // (64 * 4) + 2  # full weight == limit, just over
+    for r in ranks2.run(run_head_limit, at, 64):
+        assert r["rewrites"] == 1 and r["close"] and r["calls"] == 0, r
+    over_runs = ranks2.run(run_head_limit, over, 64)
+    for r in over_runs:
+        assert r["rewrites"] == 0 and r["close"] and r["calls"] == 1, r
+        assert any(f"measured cpu head limit (replicate_head_max_bytes) {cpu} B" in why
+                   for why in r["reasons"]), r
+    assert over_runs[0]["reasons"] == over_runs[1]["reasons"]
+    for r in ranks2.run(run_head_limit, over, 64, replicate_head_max_bytes=2 * cpu):
+        assert r["rewrites"] == 1 and r["close"] and r["calls"] == 0, r
+    for r in ranks2.run(run_head_limit, V, H, replicate_head_max_bytes=V * H * 4 - 1):
+        assert r["rewrites"] == 0 and r["calls"] == 1, r
+        assert any("> replicate_head_max_bytes" in why for why in r["reasons"]), r
+    for r in ranks2.run(run_head_limit, V, H, replicate_max_bytes=V * H * 4 - 1,
+                        replicate_head_max_bytes=2 * cpu):
+        assert r["rewrites"] == 0 and r["calls"] == 1, r
+        assert any("> replicate_max_bytes" in why for why in r["reasons"]), r
+
+
 def run_not_rewritten():
     """Programs the pass must leave alone, each with the reason it records (or none)."""
     rank, world = _rank()

@@ -6,7 +6,7 @@ vLLM ships that head replicated by hand (an ``nn.Embedding`` and a ``ParallelLMH
 with ``disable_tp``): sharded, it would add an all-reduce and a full-vocab gather to
 each position. A head built sharded - as before that edit, or by a variant that
 shards it - gets the same change from commfold: each of the two calls is compiled
-with the ``replicate_vocab_parallel`` pass under the size rule (``replicate_max_bytes``),
+with the ``replicate_vocab_parallel`` pass under its size limits (the config's),
 so a layer whose full weight fits is replicated on every rank and its collective
 disappears; what the pass cannot take stays as it was, with a near-miss that says why
 (on vLLM CPU the head's matmul runs on a oneDNN-packed weight). A head already
@@ -50,7 +50,8 @@ def replicated_call(fn, config: Config):
 
     call = types.FunctionType(call.__code__.replace(co_name=f"eager_head_{_compiled}"),
                               call.__globals__, call.__name__, None, call.__closure__)
-    chosen = Config(passes=(REPLICATE,), replicate_max_bytes=config.replicate_max_bytes)
+    chosen = Config(passes=(REPLICATE,), replicate_max_bytes=config.replicate_max_bytes,
+                    replicate_head_max_bytes=config.replicate_head_max_bytes)
     return torch.compile(call, backend=backend(config=chosen), dynamic=True,
                          options={"guard_filter_fn":
                                   torch.compiler.skip_guard_on_all_nn_modules_unsafe})

@@ -15,7 +15,8 @@
 Options come from the environment, read when the pass is first used (its uuid() or a
 run; vLLM asks for the uuid when it builds its config, before it pickles the pass into
 its worker processes): COMMFOLD_PASSES (comma-separated pass names),
-COMMFOLD_REPLICATE_MAX_BYTES. Importing this module reads no environment and cannot
+COMMFOLD_REPLICATE_MAX_BYTES, COMMFOLD_REPLICATE_HEAD_MAX_BYTES, COMMFOLD_FUSE_COST_RULE
+(Config's fields of those names). Importing this module reads no environment and cannot
 fail on a bad value; the first use raises one line that says what to set.
 COMMFOLD_REPORT_DIR makes every process (each rank) write its reports there as JSON;
 COMMFOLD_COMM_LOG_DIR makes every worker rank log the collectives of each engine step
@@ -51,6 +52,7 @@ log = logging.getLogger("commfold")
 ENV_ON = "COMMFOLD_VLLM"
 ENV_PASSES = "COMMFOLD_PASSES"
 ENV_REPLICATE = "COMMFOLD_REPLICATE_MAX_BYTES"
+ENV_REPLICATE_HEAD = "COMMFOLD_REPLICATE_HEAD_MAX_BYTES"
 ENV_COST_RULE = "COMMFOLD_FUSE_COST_RULE"
 PASS_KEY = "post_grad_custom_post_pass"
 _INDUCTOR_PASS_MODULE = "vllm.compilation.passes.inductor_pass"
@@ -76,13 +78,16 @@ def config_from_env(environ=os.environ) -> Config:
             raise EnvError(f"commfold: {ENV_PASSES}={passes!r} names unknown pass(es) "
                            f"{unknown}; set it to some of {','.join(ALL_PASSES)} "
                            f"(comma-separated) or unset it for all")
-    limit = environ.get(ENV_REPLICATE, "").strip()
-    if limit:
-        if not limit.isdigit():
-            raise EnvError(f"commfold: {ENV_REPLICATE}={limit!r} is not a byte count; set "
-                           f"it to an integer >= 0 (e.g. 1048576) or unset it for the "
-                           f"default {Config.replicate_max_bytes}")
-        options["replicate_max_bytes"] = int(limit)
+    for name, field in ((ENV_REPLICATE, "replicate_max_bytes"),
+                        (ENV_REPLICATE_HEAD, "replicate_head_max_bytes")):
+        limit = environ.get(name, "").strip()
+        if limit:
+            if not limit.isdigit():
+                default = getattr(Config, field)
+                raise EnvError(f"commfold: {name}={limit!r} is not a byte count; set it to "
+                               f"an integer >= 0 (e.g. 1048576) or unset it for the default"
+                               f" ({default if default is not None else 'measured per device'})")
+            options[field] = int(limit)
     rule = environ.get(ENV_COST_RULE, "").strip()
     if rule:
         if rule not in ("0", "1"):
