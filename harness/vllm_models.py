@@ -269,7 +269,7 @@ SPEC_METHODS = ("draft_model",) + (("eagle3",) if os.environ.get("COMMFOLD_VLLM_
 
 
 class SpecDecodeRun:
-    """examples/vllm_spec_decode.py (its engines: SPEC_METHODS, commfold off and on)
+    """tools/vllm_spec_check.py (its engines: SPEC_METHODS, commfold off and on)
     in a background process writing to `out`. The vLLM group's first test starts it
     (conftest) when test_vllm_spec_decode.py is collected: its engine starts overlap
     the group's rank tests."""
@@ -287,7 +287,7 @@ class SpecDecodeRun:
             self.out.mkdir(parents=True, exist_ok=True)
             with open(self.out / "stdout.txt", "w") as o, open(self.out / "stderr.txt", "w") as e:
                 self.proc = subprocess.Popen(
-                    [sys.executable, "-m", "examples.vllm_spec_decode", "--out", str(self.out),
+                    [sys.executable, "-m", "tools.vllm_spec_check", "--out", str(self.out),
                      "--methods", *SPEC_METHODS], stdout=o, stderr=e, text=True, cwd=root)
         return self
 

