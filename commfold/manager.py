@@ -16,6 +16,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from commfold.config import Config
 from commfold.context import PassContext
 from commfold.fx.checkpoint import Checkpoint, restore, snapshot
+from commfold.fx.edit import drop_dead_size_queries
 from commfold.report import PassError, Report, publish
 from commfold.torch_compat import warn_if_unsupported
 
@@ -118,6 +119,7 @@ class CommfoldPass(CustomGraphPass):
         in Inductor); if that fails, the passes rerun with a lint after each, which
         names the pass to drop. Strict and observed runs lint after each pass at once."""
         registry = _registry()
+        drop_dead_size_queries(graph)  # never a second reader of what a pass replaces
         saved = None if config.strict else Checkpoint(graph)
         failed: dict[str, str] = {}
         lint_each = config.strict or _observer is not None

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
+
+from commfold.cli.demo_model import gather_last_dim
 
 
 def _world():
@@ -13,7 +14,7 @@ def _world():
 
 
 def funcol_argmax(shard, vocab, temp):
-    full = funcol.all_gather_single(shard, -1, _world())
+    full = gather_last_dim(shard, _world())
     return (full[:, :vocab] / temp).argmax(-1)
 
 
@@ -48,14 +49,14 @@ def dtensor_topk(shard, vocab, temp):
 
 
 def funcol_max_values(shard, vocab, temp):
-    full = funcol.all_gather_single(shard, -1, _world())
+    full = gather_last_dim(shard, _world())
     v, i = full[:, :vocab].max(dim=-1, keepdim=True)
     return v, i
 
 
 def funcol_scaled_in_place(shard, vocab, temp):
     """vLLM's LogitsProcessor spelling: the gathered logits scaled in place."""
-    full = funcol.all_gather_single(shard, -1, _world())
+    full = gather_last_dim(shard, _world())
     full[:, :vocab] *= 1.0 / temp
     return full[:, :vocab].argmax(-1)
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 
+from commfold.cli.demo_model import gather_last_dim
 from harness import argmax_programs
 from harness.argmax_programs import setup_mesh  # noqa: F401  (re-exported: DTensor programs need the mesh)
 
 
 def _gather_funcol(shard):
-    return funcol.all_gather_single(shard, -1, dist.group.WORLD)
+    return gather_last_dim(shard, dist.group.WORLD)
 
 
 def _gather_inplace(shard):

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 
+from commfold.cli.demo_model import gather_last_dim
 from harness import argmax_programs
 from harness.argmax_programs import setup_mesh  # noqa: F401  (re-exported: DTensor programs need the mesh)
 
@@ -17,7 +17,7 @@ def _world():
 
 
 def funcol_topk(shard, vocab, temp, k):
-    full = funcol.all_gather_single(shard, -1, _world())
+    full = gather_last_dim(shard, _world())
     v, i = torch.topk(full[:, :vocab] / temp, k, dim=-1)
     return v, i
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 import commfold
+from commfold.cli.demo_model import gather_last_dim
 from commfold.distributed.comm_log import record_collectives
 
 from harness.topk_programs import PROGRAMS, reference, scaled, setup_mesh
@@ -202,9 +203,7 @@ def test_op_edges(ranks2):
 # ---- shapes local_topk leaves alone: a reason, the full gather, eager's result ----
 
 def _gather(x):
-    import torch.distributed._functional_collectives as funcol
-
-    return funcol.all_gather_single(x, -1, dist.group.WORLD)
+    return gather_last_dim(x, dist.group.WORLD)
 
 
 def full_sort_used(x):

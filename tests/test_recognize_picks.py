@@ -133,6 +133,21 @@ def test_greedy_misses(group):
         assert_miss(match_greedy(gather), reason, op)
 
 
+def test_a_dead_shape_query_is_not_a_reader(group):
+    """torch 2.11-2.12 leave a dead ``sym_size`` of a DTensor's gathered logits in the
+    post-grad graph (2.13 drops it): a second consumer to the recognizer, so commfold's
+    manager erases dead shape queries before any pass runs."""
+    import commfold
+
+    g, gather = _trace(group, lambda f: f.topk(1))
+    with g.inserting_after(gather.gathered):
+        g.call_function(aten.sym_size.int, (gather.gathered, 1))
+    assert_miss(match_greedy(gather), "the gathered logits have other consumers")
+    commfold.CommfoldPass(commfold.Config(passes=()))(g)
+    assert not nodes(g, aten.sym_size.int)
+    assert match_greedy(gather).kind == "topk"
+
+
 # ------------------------------------------------------------------ top-k
 
 def test_topk(group):
