@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from hypothesis import strategies as st
 
 from harness.models_norm import scale_branch
+from harness.gathers import all_gather_last_dim
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 TOLERANCE = {"f32": 1e-5, "bf16": 2 ** -7, "logprob": 1e-6}  # relative (floor 1), vs plain Inductor
@@ -226,7 +227,7 @@ def mesh():
 def _gather_vocab(shard, how):
     world = dist.get_world_size()
     if how == "funcol":
-        return funcol.all_gather_tensor(shard, -1, dist.group.WORLD)
+        return all_gather_last_dim(shard, dist.group.WORLD)
     if how == "inplace":
         rows, vs = shard.shape
         out = torch.empty(world * rows, vs, dtype=shard.dtype)

@@ -9,11 +9,12 @@ import uuid
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch._inductor import config as inductor_config
 
 import commfold
 from commfold.distributed.comm_log import record_collectives
+
+from harness.gathers import all_gather_last_dim
 
 
 def test_backend_name_works_in_a_fresh_process():
@@ -70,7 +71,7 @@ def test_config_rejects_unknown_pass_with_the_choices():
 
 
 def greedy(x):
-    return funcol.all_gather_tensor(x, -1, dist.group.WORLD).argmax(-1)
+    return all_gather_last_dim(x, dist.group.WORLD).argmax(-1)
 
 
 def cache_never_serves_another_config() -> list:
@@ -97,11 +98,12 @@ def test_cache_never_serves_another_config(ranks2):
 
 PROGRAM = """
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
+
+from harness.gathers import all_gather_last_dim
 
 
 def pick(x):
-    return funcol.all_gather_tensor(x, -1, dist.group.WORLD).argmax(-1)
+    return all_gather_last_dim(x, dist.group.WORLD).argmax(-1)
 """
 
 
@@ -125,8 +127,8 @@ def cached_report_names_the_moved_line(tmp: str) -> list:
             commfold.clear_reports()
             torch.compile(module.pick, backend="commfold")(x)
             report = commfold.last_report()
-            line = (pad + PROGRAM).splitlines().index("    return funcol.all_gather_tensor("
-                                                       "x, -1, dist.group.WORLD).argmax(-1)")
+            line = (pad + PROGRAM).splitlines().index("    return all_gather_last_dim("
+                                                       "x, dist.group.WORLD).argmax(-1)")
             out.append((report.from_cache, [r.location for r in report.rewrites],
                         f"{path.parent.name}/{path.name}:{line + 1} (pick)"))
     return out

@@ -25,12 +25,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch._inductor import config as inductor_config
 
 import commfold
 from commfold import cli
 from commfold.distributed.comm_log import record_collectives
+
+from harness.gathers import all_gather_last_dim
 
 ROOT = Path(__file__).resolve().parent.parent
 # The three rewrites' figures; COMMFOLD_FULL=1 adds the decode step (their sum) and
@@ -144,7 +145,7 @@ def test_bench_cli_out_is_relative_to_the_callers_cwd(tmp_path):
 # ---------------------------------------------------------------- lint once
 
 def greedy(x):
-    return funcol.all_gather_tensor(x, -1, dist.group.WORLD).argmax(-1)
+    return all_gather_last_dim(x, dist.group.WORLD).argmax(-1)
 
 
 def malformed_rewrite_program() -> dict:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 import commfold
 from harness import fuzz_programs as fp
+from harness.gathers import all_gather_last_dim
 
 LA, FUSE, REP = fp.LA, fp.FUSE, fp.REP
 G = dict(kind="greedy", bad=None, seed=1, gather="funcol", dtype="f32", rows=3, vs=5, pad=1,
@@ -156,7 +157,7 @@ def awkward(logits, x, r, w, ids, table):
     input (copy_ write-back) feeding a norm, and an embedding."""
     logits = logits * 1
     scale_(logits, 0.5)  # auto_functionalized
-    tokens = funcol.all_gather_tensor(logits, -1, dist.group.WORLD).argmax(-1)
+    tokens = all_gather_last_dim(logits, dist.group.WORLD).argmax(-1)
     dist.all_reduce(x)  # in place on the input: the caller sees the sum
     h = x * 1  # read besides the norm: the fused op's second output serves it
     hf = x.float()

@@ -21,6 +21,7 @@ from commfold.distributed.comm_log import record_collectives
 
 from harness.argmax_programs import PROGRAMS, funcol_max_values, reference, setup_mesh
 from harness.logit_cases import DTYPES, make_logits
+from harness.gathers import all_gather_last_dim
 
 SPECIALS = ("normal", "ties", "nan", "inf", "neginf_row", "boundary_tie", "padding_bait")
 
@@ -183,7 +184,6 @@ def test_max_values_and_indices(ranks2):
 
 def index_above_2_24() -> int:
     """Vocab of 2^24 + 8: the winner's index is not representable in float32."""
-    import torch.distributed._functional_collectives as funcol
 
     world, rank = dist.get_world_size(), dist.get_rank()
     vocab = 2**24 + 8
@@ -194,7 +194,7 @@ def index_above_2_24() -> int:
         shard[:, winner - rank * vs] = 1.0
     # 2 rows: torch 2.13's dynamo mis-traces the gather of a [1, 2^23] shard (eager is fine)
     fn = torch.compile(
-        lambda s: funcol.all_gather_tensor(s, -1, dist.group.WORLD)[:, :vocab].argmax(-1),
+        lambda s: all_gather_last_dim(s, dist.group.WORLD)[:, :vocab].argmax(-1),
         backend="commfold")
     return int(fn(shard)[0])
 

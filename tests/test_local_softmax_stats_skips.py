@@ -8,14 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 
 import commfold
 from commfold.distributed.comm_log import record_collectives
 
+from harness.gathers import all_gather_last_dim
+
 
 def _gather(x):
-    return funcol.all_gather_tensor(x, -1, dist.group.WORLD)
+    return all_gather_last_dim(x, dist.group.WORLD)
 
 
 def entropy(x):  # a row statistic commfold does not combine

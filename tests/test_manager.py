@@ -6,14 +6,15 @@ import logging
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 
 import commfold
 from commfold.distributed.comm_log import record_collectives
 
+from harness.gathers import all_gather_last_dim
+
 
 def greedy(x):
-    return funcol.all_gather_tensor(x, -1, dist.group.WORLD).argmax(-1)
+    return all_gather_last_dim(x, dist.group.WORLD).argmax(-1)
 
 
 BROKEN = "used before it has been defined"  # FX's lint

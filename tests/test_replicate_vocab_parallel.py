@@ -15,6 +15,8 @@ import commfold
 from commfold.ops import replicate as rep_ops
 from commfold.distributed.comm_log import record_collectives
 
+from harness.gathers import all_gather_last_dim
+
 H = 8
 V = 23  # not divisible by 2 or 4: the last shard is shorter / padded
 PASS = "replicate_vocab_parallel"
@@ -94,7 +96,7 @@ def make_head(vocab, argmax=False, movedim=False):
             rows = logits.shape[0]
             full = out.view(world, rows, -1).permute(1, 0, 2).reshape(rows, -1)
         else:
-            full = funcol.all_gather_tensor(logits, -1, dist.group.WORLD)
+            full = all_gather_last_dim(logits, dist.group.WORLD)
         full = full[..., :vocab]
         return full.argmax(-1) if argmax else full
     return head
@@ -256,7 +258,7 @@ def _step(ids, emb_w, head_w, start, end, vocab):
     mask = (ids < start) | (ids >= end)
     e = F.embedding((ids - start).masked_fill(mask, 0), emb_w).masked_fill(mask.unsqueeze(-1), 0.0)
     x = torch.tanh(funcol.all_reduce(e, "sum", dist.group.WORLD))
-    logits = funcol.all_gather_tensor(x @ head_w.t(), -1, dist.group.WORLD)
+    logits = all_gather_last_dim(x @ head_w.t(), dist.group.WORLD)
     return logits[..., :vocab]
 
 
