@@ -227,7 +227,7 @@ def mesh():
 def _gather_vocab(shard, how):
     world = dist.get_world_size()
     if how == "funcol":
-        return all_gather_last_dim(shard, dist.group.WORLD)
+        return all_gather_last_dim(shard)
     if how == "inplace":
         rows, vs = shard.shape
         out = torch.empty(world * rows, vs, dtype=shard.dtype)

@@ -71,7 +71,7 @@ def test_config_rejects_unknown_pass_with_the_choices():
 
 
 def greedy(x):
-    return all_gather_last_dim(x, dist.group.WORLD).argmax(-1)
+    return all_gather_last_dim(x).argmax(-1)
 
 
 def cache_never_serves_another_config() -> list:
@@ -97,13 +97,11 @@ def test_cache_never_serves_another_config(ranks2):
 
 
 PROGRAM = """
-import torch.distributed as dist
-
 from harness.gathers import all_gather_last_dim
 
 
 def pick(x):
-    return all_gather_last_dim(x, dist.group.WORLD).argmax(-1)
+    return all_gather_last_dim(x).argmax(-1)
 """
 
 
@@ -127,8 +125,8 @@ def cached_report_names_the_moved_line(tmp: str) -> list:
             commfold.clear_reports()
             torch.compile(module.pick, backend="commfold")(x)
             report = commfold.last_report()
-            line = (pad + PROGRAM).splitlines().index("    return all_gather_last_dim("
-                                                       "x, dist.group.WORLD).argmax(-1)")
+            lines = (pad + PROGRAM).splitlines()
+            line = lines.index("    return all_gather_last_dim(x).argmax(-1)")
             out.append((report.from_cache, [r.location for r in report.rewrites],
                         f"{path.parent.name}/{path.name}:{line + 1} (pick)"))
     return out

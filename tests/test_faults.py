@@ -157,7 +157,7 @@ def awkward(logits, x, r, w, ids, table):
     input (copy_ write-back) feeding a norm, and an embedding."""
     logits = logits * 1
     scale_(logits, 0.5)  # auto_functionalized
-    tokens = all_gather_last_dim(logits, dist.group.WORLD).argmax(-1)
+    tokens = all_gather_last_dim(logits).argmax(-1)
     dist.all_reduce(x)  # in place on the input: the caller sees the sum
     h = x * 1  # read besides the norm: the fused op's second output serves it
     hf = x.float()

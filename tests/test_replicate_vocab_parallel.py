@@ -96,7 +96,7 @@ def make_head(vocab, argmax=False, movedim=False):
             rows = logits.shape[0]
             full = out.view(world, rows, -1).permute(1, 0, 2).reshape(rows, -1)
         else:
-            full = all_gather_last_dim(logits, dist.group.WORLD)
+            full = all_gather_last_dim(logits)
         full = full[..., :vocab]
         return full.argmax(-1) if argmax else full
     return head
@@ -258,7 +258,7 @@ def _step(ids, emb_w, head_w, start, end, vocab):
     mask = (ids < start) | (ids >= end)
     e = F.embedding((ids - start).masked_fill(mask, 0), emb_w).masked_fill(mask.unsqueeze(-1), 0.0)
     x = torch.tanh(funcol.all_reduce(e, "sum", dist.group.WORLD))
-    logits = all_gather_last_dim(x @ head_w.t(), dist.group.WORLD)
+    logits = all_gather_last_dim(x @ head_w.t())
     return logits[..., :vocab]
 
 
