@@ -22,13 +22,12 @@ benchmarks/bench_replicate.py, TP=2, gloo, batch 1, V=151936, f32, 2-core CPU):
 - LM HEADS: also at most HEAD_REPLICATE_MAX_BYTES for the weight's device (below), or
   Config.replicate_head_max_bytes when set. A replicated head reads the whole weight
   each step instead of its shard plus a gather of logits: faster for small heads,
-  slower from a size that depends on the machine. On the 2-core CPU, sharded over
-  replicated was 2.08x at 2.3 MiB, 1.38x at 9.3, 1.14x at 18.5 and 0.84x at 37.1
-  (`python -m benchmarks.bench_replicate --r 4 16 32 64 --layers head`), hence 16 MiB
-  there, under the crossover with a margin for slower machines. No other device was
-  measured: there heads use replicate_max_bytes (a GPU reads a weight in microseconds,
-  so its crossover is likely far higher; vLLM's hand-replicated DSpark Markov head
-  measured a gain on GPUs).
+  slower from a size that depends on the machine. On the 2-core CPU the `replicate`
+  figure reads it faster at 9.3 MiB and slower from 18.5 MiB (one earlier run: still
+  faster at 18.5, slower at 37), hence 8 MiB there, under the crossover on every run.
+  No other device was measured: there heads use replicate_max_bytes (a GPU reads a
+  weight in microseconds, so its crossover is likely far higher; vLLM's
+  hand-replicated DSpark Markov head measured a gain on GPUs).
 
 Why it is safe: the replica is every rank's shard, bit for bit, in rank order, trimmed
 to the ids the ranks serve / the sliced vocab (commfold.ops.replicate builds it once,
@@ -68,7 +67,7 @@ ARGMAX_REPLICATE_MAX_BYTES = 4 << 20
 # device type -> the largest LM head (full weight, bytes) replicated by default: the
 # measured crossover, with a margin (module docstring); unlisted devices: no limit
 # beyond Config.replicate_max_bytes
-HEAD_REPLICATE_MAX_BYTES = {"cpu": 16 << 20}
+HEAD_REPLICATE_MAX_BYTES = {"cpu": 8 << 20}
 
 
 def run(ctx: PassContext) -> None:
