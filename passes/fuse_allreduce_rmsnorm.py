@@ -36,8 +36,9 @@ below SHM_MIN_BYTES (32-bit: 0.95-0.99x up to 64 KiB, 1.06-1.18x from 256 KiB;
 16-bit: 0.89-0.94x up to 1 MiB, 1.02x at 2 MiB; TP=2, this machine, 150 rounds:
 docs/performance.md, "The fused norm's cost rule"). A site whose smallest possible size
 (a symbolic token count at its range's lower bound) is below that stays unfused, with a
-near-miss. On gloo the all-reduce's latency dominates and sites are fused; on CUDA
-FlashInfer's one-shot kernel decides for itself.
+near-miss. On gloo the rule takes no site: float32 sites measured even, but 16-bit sites
+from 128 KiB measured slower (0.72-0.91x, docs/performance.md) and are still fused;
+on CUDA FlashInfer's one-shot kernel decides for itself.
 
 Writes: auto_functionalized(commfold::allreduce_rmsnorm[.scaled | .scaled_tensor], x,
 residual, weight, eps, offset, flags, comm[, scale]) -> getitem 0 (normed), getitem 1
