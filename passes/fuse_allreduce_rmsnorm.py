@@ -36,9 +36,11 @@ below SHM_MIN_BYTES (32-bit: 0.95-0.99x up to 64 KiB, 1.06-1.18x from 256 KiB;
 16-bit: 0.89-0.94x up to 1 MiB, 1.02x at 2 MiB; TP=2, this machine, 150 rounds:
 docs/performance.md, "The fused norm's cost rule"). A site whose smallest possible size
 (a symbolic token count at its range's lower bound) is below that stays unfused, with a
-near-miss. On gloo the rule takes no site: float32 sites measured even, but 16-bit sites
-from 128 KiB measured slower (0.72-0.91x, docs/performance.md) and are still fused;
-on CUDA FlashInfer's one-shot kernel decides for itself.
+near-miss. On gloo (a c10d group whose CPU backend is gloo) float32 sites measured even at
+every size and are fused; 16-bit sites were never measurably faster and slower from
+128 KiB (0.72-0.91x, 1 KiB to 8 MiB, docs/performance.md), so they stay unfused at any
+size. vLLM's own all-reduce op on CPU (shm or gloo inside, chosen by vLLM at run time)
+is not measured and is fused; on CUDA FlashInfer's one-shot kernel decides for itself.
 
 Writes: auto_functionalized(commfold::allreduce_rmsnorm[.scaled | .scaled_tensor], x,
 residual, weight, eps, offset, flags, comm[, scale]) -> getitem 0 (normed), getitem 1
@@ -72,6 +74,9 @@ PATTERN = "all_reduce->rmsnorm"
 # element size -> the least bytes at which the fused op is not slower on vLLM CPU's
 # shared-memory all-reduce (measured: see the module docstring)
 SHM_MIN_BYTES = {4: 256 * 1024, 2: 2 * 2**20}
+# element sizes whose sites stay unfused on gloo at any size (16-bit: never measured
+# faster, 0.72-0.91x from 128 KiB; float32 measured even at every size)
+GLOO_UNFUSED_ELEMENT_SIZES = (2,)
 
 
 def run(ctx: PassContext) -> None:
@@ -113,16 +118,25 @@ def _allreduce_norm(coll):
 def _slower(ar: AllReduce) -> str | None:
     """Why the fused op would be slower here than the unfused program, or None."""
     x = tensor_val(ar.input)
-    if communicator(ar.comm).kind is not CommKind.VLLM_SHM or x.device.type != "cpu":
+    if x.device.type != "cpu":
         return None
-    least = SHM_MIN_BYTES.get(x.element_size())
-    size = min_nbytes(x)
-    if least is None or size >= least:
-        return None
-    return (f"cost rule: {size} bytes (its smallest size) is below {least} on vLLM CPU's "
-            f"shared-memory all-reduce, where the fused op is slower in {x.dtype} "
-            "(docs/performance.md; Config(fuse_cost_rule=False) or "
-            "COMMFOLD_FUSE_COST_RULE=0 fuses it)")
+    comm = communicator(ar.comm)
+    if comm.kind is CommKind.VLLM_SHM:
+        least = SHM_MIN_BYTES.get(x.element_size())
+        size = min_nbytes(x)
+        if least is None or size >= least:
+            return None
+        return (f"cost rule: {size} bytes (its smallest size) is below {least} on vLLM "
+                f"CPU's shared-memory all-reduce, where the fused op is slower in {x.dtype} "
+                f"{_RULE_OFF}")
+    if x.element_size() in GLOO_UNFUSED_ELEMENT_SIZES and comm.backend("cpu") == "gloo":
+        return (f"cost rule: a {x.dtype} site on gloo, where the fused op was never "
+                f"faster and is slower from 128 KiB {_RULE_OFF}")
+    return None
+
+
+_RULE_OFF = ("(docs/performance.md; Config(fuse_cost_rule=False) or "
+             "COMMFOLD_FUSE_COST_RULE=0 fuses it)")
 
 
 def _unsafe(ar: AllReduce, scale: ResidualScale | None, norm: RMSNorm) -> str | None:

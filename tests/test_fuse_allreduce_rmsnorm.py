@@ -20,9 +20,12 @@ DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 OP = "commfold::allreduce_rmsnorm"
 
 
-def _config(two_shot: int | None = None):
+def _config(two_shot: int | None = None, cost_rule: bool = False):
+    """The fusion under test; the cost rule (16-bit gloo sites stay unfused) off unless
+    asked, so that every spelling is fused on these gloo ranks."""
     options = {"two_shot_min_bytes": two_shot} if two_shot is not None else {}
-    return commfold.backend(passes=("fuse_allreduce_rmsnorm",), strict=True, **options)
+    return commfold.backend(passes=("fuse_allreduce_rmsnorm",), strict=True,
+                            fuse_cost_rule=cost_rule, **options)
 
 
 def _inputs(case, tokens, world, rank):
@@ -261,6 +264,45 @@ def test_tp_decoder_4_ranks(ranks4):
     per_rank = ranks4.run(decoders_on_rank, [("hand", "funcol", "bf16", False)], (6,))
     assert all(row["counts"] == [SITES] for rows in per_rank for row in rows), per_rank
     assert len({rows[0]["fingerprints"][0] for rows in per_rank}) == 1
+
+
+# ---- the cost rule on gloo ---------------------------------------------------------
+
+def cost_rule_on_rank():
+    """The default config per dtype and size on gloo: fused count, near-misses, and
+    whether the result equals the unfused compiled program's."""
+    block = make_block("hand", "funcol", True, False, 1e-6)
+    out = []
+    for dtype, tokens in [(torch.float32, 1), (torch.float32, 64), (torch.bfloat16, 1),
+                          (torch.bfloat16, 64), (torch.float16, 16)]:
+        torch._dynamo.reset()
+        commfold.clear_reports()
+        g = torch.Generator().manual_seed(tokens + dist.get_rank())
+        x, r = (torch.randn(tokens, 1024, generator=g).to(dtype) for _ in range(2))
+        w = torch.ones(1024, dtype=dtype)
+        want = torch.compile(block, backend="inductor")(x.clone(), r, w)
+        torch._dynamo.reset()
+        with torch._inductor.config.patch(fx_graph_cache=False):
+            got = torch.compile(block, backend=commfold.backend(
+                passes=("fuse_allreduce_rmsnorm",)))(x.clone(), r, w)
+        rep = commfold.last_report()
+        out.append((str(dtype), tokens, rep.count("fuse_allreduce_rmsnorm"),
+                    [m.reason.split(" (docs")[0] for m in rep.near_misses],
+                    all(torch.equal(a, b) for a, b in zip(want, got))))
+    return out
+
+
+def test_cost_rule_leaves_16_bit_gloo_sites_unfused(ranks2):
+    """float32 sites are fused on gloo (measured even); 16-bit ones stay unfused at any
+    size with the rule's reason (never faster, slower from 128 KiB), results unchanged."""
+    why = "cost rule: a {} site on gloo, where the fused op was never faster and is " \
+          "slower from 128 KiB"
+    for res in ranks2.run(cost_rule_on_rank):
+        f32 = [(d, t, n, m) for d, t, n, m, _ in res if d == "torch.float32"]
+        assert f32 == [("torch.float32", 1, 1, []), ("torch.float32", 64, 1, [])], res
+        for dtype, tokens, fused, misses, equal in res:
+            if dtype != "torch.float32":
+                assert (fused, misses, equal) == (0, [why.format(dtype)], True), res
 
 
 # ---- skips and special forms ------------------------------------------------------

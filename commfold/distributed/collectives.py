@@ -62,6 +62,21 @@ class Communicator:
         group = self._group()
         return group.size() if self.kind is CommKind.C10D else group.world_size
 
+    def backend(self, device_type: str) -> str | None:
+        """The c10d backend that moves device_type tensors for this group ("gloo",
+        "nccl", ...); None for vLLM's communicators or when torch cannot say. The same
+        on every rank of the group."""
+        if self.kind is not CommKind.C10D:
+            return None
+        try:
+            names = str(torch.distributed.get_backend(self._group()))
+        except (RuntimeError, ValueError):
+            return None
+        if ":" not in names:  # one backend for every device ("gloo")
+            return names
+        by_device = dict(part.split(":", 1) for part in names.split(","))  # "cpu:gloo,cuda:nccl"
+        return by_device.get(device_type)
+
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's x along dim 0, in rank order."""
         world, kind = self.world_size(), self.kind
