@@ -30,6 +30,9 @@ def graph_key(gm: torch.fx.GraphModule, example_inputs, uuid: str | None) -> str
     if uuid is None:
         return None
     h = hashlib.sha256(uuid.encode())
+    # Inductor's own key holds torch's version: a graph another torch compiled from
+    # the same code (cache dirs are shared across venvs) had another rewrite
+    h.update(torch.__version__.encode())
     h.update(gm.code.encode())
     for x in example_inputs:
         if isinstance(x, torch.Tensor):

@@ -185,3 +185,16 @@ def test_a_cache_hit_without_its_report_says_so(tmp_path, monkeypatch, caplog):
     assert commfold.last_report() is None  # the second compile: served, nothing to replay
     assert any("whose report this process never saved" in r.getMessage()
                for r in caplog.records)
+
+
+def test_a_report_is_keyed_by_torch_version(monkeypatch):
+    """Cache dirs are shared across venvs: the same Python graph compiled by another
+    torch may have been rewritten differently, so its saved report is not this one's."""
+    from commfold import report_cache
+
+    gm = torch.fx.symbolic_trace(lambda x: (x + 1).relu())
+    x = torch.randn(2, 3)
+    key = report_cache.graph_key(gm, [x], "uuid")
+    assert report_cache.graph_key(gm, [x], "uuid") == key
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + ".other")
+    assert report_cache.graph_key(gm, [x], "uuid") != key
