@@ -1,8 +1,7 @@
 """Which torch releases commfold supports, and the one place that asks which is loaded.
 
-Proven range: torch 2.13 and 2.14 (tools/torch_matrix.py runs the suite on each;
-docs/torch-matrix.md holds the last table). pyproject admits 2.11 and 2.12 so that the
-matrix can install them; the suite does not pass there yet, so they warn.
+Proven range: torch 2.11 through 2.14 (tools/torch_matrix.py runs the suite on each;
+docs/torch-matrix.md holds the last table and what each older release lacks).
 Graph spellings that differ by release are handled by the recognizers themselves
 (each spelling is matched wherever it appears);
 the few version checks left in tests name the release a spelling comes from through
@@ -18,7 +17,7 @@ import torch
 
 log = logging.getLogger("commfold")
 
-SUPPORTED = ((2, 13), (2, 14))  # (first, last) major.minor, both included
+SUPPORTED = ((2, 11), (2, 14))  # (first, last) major.minor, both included
 
 
 def torch_version(version: str | None = None) -> tuple[int, int]:

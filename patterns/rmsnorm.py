@@ -90,6 +90,9 @@ def match_rmsnorm(x: fx.Node) -> RMSNorm | Miss | None:
 def _match_f32_sum(x, up, s) -> RMSNorm | Miss | None:
     """s = convert(x, f32) + convert(residual, f32): vLLM's fused add + norm."""
     cr = _other(s, up)
+    if isinstance(cr, fx.Node) and dtype_of(cr) == torch.float32 and same_shape(cr, x) \
+            and not _cast_to(cr, torch.float32) and any(_is_square(u, s) for u in s.users):
+        return Miss(f"the residual is float32, not {dtype_of(x)}: {F32_STREAM}", s)
     if not (isinstance(cr, fx.Node) and _cast_to(cr, torch.float32)):
         return None
     residual = cr.args[0]
@@ -102,7 +105,19 @@ def _match_f32_sum(x, up, s) -> RMSNorm | Miss | None:
     if len(downs) > 1:
         return Miss("the f32 sum is cast back more than once", s)
     h = downs[0] if downs else None
-    return _match_norm(x, residual, h, hf=s, pre=(up,))
+    m = _match_norm(x, residual, h, hf=s, pre=(up,))
+    if h is None and isinstance(m, Miss) and m.node is s:  # read elsewhere, never cast back
+        return Miss(f"the f32 sum is read outside the norm and never cast back to "
+                    f"{dtype_of(x)}: {F32_STREAM}", s)
+    return m
+
+
+# The f32-sum spelling whose new residual stays f32 between layers: vLLM's native norm
+# casts it back to the model's dtype, and torch 2.11-2.12's joint-graph pass
+# pointless_convert drops that f32 -> bf16 -> f32 round trip (2.13 keeps it).
+F32_STREAM = ("a float32 residual stream (torch before 2.13 drops vLLM's cast back to the "
+              "model's dtype, or the model keeps its residual in float32); the fused op "
+              "keeps the residual in the model's dtype")
 
 
 def _match_norm(x, residual, h, hf=None, pre=()) -> RMSNorm | Miss | None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import commfold
 from commfold import cli
 from commfold.report import format_bytes
+from commfold.torch_compat import torch_version
 
 ROOT = Path(__file__).resolve().parents[1]
 FUNCOL = ROOT / "examples" / "tp_decoder_funcol.py"
@@ -97,7 +98,13 @@ def test_diff_funcol_example_two_ranks(tmp_path):
         assert re.search(r"^-.*all_gather_into_tensor", diff, re.M)
         assert re.search(r"^\+.*commfold\.local_argmax", diff, re.M)
         depyf_files = [f.name for f in (rank / "depyf").iterdir()]
-        assert any(f.startswith("full_code_for_forward") for f in depyf_files), depyf_files
+        if torch_version() < (2, 13) and "NOT_WRITTEN.txt" in depyf_files:
+            # depyf cannot read torch 2.11's bytecode: the diff says so, and is complete
+            why = (rank / "depyf" / "NOT_WRITTEN.txt").read_text()
+            assert why.startswith("depyf ") and "could not write its dumps on torch" in why
+            assert re.search(rf"\] rank {r}: depyf .* could not write its dumps", text), text
+        else:
+            assert any(f.startswith("full_code_for_forward") for f in depyf_files), depyf_files
         assert any(f.startswith("__transformed_code_") for f in depyf_files), depyf_files
         log = (rank / "log.txt").read_text()
         # the example's own check (run whole here; test_examples.py does not run it again)

@@ -21,6 +21,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 import commfold
+from commfold.torch_compat import torch_version
 from harness import fuzz_programs as fp
 from harness.gathers import all_gather_last_dim
 
@@ -192,6 +193,11 @@ def _check(got, want, inputs_got, inputs_want) -> list[str]:
     return bad
 
 
+# torch 2.11-2.12 fail a 0-row batch of this program in their own trace (plain Inductor
+# too): commfold must then raise the same error, and compiles nothing
+EMPTY_BATCH_RAISES = torch_version() < (2, 13)
+
+
 def awkward_graphs() -> dict:
     """Per scenario: mismatches vs plain Inductor, rewrites, errors, graphs compiled."""
     out = {}
@@ -242,8 +248,11 @@ def test_awkward_graphs(ranks2):
     per_rank = ranks2.run(awkward_graphs)
     for res in per_rank:
         for name, r in res.items():
-            assert r["bad"] == [] and r["errors"] == [] and r["raised"] == [], (name, r)
-            assert r["graphs"] >= 1, (name, r)
+            assert r["bad"] == [] and r["errors"] == [], (name, r)
+            if name == "empty batch" and EMPTY_BATCH_RAISES:  # as plain Inductor does
+                assert r["raised"] == ["rows 0: TorchRuntimeError / TorchRuntimeError"], r
+                continue
+            assert r["raised"] == [] and r["graphs"] >= 1, (name, r)
         # each site was rewritten in every compiled graph; with dynamic=True the
         # embedding table's rows are symbolic too, so its shard bounds are run-time
         # values and replication declines (a near-miss says so)

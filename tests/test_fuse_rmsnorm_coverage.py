@@ -19,7 +19,8 @@ import commfold
 from harness import fuzz_programs as fp
 from commfold.patterns.allreduce import allreduce_candidates, match_allreduce
 from commfold.patterns.norm_reach import norm_path
-from harness.models_norm import NORMS, TPDecoder, make_block
+from harness.models_norm import (F32_STREAM_MISS, NORMS, TPDecoder, fused_decoder_sites,
+                                 make_block)
 
 PASS = "fuse_allreduce_rmsnorm"
 DT = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
@@ -98,7 +99,8 @@ def test_vllm_ir_spellings_are_fused(group):
 
 @pytest.mark.parametrize("scale", [None, 0.5], ids=["plain", "scaled"])
 def test_decoders(group, scale):
-    """models_norm's TP decoder (2 layers: 5 norm sites), every norm family."""
+    """models_norm's TP decoder (2 layers: 5 norm sites), every norm family (vLLM's in
+    16 bits on torch < 2.13: the first site, the others a near-miss naming why)."""
     for norm, coll, dtype in [("hand", "funcol", "f32"), ("nn", "funcol_wait", "bf16"),
                               ("gemma", "funcol", "bf16"), ("vllm", "funcol", "f16")]:
         torch.manual_seed(0)
@@ -108,8 +110,11 @@ def test_decoders(group, scale):
         def fn(x, *weights, model=model, names=names):  # weights as graph inputs
             return torch.func.functional_call(model, dict(zip(names, weights)), (x,))
 
-        assert_fused_or_explained(fn, torch.randn(T, 32, dtype=DT[dtype]),
-                                  *(p.detach() for p in params), fused=5)
+        rep = assert_fused_or_explained(fn, torch.randn(T, 32, dtype=DT[dtype]),
+                                        *(p.detach() for p in params),
+                                        fused=fused_decoder_sites(norm, DT[dtype], 5))
+        if rep.count(PASS) < 5:
+            assert all(F32_STREAM_MISS in m.reason for m in rep.near_misses), rep.summary()
 
 
 def test_fuzz_norm_blocks(group):

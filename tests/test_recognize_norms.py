@@ -114,6 +114,34 @@ def test_vllm_f32_sum(residual_read):
     assert m.h is (casts[0] if residual_read else None)
 
 
+def test_f32_residual_stream():
+    """A residual stream kept in f32 (vLLM's f32-sum norm on torch < 2.13, whose cast
+    back to bf16 torch drops, or a model that keeps its residual in f32): the fused op
+    keeps the residual in the model's dtype, so no match, and the near-miss says why."""
+    def norm(s):
+        return s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + EPS)
+
+    def sum_read_on(x, r, w):  # the f32 sum is the next layer's residual as it is
+        s = x.float() + r.float()
+        return norm(s).to(x.dtype) * w, s
+
+    def residual_in_f32(x, r32, w):
+        s = x.float() + r32
+        return norm(s).to(x.dtype) * w, s
+
+    g = post_grad(sum_read_on, *_inputs(bf16))
+    assert_miss(_norm(g), "the f32 sum is read outside the norm and never cast back to "
+                "torch.bfloat16: a float32 residual stream (torch before 2.13 drops vLLM's "
+                "cast back to the model's dtype, or the model keeps its residual in "
+                "float32); the fused op keeps the residual in the model's dtype")
+    x, _, w = _inputs(bf16)
+    g = post_grad(residual_in_f32, x, torch.randn(T, H), w)
+    assert_miss(_norm(g), "the residual is float32, not torch.bfloat16: a float32 residual "
+                "stream (torch before 2.13 drops vLLM's cast back to the model's dtype, or "
+                "the model keeps its residual in float32); the fused op keeps the residual "
+                "in the model's dtype")
+
+
 def test_no_norm_reads_x():
     g = post_grad(lambda x, r, w: (x + r).sum(-1), *_inputs())
     assert _norm(g) is None

@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from commfold.cli.diff.render import render, unified
@@ -75,6 +76,36 @@ class Recorder:
         tmp.replace(self.root / "report.json")
 
 
+@contextmanager
+def depyf_dumps(where: Path, progress):
+    """depyf's decompiled Dynamo code, written when the target is done. Writing it can
+    fail where depyf does not know a torch's bytecode (torch 2.11: a code object it
+    reads is None): the rank then says so in its progress (printed by the parent), its
+    log and where/NOT_WRITTEN.txt, and the diff (every pass's graphs and report) is
+    complete without it."""
+    import depyf
+
+    debug = depyf.prepare_debug(str(where))
+    debug.__enter__()
+    try:
+        yield
+    except BaseException:
+        debug.__exit__(*sys.exc_info())
+        raise
+    try:
+        debug.__exit__(None, None, None)
+    except Exception as e:  # depyf's own dump; the diff's are already written
+        import torch
+
+        why = (f"depyf {getattr(depyf, '__version__', '?')} could not write its dumps on "
+               f"torch {torch.__version__}: {type(e).__name__}: {e}")
+        progress(why)
+        print(f"commfold diff: {why}; every pass's graphs and the report are complete",
+              file=sys.stderr, flush=True)
+        where.mkdir(parents=True, exist_ok=True)
+        (where / "NOT_WRITTEN.txt").write_text(why + "\n")
+
+
 def rank_main(spec_json: str) -> None:
     """Entry point of one rank process (started by run_diff)."""
     spec = json.loads(spec_json)
@@ -87,7 +118,6 @@ def rank_main(spec_json: str) -> None:
         progress_file.write(f"{time.monotonic() - t0:8.1f}s {stage}\n")
 
     progress("importing torch and commfold")
-    import depyf
     import torch
     import torch.distributed as dist
     from torch._dynamo.callback import callback_handler
@@ -106,7 +136,7 @@ def rank_main(spec_json: str) -> None:
     callback_handler.register_end_callback(lambda args: progress("running target"))
 
     target = Target(**spec["target"])
-    with depyf.prepare_debug(str(root / "depyf")), observing(recorder, config.passes):
+    with depyf_dumps(root / "depyf", progress), observing(recorder, config.passes):
         if target.script:
             progress("running target")
             sys.argv = [target.script]
