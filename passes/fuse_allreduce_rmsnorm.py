@@ -40,7 +40,11 @@ near-miss. On gloo (a c10d group whose CPU backend is gloo) float32 sites measur
 every size and are fused; 16-bit sites were never measurably faster and slower from
 128 KiB (0.72-0.91x, 1 KiB to 8 MiB, docs/performance.md), so they stay unfused at any
 size. vLLM's own all-reduce op on CPU (shm or gloo inside, chosen by vLLM at run time)
-is not measured and is fused; on CUDA FlashInfer's one-shot kernel decides for itself.
+is not measured and is fused. On CUDA the op runs FlashInfer's fused kernel when it is
+installed; without it, its composite path (the all-reduce, then eager ops) measured
+0.72x of plain Inductor on an H200 (bf16, T=64, H=4096, docs/gpu-check.md), so CUDA
+sites stay unfused when FlashInfer's fusion API is not importable (the same install
+on every rank).
 
 Writes: auto_functionalized(commfold::allreduce_rmsnorm[.scaled | .scaled_tensor], x,
 residual, weight, eps, offset, flags, comm[, scale]) -> getitem 0 (normed), getitem 1
@@ -118,6 +122,13 @@ def _allreduce_norm(coll):
 def _slower(ar: AllReduce) -> str | None:
     """Why the fused op would be slower here than the unfused program, or None."""
     x = tensor_val(ar.input)
+    if x.device.type in flashinfer_norm.DEVICE_TYPES:
+        if flashinfer_norm.flashinfer_comm() is None:
+            return (f"cost rule: on {x.device.type} without FlashInfer's fused all-reduce "
+                    "the op runs its composite path (the all-reduce, then eager ops), "
+                    "measured slower than plain Inductor (0.72x, H200, bf16, T=64, H=4096: "
+                    f"docs/gpu-check.md) {_RULE_OFF}")
+        return None
     if x.device.type != "cpu":
         return None
     comm = communicator(ar.comm)

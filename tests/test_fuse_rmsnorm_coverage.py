@@ -182,6 +182,7 @@ def test_flashinfer_devices_keep_scaled_sites_unfused(group, monkeypatch):
     from commfold.ops import flashinfer_norm
 
     monkeypatch.setattr(flashinfer_norm, "DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(flashinfer_norm, "flashinfer_comm", object)  # "installed"
     inputs = _block_inputs(torch.bfloat16)
     rep = assert_fused_or_explained(make_block("hand", "funcol", True, False, 1e-6,
                                                scale=0.22), *inputs, fused=0)
@@ -191,3 +192,27 @@ def test_flashinfer_devices_keep_scaled_sites_unfused(group, monkeypatch):
                               *inputs, fused=1)
     assert_fused_or_explained(make_block("hand", "funcol", True, False, 1e-6), *inputs,
                               fused=1)
+
+
+def test_cost_rule_on_flashinfer_devices(group, monkeypatch):
+    """On FlashInfer's devices (widened to CPU here) a site is fused only when
+    FlashInfer's fusion API is importable: without it the op's composite path was
+    measured slower than plain Inductor on a GPU."""
+    from commfold.ops import flashinfer_norm
+
+    monkeypatch.setattr(flashinfer_norm, "DEVICE_TYPES", ("cuda", "cpu"))
+    block = make_block("hand", "funcol", True, False, 1e-6)
+    counts = {}
+    for name, fi in (("without", lambda: None), ("with", object)):
+        monkeypatch.setattr(flashinfer_norm, "flashinfer_comm", fi)
+        g = post_grad(block, *_block_inputs(torch.bfloat16))
+        commfold.CommfoldPass(commfold.Config(passes=(PASS,)))(g)
+        rep = commfold.last_report()
+        counts[name] = (rep.count(PASS), [m.reason.split(" (docs/")[0] for m in rep.near_misses])
+    assert counts == {
+        "without": (0, ["cost rule: on cpu without FlashInfer's fused all-reduce the op runs "
+                        "its composite path (the all-reduce, then eager ops), measured slower "
+                        "than plain Inductor (0.72x, H200, bf16, T=64, H=4096: "
+                        "docs/gpu-check.md)"]),
+        "with": (1, [])}, counts
+

@@ -30,8 +30,39 @@ def rank_device(device: str) -> torch.device:
     """The device this rank computes on (every rank shares GPU 0)."""
     if device == "cuda":
         torch.cuda.set_device(0)
+        stage_cuda_all_gather()
         return torch.device("cuda", 0)
     return torch.device("cpu")
+
+
+_staging = []
+
+
+def stage_cuda_all_gather() -> None:
+    """gloo's all_gather_into_tensor on CUDA tensors killed both ranks (SIGSEGV) on the
+    GPU machine's torch 2.11.0+cu130, where its all_reduce on CUDA tensors worked: the
+    check stages that one collective through host memory itself, as gloo does for
+    all_reduce, with CUDA kernels for the functional op and Inductor's out= form. Only
+    the check's rank processes do this; commfold's own code is unchanged (on a GPU it
+    runs over NCCL, which cannot put 2 ranks on one GPU)."""
+    if _staging:
+        return
+    f = torch.ops._c10d_functional
+
+    def gather_on_host(x, group_size, group_name):
+        return f.wait_tensor(f.all_gather_into_tensor(x.cpu(), group_size, group_name))
+
+    def all_gather(x, group_size, group_name):
+        return gather_on_host(x, group_size, group_name).to(x.device)
+
+    def all_gather_out(x, group_size, group_name, *, out):
+        return out.copy_(gather_on_host(x, group_size, group_name))
+
+    lib = torch.library.Library("_c10d_functional", "IMPL")
+    lib.impl("all_gather_into_tensor", all_gather, "CUDA")
+    if hasattr(f, "all_gather_into_tensor_out"):
+        lib.impl("all_gather_into_tensor_out", all_gather_out, "CUDA")
+    _staging.append(lib)  # the registrations live as long as the library object
 
 
 def synchronize(device: torch.device) -> None:

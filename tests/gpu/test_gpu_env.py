@@ -58,6 +58,9 @@ def test_device_and_collectives(gpu_ranks, record_property):
     v = r0["versions"]
     record_property("numbers", f"{r0['name']}; torch {v['torch']}, CUDA {v['cuda']}, triton "
                                f"{v['triton']}; {len(results)} ranks on {r0['device']}, gloo: "
-                               f"{len(r0['failed'])} collective/dtype pairs failed")
+                               f"{len(r0['failed'])} collective/dtype pairs failed"
+                               + ("; all_gather staged through host memory by the check "
+                                  "(gloo's own segfaulted on torch 2.11+cu130)"
+                                  if DEVICE == "cuda" else ""))
     assert all(r["device"] == DEVICE + (":0" if DEVICE == "cuda" else "") for r in results)
     assert all(r["failed"] == [] for r in results), [r["failed"] for r in results]
