@@ -117,7 +117,7 @@ def _rewrite_stats(graph, m: RowReads, s: SoftmaxStats, argmax: Greedy | None,
     s.amax.replace_all_uses_with(big_m)
     shift = s.finite_shift if s.finite_shift is not None else big_m
     with graph.inserting_before(s.sum):
-        total = big_s if arg(s.sum, "keepdim") else insert_call(
+        total = big_s if s.sum_keepdim else insert_call(
             graph, aten.squeeze.dim, (big_s, -1), like=s.sum)
     s.sum.replace_all_uses_with(total)
     offset = 0
@@ -139,7 +139,10 @@ def _rewrite_stats(graph, m: RowReads, s: SoftmaxStats, argmax: Greedy | None,
             idx = insert_call(graph, aten.unsqueeze.default, (first, -1), like=argmax.pick) \
                 if arg(argmax.pick, "keepdim") else first
         argmax.pick.replace_all_uses_with(idx)
-    for dead in (*s.picks, *s.softmax_max, argmax.pick if argmax else None, s.sum, s.amax):
+    # s.exp: the online form's exp of D may be left unread (no sum reads it), and would
+    # keep D, and so the gathered row, alive
+    for dead in (*s.picks, *s.softmax_max, argmax.pick if argmax else None, s.sum, s.exp,
+                 s.amax):
         if dead is not None and not dead._erased:
             erase_if_dead(dead, also=m.gather.comm_nodes)
     return 2 + (argmax is not None or bool(s.softmax_max)) + sum(

@@ -7,6 +7,9 @@ and column-uniform elementwise ops such as a cast to float32 or a temperature):
     logsumexp(X):             A = amax(..); W = where(abs(A) == inf, 0, A); D = X - W
                               S = sum(exp(D), [-1]); log(S) + squeeze(W)
     softmax(X).max(-1):       A, D, E = exp(D), S as above; max(E / S, -1) or argmax
+    on CUDA (Inductor's online softmax, a post-grad pattern that runs before commfold):
+                              P = prepare_softmax_online(X, -1); A = P[0]; S = P[1]
+                              (S keeps its dim), D = X - A as above, E = exp(D) if read
 
 plus greedy picks (argmax / max(dim=-1)) of the same gathered row. Every consumer of
 every row-sized (vocab-wide) node must be one of these: a row-sized value that escapes
@@ -24,7 +27,7 @@ import torch.fx as fx
 from commfold.fx.nodes import (arg, is_call, is_getitem, norm_dim, only_user, same_shape,
                             tensor_val)
 
-from .common import Miss, aten, op_name, prims, reader_within, vocab_slice_end
+from .common import Miss, aten, op_name, optional_op, prims, reader_within, vocab_slice_end
 from .gather import VocabGather
 from .greedy import is_elementwise, monotone_step
 
@@ -40,11 +43,16 @@ class SoftmaxStats:
     amax: fx.Node
     finite_shift: fx.Node | None  # logsumexp's where(|A| == inf, 0, A), or None
     shifted: fx.Node  # D
-    exp: fx.Node
+    exp: fx.Node | None  # None: the online form whose exp nothing reads
     sum: fx.Node
     log: fx.Node | None
     picks: tuple[fx.Node, ...]  # gather(LP, -1, idx) nodes
     softmax_max: tuple[fx.Node, ...]  # max.dim / argmax (E / S, -1) nodes
+    online: fx.Node | None = None  # prepare_softmax_online, whose P[0] / P[1] are amax / sum
+
+    @property
+    def sum_keepdim(self) -> bool:
+        return self.online is not None or bool(arg(self.sum, "keepdim"))
 
 
 @dataclass(frozen=True)
@@ -82,13 +90,18 @@ def match_row_reads(g: VocabGather) -> RowReads | Miss | None:
         row, chain = todo.pop()
         claimed: set[fx.Node] = set()
         for user in list(row.users):  # structures first: they claim their D = X - A
+            s = None
             if is_call(user, aten.amax.default) and _over_last(arg(user, "dim"), rank) \
                     and arg(user, "keepdim"):
                 s = _match_stats(row, chain, user, rank)
-                if not s:
-                    return s
-                stats.append(s)
-                claimed.update((user, s.shifted))
+            elif _is_online(user, row, rank):
+                s = _match_online(row, chain, user, rank)
+            if s is None:
+                continue
+            if not s:
+                return s
+            stats.append(s)
+            claimed.update((user, s.shifted))
         for user in row.users:
             if user in claimed:
                 continue
@@ -108,7 +121,25 @@ def match_row_reads(g: VocabGather) -> RowReads | Miss | None:
     return RowReads(g, valid, tuple(stats), tuple(greedy))
 
 
-def _match_stats(row, chain, amax, rank) -> SoftmaxStats | Miss:
+def _is_online(node, row, rank) -> bool:
+    op = optional_op("prims", "prepare_softmax_online")
+    return op is not None and is_call(node, op) and node.args[0] is row \
+        and _over_last(node.args[1], rank)
+
+
+def _match_online(row, chain, online, rank) -> SoftmaxStats | Miss:
+    """prepare_softmax_online(X, -1): its (max, sum) outputs stand for amax and the
+    sum of exp(X - amax); the rest is the amax form's."""
+    items = {u.args[1]: u for u in online.users if is_getitem(u)}
+    if len(items) != len(online.users) or 0 not in items or 1 not in items:
+        return Miss("prepare_softmax_online's outputs are read other than as max and sum",
+                    online)
+    return _match_stats(row, chain, items[0], rank, total=items[1], online=online)
+
+
+def _match_stats(row, chain, amax, rank, total=None, online=None) -> SoftmaxStats | Miss:
+    """From amax A (or the online form's max, with its sum `total`): D = X - A, the
+    exp and sum of D, and what reads them."""
     shift_node, finite = amax, None
     amax_users = set(amax.users)
     where = next((u for u in amax_users if is_call(u, aten.where.self)), None)
@@ -122,15 +153,18 @@ def _match_stats(row, chain, amax, rank) -> SoftmaxStats | Miss:
     d = shifted[0]
     exp = only_user(d) if len(d.users) == 1 else next(
         (u for u in d.users if is_call(u, aten.exp.default)), None)
-    if exp is None or not is_call(exp, aten.exp.default):
+    if online is not None and not (exp is not None and is_call(exp, aten.exp.default)):
+        exp = None  # the online form computed the sum itself
+    elif exp is None or not is_call(exp, aten.exp.default):
         if any(is_call(u, aten.mul.Tensor) for u in d.users):  # (x - max(x)) * c, guarded
             return Miss("softmax of a scaled row in Inductor's guarded form "
                         "(where(all finite, (x - max x) * c, ...)): not supported yet", d)
         return Miss("shifted row is not exponentiated", d)
-    sums = [u for u in exp.users if is_call(u, aten.sum.dim_IntList)]
-    if len(sums) != 1 or not _over_last(arg(sums[0], "dim"), rank):
-        return Miss("exp of the shifted row is not summed over the vocab dim", exp)
-    total = sums[0]
+    if online is None:
+        sums = [u for u in exp.users if is_call(u, aten.sum.dim_IntList)]
+        if len(sums) != 1 or not _over_last(arg(sums[0], "dim"), rank):
+            return Miss("exp of the shifted row is not summed over the vocab dim", exp)
+        total = sums[0]
     log = next((u for u in total.users if is_call(u, aten.log.default)), None)
     picks, maxes = [], []
     for u in d.users:  # log_softmax: LP = D - L, read only at chosen columns
@@ -144,7 +178,7 @@ def _match_stats(row, chain, amax, rank) -> SoftmaxStats | Miss:
             if why:
                 return Miss(why, r)
             picks.append(r)
-    for u in exp.users:  # softmax: E / S, read only by max(dim=-1)
+    for u in (exp.users if exp is not None else ()):  # softmax: E / S, read by max(dim=-1)
         if u is total:
             continue
         if not (is_call(u, aten.div.Tensor) and u.args[0] is exp and u.args[1] is total):
@@ -155,7 +189,7 @@ def _match_stats(row, chain, amax, rank) -> SoftmaxStats | Miss:
                 return Miss(f"softmax row feeds {op_name(r)}, which needs the full row", r)
             maxes.append(r)
     return SoftmaxStats(row, chain, amax, finite, d, exp, total, log,
-                        tuple(picks), tuple(maxes))
+                        tuple(picks), tuple(maxes), online)
 
 
 def _pick_problem(r: fx.Node, lp: fx.Node, rank: int) -> str | None:

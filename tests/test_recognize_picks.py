@@ -254,6 +254,72 @@ def test_softmax_top_probability(group, pick):
     assert s.softmax_max == (node(g, target),) and s.log is None
 
 
+def _online(g):
+    """Inductor's online softmax on CUDA, by hand (its post-grad pattern
+    prepare_softmax_pattern -> prepare_softmax_replacement runs on CUDA / XPU only):
+    P = prepare_softmax_online(X, -1) stands for amax (P[0]) and the keepdim sum of
+    exp(X - amax) (P[1]); an exp nothing else reads is gone."""
+    import operator
+
+    from torch._inductor import inductor_prims
+
+    amax, total = node(g, aten.amax.default), node(g, aten.sum.dim_IntList)
+    with g.inserting_before(amax):
+        p = g.call_function(inductor_prims.prepare_softmax_online, (amax.args[0], -1))
+        a, s = (g.call_function(operator.getitem, (p, i)) for i in (0, 1))
+    p.meta["val"] = (amax.meta["val"], total.meta["val"])
+    a.meta["val"], s.meta["val"] = amax.meta["val"], total.meta["val"]
+    amax.replace_all_uses_with(a)
+    total.replace_all_uses_with(s)
+    exp = total.args[0]
+    g.erase_node(total)
+    g.erase_node(amax)
+    if not exp.users:
+        g.erase_node(exp)
+    return p, a, s
+
+
+def test_online_softmax_form(group):
+    """CUDA graphs (Inductor's online softmax): the same statistics from
+    prepare_softmax_online's max and sum; log_softmax's exp then has no node."""
+    g, gather = _trace(group, lambda f, i: torch.log_softmax(f, -1).gather(-1, i), None,
+                       torch.zeros(B, 2, dtype=torch.int64))
+    p, a, total = _online(g)
+    s, = match_row_reads(gather).stats
+    assert (s.online, s.amax, s.sum, s.exp) == (p, a, total, None) and s.sum_keepdim
+    assert s.picks == (node(g, aten.gather.default),) and s.log is node(g, aten.log.default)
+
+    g, gather = _trace(group, lambda f: torch.softmax(f, -1).max(-1))
+    p, a, total = _online(g)
+    s, = match_row_reads(gather).stats
+    assert s.online is p and s.exp is node(g, aten.exp.default)
+    assert s.softmax_max == (node(g, aten.max.dim),)
+
+    g, gather = _trace(group, lambda f: torch.logsumexp(f, -1))
+    p, _, _ = _online(g)  # (not a form Inductor makes: logsumexp's shift is guarded)
+    with g.inserting_after(p):
+        g.call_function(list, (p,))
+    assert_miss(match_row_reads(gather), "prepare_softmax_online's outputs are read other "
+                "than as max and sum")
+
+
+def test_online_softmax_form_is_rewritten(group):
+    """local_softmax_stats on the online form: the op replaces P's max and sum, and
+    the gather, prepare_softmax_online and the row-sized nodes are gone. (Its results
+    on CUDA: tools/gpu_check.sh, passes: vocab_program.)"""
+    import commfold
+
+    g, _ = _trace(group, lambda f, i: torch.log_softmax(f, -1).gather(-1, i), None,
+                  torch.zeros(B, 2, dtype=torch.int64))
+    p, _, _ = _online(g)
+    commfold.CommfoldPass(commfold.Config(passes=("local_softmax_stats",), strict=True))(g)
+    assert commfold.last_report().count("local_softmax_stats") == 1
+    assert p._erased and not nodes(g, c10d.all_gather_into_tensor.default)
+    vals = [n.meta.get("val") for n in g.nodes if n.op == "call_function"]
+    assert not any(isinstance(v, torch.Tensor) and v.dim() and v.shape[-1] == W * VS
+                   for v in vals)  # nothing row-sized left
+
+
 def test_no_amax_is_not_this_pattern(group):
     _, gather = _trace(group, lambda f: f.argmax(-1))
     assert match_row_reads(gather) is None

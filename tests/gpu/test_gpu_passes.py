@@ -38,7 +38,8 @@ def _rewrites(passes) -> dict:
     out = {}
     for p in passes:
         done = [w for r in commfold.reports() for w in r.rewrites if w.pass_name == p]
-        out[p] = {"count": len(done),
+        out[p] = {"count": len(done), "graphs": len(commfold.reports()),
+                  "sites": sorted(w.pattern for w in done),
                   "near": sorted({m.reason for r in commfold.reports() for m in r.near_misses
                                   if m.pass_name == p}),
                   "errors": [e.error for r in commfold.reports() for e in r.errors
@@ -120,7 +121,9 @@ def vocab(gpu_ranks):
 def _check_rewrites(per_rank: list[dict], record_property, name: str, extra: str) -> None:
     """The pass rewrote something, without errors, as often on every rank."""
     r0 = per_rank[0][name]
-    record_property("numbers", f"{r0['count']} rewrites (comm/call {r0['comm']}){extra}")
+    near = f"; near-misses: {'; '.join(r0['near'])}" if r0["near"] else ""
+    record_property("numbers", f"{r0['count']} rewrites in {r0['graphs']} graph(s): "
+                               f"{', '.join(r0['sites'])} (comm/call {r0['comm']}){extra}{near}")
     for r in per_rank:
         assert r[name]["errors"] == [], r[name]["errors"]
         assert r[name]["count"] > 0, f"{name} rewrote nothing; near-misses: {r[name]['near']}"
