@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from commfold.fx.nodes import is_call, is_number, ndim, only_user, val
+from commfold.fx.nodes import arg, is_call, is_number, ndim, only_user, val
 
 from .allreduce import allreduce_candidates, match_allreduce
 from .common import AUTO_FUNCTIONALIZED, Miss, aten, prims, vocab_slice_end
@@ -256,6 +256,39 @@ def _packed_matmul(node: fx.Node) -> bool:
     return getattr(schema, "name", None) in _PACKED_MATMULS
 
 
+def _through_pad_mm(node) -> tuple[fx.Node, fx.Node] | None:
+    """mm's unpadded operands when node is Inductor's padded matmul, else None. On GPUs
+    Inductor's pad_mm (torch/_inductor/fx_passes/pad_mm.py) rewrites mm(a, b) with an
+    unaligned dim, when a timed benchmark favours it, as mm(constant_pad_nd(a),
+    constant_pad_nd(b)) sliced back to [M, N]: zeros padded on the right, so the
+    product's kept part is mm(a, b). Taking both forms keeps the decision the same on
+    ranks whose benchmarks chose differently."""
+    cur = node
+    while is_call(cur, aten.slice.Tensor) and arg(cur, "start") in (0, None) \
+            and arg(cur, "step") in (1, None):
+        cur = cur.args[0]
+    if cur is node or not is_call(cur, aten.mm.default):
+        return None
+    a, b = (_unpadded(x) for x in cur.args)
+    if a is cur.args[0] and b is cur.args[1]:
+        return None
+    if list(val(node).shape) != [val(a).shape[0], val(b).shape[1]] \
+            or val(a).shape[1] != val(b).shape[0]:
+        return None  # not sliced back to the unpadded product
+    return a, b
+
+
+def _unpadded(x):
+    """x's input when x is constant_pad_nd with zeros on the right only, else x."""
+    if not is_call(x, aten.constant_pad_nd.default):
+        return x
+    pad, value = list(x.args[1]), arg(x, "value")
+    if value not in (0, 0.0, None) or any(p != 0 for p in pad[0::2]) \
+            or any(p < 0 for p in pad[1::2]):
+        return x
+    return x.args[0]
+
+
 def match_lm_head(g: VocabGather) -> VocabParallelLMHead | Miss | None:
     """The matmul whose vocab-sharded logits g gathers and the slice after it; a Miss
     for an LM head this pass cannot take; None when no matmul made the logits."""
@@ -267,9 +300,13 @@ def match_lm_head(g: VocabGather) -> VocabParallelLMHead | Miss | None:
     if _packed_matmul(logits):
         return Miss("LM head matmul on a packed weight (vLLM CPU's _C.onednn_mm): the weight "
                     "is not in the graph to replicate", logits)
-    if not is_call(logits, aten.mm.default):
+    padded = _through_pad_mm(logits)
+    if padded is not None:
+        hidden, wt = padded
+    elif not is_call(logits, aten.mm.default):
         return None  # logits made some other way: not an LM head, nothing to note
-    hidden, wt = logits.args
+    else:
+        hidden, wt = logits.args
     if not (is_call(wt, aten.permute.default) and list(wt.args[1]) == [1, 0]) \
             and not is_call(wt, aten.t.default):
         return Miss("LM head weight is not used transposed ([vocab, hidden] layout)", logits)

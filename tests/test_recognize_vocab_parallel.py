@@ -11,9 +11,10 @@ import pytest
 import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
-from harness.post_grad import assert_miss, fake_world, node, placeholders, post_grad
+from harness.post_grad import assert_miss, fake_world, node, nodes, placeholders, post_grad
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+import commfold
 from commfold.patterns.common import aten, c10d
 from commfold.patterns.gather import match_vocab_gather
 from commfold.patterns.vocab_parallel import (IdRange, VocabParallelEmbedding,
@@ -173,6 +174,26 @@ def test_lm_head_3d_hidden_unpadded(group):
     assert m.reshape is node(g, aten.mm.default).next and m.reshape.target is \
         aten.reshape.default
     assert (m.valid_vocab, m.output) == (0, node(g, aten.cat.default))
+
+
+def test_lm_head_through_inductor_pad_mm(group):
+    """The padded matmul Inductor's pad_mm makes on GPUs when its timed benchmark
+    favours it (mm of zero-padded operands, sliced back), written out here: the same
+    head, so ranks whose benchmarks chose differently decide the same."""
+    def padded(h, w):
+        return torch.mm(F.pad(h, (0, 0, 0, 5)), F.pad(w.t(), (0, 3)))[:-5, :-3]
+
+    g, m, gather = _head(group, padded, torch.randn(3, H), torch.randn(VS, H))
+    assert len(nodes(g, aten.constant_pad_nd.default)) == 2  # the form under test
+    h, w = placeholders(g)
+    assert (m.hidden, m.shard, m.gather) == (h, w, gather)
+    # padded on the left (not pad_mm's form): the kept part is not the product
+    _, m, _ = _head(group, lambda h, w: torch.mm(h, F.pad(w.t(), (3, 0)))[:, :-3],
+                    torch.randn(3, H), torch.randn(VS, H))
+    assert m is None
+    commfold.CommfoldPass(commfold.Config(passes=("replicate_vocab_parallel",),
+                                          strict=True))(g)
+    assert commfold.last_report().count("replicate_vocab_parallel") == 1
 
 
 def test_logits_not_from_a_matmul(group):
