@@ -5,21 +5,22 @@ any compiled graph: DSpark's Markov head (Model Runner V2's DSpark speculator ca
 vLLM ships that head replicated by hand (an ``nn.Embedding`` and a ``ParallelLMHead``
 with ``disable_tp``): sharded, it would add an all-reduce and a full-vocab gather to
 each position. A head built sharded - as before that edit, or by a variant that
-shards it - gets the same change from commfold: each of the two calls is compiled
-with the ``replicate_vocab_parallel`` pass under its size limits (the config's),
-so a layer whose full weight fits is replicated on every rank and its collective
-disappears; what the pass cannot take stays as it was, with a near-miss that says why
-(on vLLM CPU the head's matmul runs on a oneDNN-packed weight). A head already
-replicated is left as is. Each case logs one line.
+shards it - gets the same edit from commfold, at load: each sharded layer whose full
+weight fits the replicate pass's size limits (the config's; heads also the device's
+measured head limit) is rebuilt as vLLM builds a replicated one (its own class with
+``disable_tp=True``, the full weight gathered once from the shards, vLLM's own
+post-load processing, e.g. vLLM CPU's oneDNN packing), so its per-position collective
+is gone and it computes exactly what vLLM's hand-replicated head computes. Layers it
+cannot rebuild exactly (quantized, LoRA-added vocabulary, no reduction, a subclass,
+over the limit) stay sharded, named in the one log line with the reason. A head
+already replicated is left as is.
 """
 from __future__ import annotations
 
 import logging
-import types
 
 import torch
 
-from commfold.backend import backend
 from commfold.config import Config
 
 log = logging.getLogger("commfold")
@@ -27,50 +28,117 @@ log = logging.getLogger("commfold")
 REPLICATE = "replicate_vocab_parallel"
 
 
-def sharded_layers(module: torch.nn.Module) -> list[str]:
-    """Names of the vocab-parallel layers of `module` that are split across ranks."""
+def sharded_layers(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(name, layer) of the vocab-parallel layers of `module` split across ranks."""
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
-    return [name for name, m in module.named_modules()
+    return [(name, m) for name, m in module.named_modules()
             if isinstance(m, VocabParallelEmbedding) and getattr(m, "tp_size", 1) > 1]
 
 
-_compiled = 0
+def full_bytes(layer) -> int:
+    """Bytes of the layer's full (unsharded, unpadded) weight."""
+    return layer.org_vocab_size * layer.embedding_dim * layer.weight.element_size()
 
 
-def replicated_call(fn, config: Config):
-    """fn (an eager call through small vocab-parallel layers) compiled with commfold's
-    replicate_vocab_parallel pass; a code object of its own (Dynamo's recompile limit
-    is per code object)."""
-    global _compiled
-    _compiled += 1
+def why_kept(layer, config: Config) -> str | None:
+    """Why `layer` stays sharded, or None when it is rebuilt replicated. From its class,
+    shapes and the config only: the same on every rank."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead, UnquantizedEmbeddingMethod, VocabParallelEmbedding)
 
-    def call(x):
-        return fn(x)
+    from passes.replicate_vocab_parallel import head_limit
 
-    call = types.FunctionType(call.__code__.replace(co_name=f"eager_head_{_compiled}"),
-                              call.__globals__, call.__name__, None, call.__closure__)
-    chosen = Config(passes=(REPLICATE,), replicate_max_bytes=config.replicate_max_bytes,
-                    replicate_head_max_bytes=config.replicate_head_max_bytes)
-    return torch.compile(call, backend=backend(config=chosen), dynamic=True,
-                         options={"guard_filter_fn":
-                                  torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+    if type(layer) not in (VocabParallelEmbedding, ParallelLMHead):
+        return f"{type(layer).__name__}, a subclass commfold does not rebuild"
+    if not isinstance(layer.quant_method, UnquantizedEmbeddingMethod):
+        return f"quantized ({type(layer.quant_method).__name__})"
+    if layer.num_added_embeddings:
+        return "LoRA-added vocabulary"
+    if not isinstance(layer, ParallelLMHead) and not layer.reduce_results:
+        return "reduce_results=False (its caller reduces)"
+    size = full_bytes(layer)
+    limit, what = (head_limit(config, layer.weight.device.type)
+                    if isinstance(layer, ParallelLMHead)
+                    else (config.replicate_max_bytes, "replicate_max_bytes"))
+    if size > limit:
+        return f"full weight {size} B over {what} ({limit} B)"
+    return None
+
+
+def _full(layer, shard: torch.Tensor, group) -> torch.Tensor:
+    """The full [org_vocab_size, ...] tensor from every rank's padded shard of it."""
+    gathered = group.all_gather(shard.contiguous(), dim=0)
+    per = layer.num_embeddings_per_partition
+    rows = []
+    for rank in range(layer.tp_size):
+        idx = layer._get_indices(layer.num_embeddings_padded, layer.org_vocab_size_padded,
+                                 layer.num_embeddings, layer.org_vocab_size, rank,
+                                 layer.tp_size)
+        rows.append(gathered[rank * per: rank * per + idx.num_org_elements])
+    return torch.cat(rows)
+
+
+def replicated(layer):
+    """`layer` rebuilt with ``disable_tp=True`` and its full weight, as vLLM builds a
+    replicated one. A collective over the layer's TP group: every rank calls it."""
+    from vllm.distributed import get_tp_group
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    group = getattr(layer, "parallel_group", None) or get_tp_group()
+    weight = _full(layer, layer.weight.data, group)
+    bias = getattr(layer, "bias", None)
+    bias = _full(layer, bias.data, group) if isinstance(bias, torch.Tensor) else None
+    common = dict(params_dtype=layer.params_dtype, org_num_embeddings=layer.org_vocab_size,
+                  padding_size=layer.padding_size, prefix=layer.prefix)
+    with torch.device(layer.weight.device):
+        if isinstance(layer, ParallelLMHead):
+            new = ParallelLMHead(layer.num_embeddings, layer.embedding_dim,
+                                 bias=bias is not None, disable_tp=True, **common)
+        else:
+            new = type(layer)(layer.num_embeddings, layer.embedding_dim, disable_tp=True,
+                              **common)
+    new.weight_loader(new.weight, weight)
+    if bias is not None:
+        new.weight_loader(new.bias, bias)
+    for key, value in vars(layer).items():  # flags callers set (DSpark's gather flags)
+        if key not in vars(new) and isinstance(value, (bool, int, float, str)):
+            setattr(new, key, value)
+    new.quant_method.process_weights_after_loading(new)
+    return new
+
+
+def replicate_sharded(module: torch.nn.Module, config: Config) -> tuple[list[str], list[str]]:
+    """Replace each sharded vocab-parallel layer of `module` that qualifies by its
+    replicated rebuild; (replicated "name (bytes)", kept "name: why")."""
+    done, kept = [], []
+    for name, layer in sharded_layers(module):
+        why = why_kept(layer, config)
+        if why:
+            kept.append(f"{name}: {why}")
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        setattr(module.get_submodule(parent_name), attr, replicated(layer))
+        done.append(f"{name} ({full_bytes(layer)} B)")
+    return done, kept
 
 
 def hook_markov_head(model, config: Config) -> bool:
     """Replicate a sharded DSpark Markov head of `model` (a Qwen3DSparkForCausalLM);
-    True when its calls were replaced. Rank-consistent: layer shapes and the config."""
+    True when a layer of it was replicated. One log line says what happened."""
     head = getattr(getattr(model, "model", None), "markov_head", None)
-    if head is None or REPLICATE not in config.passes:
+    name = type(model).__name__
+    if head is None:
         return False
-    sharded = sharded_layers(head)
-    if not sharded:
+    if REPLICATE not in config.passes:
+        log.info("commfold: %s's Markov head left as is (%s is not among the passes)",
+                 name, REPLICATE)
+        return False
+    if not sharded_layers(head):
         log.info("commfold: %s's Markov head is replicated already (as vLLM ships it): "
-                 "left as is", type(model).__name__)
+                 "left as is", name)
         return False
-    model.markov_embed = replicated_call(model.markov_embed, config)
-    model.markov_bias = replicated_call(model.markov_bias, config)
-    log.info("commfold: %s's Markov head is sharded (%s): its per-position calls are "
-             "compiled with %s (the report says what was replicated)",
-             type(model).__name__, ", ".join(sharded), REPLICATE)
-    return True
+    done, kept = replicate_sharded(head, config)
+    log.info("commfold: %s's Markov head is sharded: replicated %s; kept sharded %s",
+             name, ", ".join(done) or "none", "; ".join(kept) or "none")
+    return bool(done)
