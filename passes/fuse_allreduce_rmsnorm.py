@@ -37,7 +37,7 @@ below SHM_MIN_BYTES (32-bit: 0.95-0.99x up to 64 KiB, 1.06-1.18x from 256 KiB;
 docs/performance.md, "The fused norm's cost rule"). A site whose smallest possible size
 (a symbolic token count at its range's lower bound) is below that stays unfused, with a
 near-miss. On gloo (a c10d group whose CPU backend is gloo) float32 sites measured
-0.93-1.15x on one machine and 0.99-1.15x on another (within the A/A control's noise)
+0.93-1.10x on one machine and 0.99-1.15x on another (within the A/A control's noise)
 and are fused; 16-bit sites measured 0.72-0.91x from 128 KiB on the first and at most
 1.05x on the second (docs/performance.md), so they stay unfused at any size.
 vLLM's own all-reduce op on CPU (shm or gloo inside, chosen by vLLM at run time)
