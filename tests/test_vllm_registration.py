@@ -190,3 +190,33 @@ def test_a_plain_commfold_pass_is_adopted_with_its_state():
     assert isinstance(adopted, VllmCommfoldPass) and isinstance(adopted, InductorPass)
     assert adopted.config == mine.config and adopted.on_report == seen.append
     assert adopted.uuid() == mine.uuid() and adopted.is_applicable_for_range(None)
+
+
+_LOG_LINES = """
+    import json, logging
+    {setup}
+    from vllm.config.logging import LoggingConfig
+    from vllm.logger import configure_logging
+    configure_logging(LoggingConfig())  # as an engine process does: the "vllm" logger
+    from vllm.plugins import load_general_plugins
+    load_general_plugins()  # commfold's plugin: its hook lines
+    logging.getLogger("commfold").info("commfold: a line at INFO")
+    print(json.dumps({{"handlers": len(logging.getLogger("commfold").handlers)}}))
+"""
+
+
+def test_plugin_lines_print_through_vllms_logging():
+    """In a vLLM process commfold's INFO lines (hooks on or off, the drafter's head)
+    print as vLLM's own do; an application that configured logging keeps its own."""
+    plain = _start(_LOG_LINES.format(setup=""), COMMFOLD_VLLM="1")
+    own = _start(_LOG_LINES.format(setup="logging.basicConfig(level=logging.WARNING)"),
+                 COMMFOLD_VLLM="1")
+    out, err = plain.communicate(timeout=300)
+    assert plain.returncode == 0, err[-3000:]
+    assert json.loads(out.strip().splitlines()[-1]) == {"handlers": 1}
+    printed = out + err
+    assert "commfold: a line at INFO" in printed and "commfold: graph passes on" in printed
+    out, err = own.communicate(timeout=300)
+    assert own.returncode == 0, err[-3000:]
+    assert json.loads(out.strip().splitlines()[-1]) == {"handlers": 0}
+    assert "commfold: a line at INFO" not in out + err

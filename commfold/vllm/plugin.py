@@ -183,6 +183,7 @@ def register() -> None:
     import importlib
 
     global _runner
+    log_through_vllm()
     carry_to_ray_workers()
     importlib.import_module(_INDUCTOR_PASS_MODULE)
     register_inductor_pass()
@@ -196,6 +197,30 @@ def register() -> None:
     else:
         for state in _unwanted():
             state.log()
+
+
+class _ThroughVllm(logging.Handler):
+    """Hands each record to the handlers vLLM gave its "vllm" logger (vLLM configures
+    them in each process it starts, possibly after commfold's plugin has loaded)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        for handler in logging.getLogger("vllm").handlers:
+            if record.levelno >= handler.level:
+                handler.handle(record)
+
+
+def log_through_vllm() -> bool:
+    """commfold's lines printed the way vLLM prints its own, in every engine process.
+    vLLM configures only its "vllm" logger; without this, commfold's INFO lines (a hook
+    on, or off for a reason that is not a problem) would reach no handler and be lost.
+    Left alone when the application configured logging itself (root or commfold has a
+    handler). True when the handler was attached."""
+    if log.handlers or logging.getLogger().handlers:
+        return False
+    log.addHandler(_ThroughVllm())
+    if log.level == logging.NOTSET:
+        log.setLevel(logging.INFO)  # vLLM's handler levels (VLLM_LOGGING_LEVEL) filter
+    return True
 
 
 def passes_state(environ=os.environ) -> HookState:
