@@ -89,13 +89,12 @@ PROMPTS = ["the quick brown fox", "tensor parallel inference", "hello world, com
 
 def engine_greedy_tokens(model: str, dtype: str, commfold_route: str | None,
                          torch_wrap: bool = False, max_tokens: int = 12,
-                         sampling_batches: bool = False, speculative: dict | None = None):
+                         sampling_batches: bool = False):
     """Greedy tokens of PROMPTS from vLLM's engine at TP=2 (the model's seeded
     weights, or dummy ones: the same values in every run). commfold_route: None (off),
     "named" (the pass named in compilation_config) or "plugin" (COMMFOLD_VLLM=1 set by
     the caller). sampling_batches: also run SAMPLING_BATCHES and return {"greedy":
-    tokens, name: their outputs} (see sampling_outputs). speculative: vLLM's
-    speculative_config (a draft written beside the model loads the same way)."""
+    tokens, name: their outputs} (see sampling_outputs)."""
     from vllm import LLM, SamplingParams
 
     compilation = {}
@@ -105,8 +104,7 @@ def engine_greedy_tokens(model: str, dtype: str, commfold_route: str | None,
         compilation.update(mode="DYNAMO_TRACE_ONCE", backend="inductor", ir_enable_torch_wrap=True)
     llm = LLM(model=model, tensor_parallel_size=2, dtype=dtype, load_format=load_format(model),
               distributed_executor_backend="mp", max_model_len=128, max_num_seqs=4,
-              max_num_batched_tokens=128, seed=0, compilation_config=compilation,
-              speculative_config=speculative)
+              max_num_batched_tokens=128, seed=0, compilation_config=compilation)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                                 ignore_eos=True))
     tokens = [list(o.outputs[0].token_ids) for o in outs]

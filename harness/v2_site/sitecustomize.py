@@ -7,8 +7,3 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 from harness import triton_cpu  # noqa: E402
 
 triton_cpu.install()
-
-if os.environ.get("HARNESS_DSPARK"):  # "shipped" or "sharded": harness.dspark_cpu
-    from harness import dspark_cpu  # noqa: E402
-
-    dspark_cpu.install(sharded=os.environ["HARNESS_DSPARK"] == "sharded")
