@@ -22,6 +22,30 @@ def shm_supported() -> bool:
     return hasattr(torch.ops._C, "init_shm_manager")
 
 
+def _release_onednn_handles_outside_modes() -> None:
+    """vLLM CPU's oneDNN matmul handle (``vllm._custom_ops.CPUDNNLGEMMHandler``, made
+    for every packed weight) calls ``.item()`` on a tensor in ``__del__``. A rank process
+    here builds and drops many vLLM layers; when the garbage collector frees one while
+    a torch.compile traces (FakeTensorMode active), that ``.item()`` fails, the error
+    message formats the tensor, which calls ``.item()`` again, and the process dies of
+    a stack overflow (seen once a dozen suite runs, reproduced by running tests side by
+    side). Tests only: the handle is released with the dispatch modes put aside."""
+    from torch.utils._python_dispatch import _disable_current_modes
+    from vllm import _custom_ops
+
+    handler = getattr(_custom_ops, "CPUDNNLGEMMHandler", None)
+    if handler is None or getattr(handler.__del__, "_outside_modes", False):
+        return
+    release = handler.__del__
+
+    def __del__(self, _release=release):
+        with _disable_current_modes():
+            _release(self)
+
+    __del__._outside_modes = True
+    handler.__del__ = __del__
+
+
 def init_vllm_tp(world_size: int, shm: bool = True, reuse: bool = False):
     """In a rank-pool process (default gloo group already up): vLLM's world and TP
     groups. shm=True gives vLLM CPU's default shared-memory communicator (all ranks
@@ -43,6 +67,7 @@ def init_vllm_tp(world_size: int, shm: bool = True, reuse: bool = False):
             "vLLM's kernel build for this CPU has no shared-memory communicator (only its "
             "AVX-512 builds do): vLLM runs TP over gloo here; use shm=False")
     global _config_ctx
+    _release_onednn_handles_outside_modes()
     if reuse and ps.model_parallel_is_initialized():
         tp = ps.get_tp_group()
         if tp.world_size == world_size and _has_shm(tp) == shm:
