@@ -17,6 +17,7 @@ already replicated is left as is.
 """
 from __future__ import annotations
 
+import gc
 import logging
 
 import torch
@@ -120,6 +121,9 @@ def replicate_sharded(module: torch.nn.Module, config: Config) -> tuple[list[str
         parent_name, _, attr = name.rpartition(".")
         setattr(module.get_submodule(parent_name), attr, replicated(layer))
         done.append(f"{name} ({full_bytes(layer)} B)")
+    if done:  # free the sharded layers now, not in a later collection that could run
+        del layer  # inside a torch.compile: vLLM CPU's oneDNN handle calls .item() as it
+        gc.collect()  # is freed, which fails under FakeTensorMode
     return done, kept
 
 
