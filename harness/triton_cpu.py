@@ -83,11 +83,11 @@ def _argmax_of_all_nan() -> None:
     interpreter.ReduceOps.min_max = min_max
 
 
-def v2_engine_env(site: str = "v2_site") -> dict[str, str]:
+def v2_engine_env() -> dict[str, str]:
     """Environment for a vLLM CPU engine on Model Runner V2 (tests only): the stand-in
-    registered in every process the engine starts (harness/v2_site/sitecustomize.py, or
-    `site`'s, first on PYTHONPATH), Triton's interpreter, V2 asked for."""
+    registered in every process the engine starts (harness/v2_site/sitecustomize.py
+    first on PYTHONPATH), Triton's interpreter, V2 asked for."""
     here = os.path.dirname(os.path.abspath(__file__))
-    path = [os.path.join(here, site), os.path.dirname(here), os.environ.get("PYTHONPATH")]
+    path = [os.path.join(here, "v2_site"), os.path.dirname(here), os.environ.get("PYTHONPATH")]
     return {"PYTHONPATH": os.pathsep.join(filter(None, path)), "TRITON_INTERPRET": "1",
             "VLLM_USE_V2_MODEL_RUNNER": "1"}

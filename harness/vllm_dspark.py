@@ -2,8 +2,8 @@
 only): a tiny Qwen3 target and a ``Qwen3DSparkModel`` draft written offline, engines
 run one after another in this process (``python -m harness.vllm_dspark OUT '<json
 runs>'``, each run the environment it adds: a TOKENS_MARK line). Run it with
-harness/dspark_site first on PYTHONPATH: the V2 recipe of harness/v2_site, and the
-Markov head built sharded with COMMFOLD_TEST_DSPARK_SHARDED=1.
+harness.triton_cpu.v2_engine_env(); HARNESS_DSPARK_SHARDED=1 builds the Markov head
+sharded (harness/dspark_sharded.py).
 
 Seeded weights, not vLLM's dummy ones: with dummy weights the draft's fused
 context-K/V weight is built at its first forward (qwen3_dflash.py,

@@ -1,7 +1,7 @@
 """vLLM's DSpark speculative decoding on its engine, Model Runner V2's CPU runner (the
 V2 recipe of harness.triton_cpu), TP=2: a Qwen3 target and a ``Qwen3DSparkModel``
 draft (harness/vllm_dspark.py), greedy, the draft's Markov head as vLLM ships it
-(replicated) and built sharded (as before vLLM's hand edit; harness/dspark_site),
+(replicated) and built sharded (as before vLLM's hand edit; harness/dspark_sharded.py),
 commfold off and then on through the plugin (COMMFOLD_VLLM=1): the same tokens and
 the same drafts accepted in every run; commfold says on each worker that it
 replicated the sharded head, and its per-position collectives (an all-reduce of the
@@ -43,8 +43,8 @@ def dspark_runs(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMMFOLD_")}
     env.update(ENGINE_ENV, VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),
                TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor-cache"))
-    env.update(v2_engine_env("dspark_site"))
-    runs = [{"COMMFOLD_VLLM": on, "COMMFOLD_TEST_DSPARK_SHARDED": sharded,
+    env.update(v2_engine_env())
+    runs = [{"COMMFOLD_VLLM": on, "HARNESS_DSPARK_SHARDED": sharded,
              "COMMFOLD_COMM_LOG_DIR": str(tmp / f"log-{name}")}
             for name, (on, sharded) in RUNS.items()]
     proc = subprocess.run([sys.executable, "-m", "harness.vllm_dspark", str(tmp),

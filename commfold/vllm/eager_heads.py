@@ -68,16 +68,10 @@ def why_kept(layer, config: Config) -> str | None:
 
 
 def _full(layer, shard: torch.Tensor, group) -> torch.Tensor:
-    """The full [org_vocab_size, ...] tensor from every rank's padded shard of it."""
+    """The full [org_vocab_size, ...] tensor from every rank's padded shard of it, in
+    vocab order (vLLM's own shard -> token mapping; no added vocabulary here)."""
     gathered = group.all_gather(shard.contiguous(), dim=0)
-    per = layer.num_embeddings_per_partition
-    rows = []
-    for rank in range(layer.tp_size):
-        idx = layer._get_indices(layer.num_embeddings_padded, layer.org_vocab_size_padded,
-                                 layer.num_embeddings, layer.org_vocab_size, rank,
-                                 layer.tp_size)
-        rows.append(gathered[rank * per: rank * per + idx.num_org_elements])
-    return torch.cat(rows)
+    return gathered[layer.get_sharded_to_full_mapping()[:layer.org_vocab_size]]
 
 
 def replicated(layer):
@@ -92,13 +86,11 @@ def replicated(layer):
     bias = _full(layer, bias.data, group) if isinstance(bias, torch.Tensor) else None
     common = dict(params_dtype=layer.params_dtype, org_num_embeddings=layer.org_vocab_size,
                   padding_size=layer.padding_size, prefix=layer.prefix)
+    if isinstance(layer, ParallelLMHead):
+        common["bias"] = bias is not None
     with torch.device(layer.weight.device):
-        if isinstance(layer, ParallelLMHead):
-            new = ParallelLMHead(layer.num_embeddings, layer.embedding_dim,
-                                 bias=bias is not None, disable_tp=True, **common)
-        else:
-            new = type(layer)(layer.num_embeddings, layer.embedding_dim, disable_tp=True,
-                              **common)
+        new = type(layer)(layer.num_embeddings, layer.embedding_dim, disable_tp=True,
+                          **common)
     new.weight_loader(new.weight, weight)
     if bias is not None:
         new.weight_loader(new.bias, bias)
@@ -121,9 +113,12 @@ def replicate_sharded(module: torch.nn.Module, config: Config) -> tuple[list[str
         parent_name, _, attr = name.rpartition(".")
         setattr(module.get_submodule(parent_name), attr, replicated(layer))
         done.append(f"{name} ({full_bytes(layer)} B)")
-    if done:  # free the sharded layers now, not in a later collection that could run
-        del layer  # inside a torch.compile: vLLM CPU's oneDNN handle calls .item() as it
-        gc.collect()  # is freed, which fails under FakeTensorMode
+    # the replaced layers are freed now, not by a later collection that could run inside
+    # a torch.compile: vLLM CPU's oneDNN handle calls .item() as it is freed, which
+    # fails under FakeTensorMode (vLLM's layers sit in reference cycles)
+    layer = None
+    if done:
+        gc.collect()
     return done, kept
 
 

@@ -7,3 +7,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 from harness import triton_cpu  # noqa: E402
 
 triton_cpu.install()
+
+if os.environ.get("HARNESS_DSPARK_SHARDED") == "1":  # DSpark's Markov head, sharded
+    from harness import dspark_sharded  # noqa: E402
+
+    dspark_sharded.install()

@@ -1,19 +1,11 @@
-"""On PYTHONPATH in place of harness/v2_site for a DSpark engine on Model Runner V2 (tests
-only; harness.triton_cpu.v2_engine_env("dspark_site")): the V2 stand-in as harness/v2_site
-registers it, and, with COMMFOLD_TEST_DSPARK_SHARDED=1, vLLM's DSpark Markov head built
-sharded in every process, as before vLLM replicated it by hand: ``markov_w1`` a
-VocabParallelEmbedding, ``markov_w2`` a ParallelLMHead without ``disable_tp``. The
-head's module is patched when it is first imported (an import hook), so no process
-imports vLLM early."""
+"""vLLM's DSpark Markov head built sharded, as before vLLM replicated it by hand (tests
+only): ``markov_w1`` a VocabParallelEmbedding, ``markov_w2`` a ParallelLMHead without
+``disable_tp``. ``install()`` patches the head's module when it is first imported (an
+import hook), so no process imports vLLM early; harness/v2_site's sitecustomize calls
+it in every engine process when HARNESS_DSPARK_SHARDED=1."""
 import importlib.abc
 import importlib.util
-import os
 import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-from harness import triton_cpu  # noqa: E402
-
-triton_cpu.install()
 
 MODULE = "vllm.model_executor.models.qwen3_dspark"
 
@@ -50,5 +42,6 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
-if os.environ.get("COMMFOLD_TEST_DSPARK_SHARDED") == "1":
+def install() -> None:
+    """Build the head sharded in this process (before vLLM's module is imported)."""
     sys.meta_path.insert(0, _Finder())
