@@ -2,7 +2,9 @@
 tools/gpu_check.sh runs it on a GPU machine): passes/ and patterns/ sit beside the
 package there, where an install puts them inside it as commfold.passes and
 commfold.patterns (pyproject's package-dir). A finder at the end of sys.meta_path gives
-them those names; an installed commfold, which has them, never adds it."""
+them those names; an installed commfold, which has them, never adds it. The finder goes
+first: an editable install of another checkout (setuptools' finder, also on
+sys.meta_path) would otherwise answer for them with that checkout's folders."""
 from __future__ import annotations
 
 import importlib.abc
@@ -30,4 +32,4 @@ def install() -> None:
     if (_PACKAGE / "passes").exists() or not (_PACKAGE.parent / "passes" / "__init__.py").exists():
         return
     if not any(isinstance(f, _CheckoutFinder) for f in sys.meta_path):
-        sys.meta_path.append(_CheckoutFinder())
+        sys.meta_path.insert(0, _CheckoutFinder())
