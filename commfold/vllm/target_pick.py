@@ -29,8 +29,13 @@ go through local_logprobs too, per request, as vLLM computes them.
 
 How: ``execute_model`` marks the step; the runner model's ``compute_logits`` (its
 own code, with the logits processor's gather turned into the identity) returns this
-rank's shard of the logits [rows, vocab shard] when the step qualifies; ``_sample``
-recognizes that shard and picks locally. This is the V1 model runner's hook (Model
+rank's shard of the logits [rows, vocab shard] when the step qualifies, and picks
+from it right there; ``_sample`` recognizes that shard and returns the pick. The
+pick's collective runs where vLLM's gather would, inside ``execute_model``, not in
+``sample_tokens``: vLLM's executor sends ``sample_tokens`` to each worker as a
+separate call and answers the engine as soon as rank 0 is done, so vLLM's own
+``sample_tokens`` (local on the gathered row) never waits for another rank, while a
+collective there would make every step wait for the last rank to receive the call. This is the V1 model runner's hook (Model
 Runner V2's is commfold.vllm.target_pick_v2: the plugin installs the one of the runner
 vLLM will build); at install it logs one line, on or off and why (vLLM's code moved
 under the hook - the calls it relies on, checked by their source text;
@@ -115,6 +120,7 @@ def pause(paused: bool = True) -> bool:
 class _Pending:
     shard: torch.Tensor
     mode: str
+    picked: tuple  # Picker.pick's result, made in execute_model (see the module doc)
 
 
 class Picker:
@@ -160,7 +166,8 @@ class Picker:
             step_log.note("target_pick", mode or f"vLLM ({reason})")
             shard = self.local_logits(original, hidden) if mode is not None else None
             if shard is not None:
-                self.pending = _Pending(shard, mode)
+                with step_log.phase("sampling"):
+                    self.pending = _Pending(shard, mode, self.pick(shard, mode))
                 return shard
         elif self.prompt_k is not None and not args and not kwargs:
             shard = self.local_logits(original, hidden)
@@ -193,22 +200,28 @@ class Picker:
     def gather(self, shard):
         return self.head.gather(shard)
 
-    # the step's pick
-    def sample(self, pending: _Pending, spec_metadata):
-        """vLLM's SamplerOutput for the step, picked from this rank's shard."""
-        from vllm.v1.outputs import LogprobsTensors, SamplerOutput
-
+    # the step's pick: its collectives, then vLLM's output from it
+    def pick(self, shard, mode: str) -> tuple:
+        """The step's pick from this rank's shard, every rank together: (argmax per
+        row,) for greedy and verify, local_logprobs' (tokens, ids, logprobs, ranks)."""
         from commfold.ops.local_argmax import local_argmax
 
+        if mode != "logprobs":
+            return (local_argmax(shard, self.vocab, self.comm)[1],)
+        return self.logprobs(shard, self.runner.input_batch.sampling_metadata.max_num_logprobs)
+
+    def sample(self, pending: _Pending, spec_metadata):
+        """vLLM's SamplerOutput for the step, from the pick made in execute_model (no
+        collective here)."""
+        from vllm.v1.outputs import LogprobsTensors, SamplerOutput
+
         if spec_metadata is not None:  # greedy verification (logprobs never get here)
-            return self._verify(pending.shard, spec_metadata)
+            return self._verify(pending.picked[0], spec_metadata)
+        tokens = pending.picked[0].to(torch.int32).unsqueeze(-1)
         if pending.mode != "logprobs":
-            tokens = local_argmax(pending.shard, self.vocab, self.comm)[1]
-            return SamplerOutput(sampled_token_ids=tokens.to(torch.int32).unsqueeze(-1),
-                                 logprobs_tensors=None)
-        k = self.runner.input_batch.sampling_metadata.max_num_logprobs
-        tokens, ids, lps, ranks = self.logprobs(pending.shard, k)
-        return SamplerOutput(sampled_token_ids=tokens.to(torch.int32).unsqueeze(-1),
+            return SamplerOutput(sampled_token_ids=tokens, logprobs_tensors=None)
+        _, ids, lps, ranks = pending.picked
+        return SamplerOutput(sampled_token_ids=tokens,
                              logprobs_tensors=LogprobsTensors(ids.to(torch.int32), lps, ranks))
 
     def logprobs(self, shard, k, targets=None):
@@ -216,16 +229,13 @@ class Picker:
 
         return local_logprobs(shard, self.vocab, self.comm, k, _vllm_logprobs, targets)
 
-    def _verify(self, shard, meta):
+    def _verify(self, argmax, meta):
         from vllm.v1.outputs import SamplerOutput
         from vllm.v1.sample import rejection_sampler as rs
 
-        from commfold.ops.local_argmax import local_argmax
-
-        argmax = local_argmax(shard, self.vocab, self.comm)[1]
         bonus = argmax[meta.bonus_logits_indices].to(torch.int32).unsqueeze(-1)
         out = torch.full((len(meta.num_draft_tokens), meta.max_spec_len + 1),
-                         rs.PLACEHOLDER_TOKEN_ID, dtype=torch.int32, device=shard.device)
+                         rs.PLACEHOLDER_TOKEN_ID, dtype=torch.int32, device=argmax.device)
         rs._rejection_greedy_sample(out, meta.cu_num_draft_tokens, meta.draft_token_ids,
                                     argmax[meta.target_logits_indices], bonus, None,
                                     meta.max_spec_len, None, None)
