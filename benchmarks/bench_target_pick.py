@@ -13,6 +13,13 @@ real Sampler:
 
     python -m benchmarks.bench_target_pick                 # B = 1 8 64, greedy / logprobs=5 / 20
     python -m benchmarks.bench_target_pick --batch 64 --modes greedy --gloo
+    python -m benchmarks.bench_target_pick --pick-only --batch 1 2 4 8 16 --modes greedy
+
+--pick-only times the pick alone, from this rank's logits shard (vLLM: the gather of
+the logits and its Sampler; commfold: the target pick's collectives and output), in
+paired rounds (harness.bench.paired_rounds), with the ratio's quartiles: the LM-head
+matmul both ways share is left out, so the difference the cost rule weighs
+(commfold.cost, the target pick's entries) is not lost in its noise.
 
 Prints rank 0's median ms per step (LM-head matmul included: it is the same work
 both ways), the speed-up, whether the outputs agree (tokens exactly; logprob ids
@@ -23,17 +30,18 @@ collectives per step. Engine throughput is bench_vllm_engine.py's (helper
 from __future__ import annotations
 
 import argparse
+import statistics
 from types import SimpleNamespace
 
 import torch
 
 from commfold.distributed.ranks import run_on_ranks
-from harness.bench import comm_of_variants, time_side_by_side
+from harness.bench import comm_of_variants, paired_ratio, paired_rounds, time_side_by_side
 
 MODES = {"greedy": None, "logprobs=5": 5, "logprobs=20": 20}
 
 
-def measure(batches, modes, vocab, hidden, dtype, iters, shm):
+def measure(batches, modes, vocab, hidden, dtype, iters, shm, pick_only=False):
     from vllm.platforms import current_platform
 
     from harness import vllm_step as vs
@@ -66,14 +74,37 @@ def measure(batches, modes, vocab, hidden, dtype, iters, shm):
                 return picker.sample(pending, None)
 
             variants = {"vllm": vllm_step, "commfold": commfold_step}
+            same = _same(commfold_step(h), vllm_step(h))
+            if pick_only:
+                rows.append(_pick_only(picker, runner, model, h, md, mode, iters) | {"same": same})
+                continue
             if mode == "greedy":
                 variants["get_top_tokens"] = lambda x: model.logits_processor.get_top_tokens(
                     model.lm_head, x)
-            same = _same(commfold_step(h), vllm_step(h))
             t = time_side_by_side(variants, (h,), iters)
             comm = comm_of_variants(variants, (h,))
             rows.append(dict(B=b, mode=mode, same=same, t=t, comm=comm))
     return rows
+
+
+def _pick_only(picker, runner, model, h, md, mode, iters) -> dict:
+    """The pick from a precomputed shard, both ways, in paired rounds."""
+    shard = picker.head.local_logits(h)
+    pick_mode = "logprobs" if MODES[mode] is not None else "greedy"
+
+    def vllm_pick(x):
+        return runner.sampler(logits=picker.gather(x), sampling_metadata=md)
+
+    def commfold_pick(x):
+        from commfold.vllm.target_pick import _Pending
+
+        return picker.sample(_Pending(x, pick_mode, picker.pick(x, pick_mode)), None)
+
+    variants = {"vllm": vllm_pick, "commfold": commfold_pick}
+    times = paired_rounds(variants, (shard,), iters)
+    return dict(B=h.shape[0], mode=mode, t={k: statistics.median(v) for k, v in times.items()},
+                ratio=paired_ratio(times, "vllm", "commfold"),
+                comm=comm_of_variants(variants, (shard,)))
 
 
 def _same(a, b) -> bool:
@@ -96,9 +127,13 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--iters", type=int, default=15)
     p.add_argument("--gloo", action="store_true", help="vLLM's torch.distributed fallback")
+    p.add_argument("--pick-only", action="store_true",
+                   help="the pick alone, from the logits shard (paired rounds)")
     a = p.parse_args(argv)
     rows = run_on_ranks(measure, 2, a.batch, a.modes, a.vocab, a.hidden, a.dtype, a.iters,
-                        not a.gloo, timeout=3600)[0]
+                        not a.gloo, a.pick_only, timeout=3600)[0]
+    if a.pick_only:
+        return _print_pick_only(rows, a)
     comm = "gloo" if a.gloo else "vLLM shm"
     print(f"target logits + pick, TP=2 ({comm}), V={a.vocab}, hidden {a.hidden}, {a.dtype}, "
           f"median of {a.iters} (rank 0)")
@@ -111,6 +146,21 @@ def main(argv=None):
         print(f"| {r['mode']} | {r['B']} | {t['vllm'] * 1e3:.2f} | {t['commfold'] * 1e3:.2f} | "
               f"{t['vllm'] / t['commfold']:.2f}x | {r['same']} | {c['vllm']['bytes']} | "
               f"{c['commfold']['bytes']} | {top} |")
+
+
+
+def _print_pick_only(rows, a) -> None:
+    comm = "gloo" if a.gloo else "vLLM shm"
+    print(f"target pick alone (no LM head), TP=2 ({comm}), V={a.vocab}, {a.dtype}, "
+          f"paired rounds (slowest rank per block)")
+    print("| mode | B | vLLM (ms) | commfold (ms) | speed-up (q1-q3) | same | bytes/rank/step: "
+          "vLLM | commfold |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        t, c, q = r["t"], r["comm"], r["ratio"]
+        print(f"| {r['mode']} | {r['B']} | {t['vllm'] * 1e3:.3f} | {t['commfold'] * 1e3:.3f} | "
+              f"{q['median']:.2f}x ({q['q1']:.2f}-{q['q3']:.2f}) | {r['same']} | "
+              f"{c['vllm']['bytes']} | {c['commfold']['bytes']} |")
 
 
 if __name__ == "__main__":

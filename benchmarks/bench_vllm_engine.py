@@ -2,10 +2,12 @@
 speculative decoding, with ``draft_model`` and with ``eagle3``, each as vLLM ships it
 ("vllm"), with vLLM's hand-written local argmax for the draft pick
 ("vllm-local-argmax", ``use_local_argmax_reduction``) and with commfold
-(COMMFOLD_VLLM=1, the target's pick included; on request also with that off:
-"commfold-no-target-pick", COMMFOLD_TARGET_PICK=0).
+(COMMFOLD_VLLM=1, the target's pick included) and with that pick off
+("commfold-no-target-pick", COMMFOLD_TARGET_PICK=0).
 
-    python -m benchmarks.bench_vllm_engine --tokens 16 --repeats 2   # the table (~11 min)
+    python -m benchmarks.bench_vllm_engine                  # the table (~35 min)
+    python -m benchmarks.bench_vllm_engine --methods none --variants vllm commfold \
+        commfold-no-target-pick                             # the target pick's judge
     python -m benchmarks.bench_vllm_engine --methods eagle3 --variants vllm commfold
     python -m benchmarks.bench_vllm_engine --report        # table + plot from the JSON
 
@@ -57,7 +59,7 @@ K = 3  # draft tokens per step
 PROMPT_LEN = 16
 
 
-DEFAULT_VARIANTS = ("vllm", "vllm-local-argmax", "commfold")
+DEFAULT_VARIANTS = ("vllm", "vllm-local-argmax", "commfold", "commfold-no-target-pick")
 
 
 def variants() -> dict[str, dict]:
@@ -99,8 +101,9 @@ def measure(models, method, variant, concurrency, tokens, repeats, log_tokens) -
     per engine step by phase over its decode steps (those that drafted, under spec
     decoding)."""
     from commfold.distributed.comm_log import read_step_logs
-    from harness.vllm_spec import engine, generate
     from commfold.vllm.step_log import PAUSED
+    from harness.vllm_engine import logits_gather_ms
+    from harness.vllm_spec import engine, generate
 
     out = {"rows": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -115,6 +118,8 @@ def measure(models, method, variant, concurrency, tokens, repeats, log_tokens) -
                 generate(llm, prompts, tokens)  # warm-up (the draft pick compiles here)
                 runs = [generate(llm, prompts, tokens) for _ in range(repeats)]
                 out["rows"].append(_row(c, runs))
+                out["rows"][-1]["collectives"] = llm.collective_rpc(
+                    logits_gather_ms, args=(c,))[0]
             if log_tokens:
                 (log_dir / PAUSED).unlink()
                 generate(llm, models["prompts"][:8], log_tokens)
@@ -130,6 +135,7 @@ def _row(c, runs) -> dict:
     secs = statistics.median(r["seconds"] for r in runs)
     return {"concurrency": c, "tokens_per_s": runs[0]["output_tokens"] / secs,
             "seconds": [r["seconds"] for r in runs], "acceptance": acc,
+            "spread": (max(r["seconds"] for r in runs) - min(r["seconds"] for r in runs)) / secs,
             "tokens": runs[0]["tokens"],
             "same_every_run": all(r["tokens"] == runs[0]["tokens"] for r in runs)}
 
@@ -155,6 +161,7 @@ def _setup(models, method, variant, log_dir):
     full = engine_env(env["COMMFOLD_VLLM"] == "1", log_dir, comm_log=log_dir is not None,
                       cache=Path(tempfile.gettempdir()) / "commfold-bench-vllm-cache")
     full.update({k: v for k, v in env.items() if k != "COMMFOLD_VLLM"})
+    full["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc(logits_gather_ms)
     return full, spec
 
 
@@ -202,6 +209,10 @@ def table_rows(results: dict) -> list[dict]:
                          else None,
                          "per_pos": a["per_pos"],
                          "same_tokens": None if ref is None else row["tokens"] == ref,
+                         "spread": row.get("spread"),
+                         "gather_ms": row.get("collectives", {}).get("logits_ms"),
+                         "pair_ms": row.get("collectives", {}).get("pair_ms"),
+                         "date": r.get("date", ""),
                          "bytes_per_step": r.get("comm", {}).get("bytes_per_step"),
                          "drafting_bytes": _phase(r, "drafting"),
                          "pick_bytes": _phase(r, "logits", "sampling")})
@@ -222,22 +233,29 @@ def markdown(results: dict) -> str:
         return "" if x is None else format(x, fmt)
 
     lines = [f"# vLLM engine throughput, TP=2 ({results.get('meta', {}).get('date', '')})", "",
-             "Output tokens/s of `LLM.generate` (median of the timed runs); ratios to vLLM as "
+             "Output tokens/s of `LLM.generate` (median of the timed runs); spread = (slowest "
+             "- fastest run) / median, the run-to-run noise; ratios to vLLM as "
              "shipped and to vLLM's hand-written local argmax (`use_local_argmax_reduction`); "
              "acceptance = accepted / drafted tokens; collective bytes per decode step per rank "
              "(rank 0's step log, one logged run at C=8 after the timed runs): all phases, "
-             "the target's logits + pick, the drafting loop.", "",
-             "| method | variant | C | tok/s | vs vLLM | vs vLLM local argmax | acceptance "
-             "| same tokens | B/step | target pick B/step | drafting B/step |",
-             "|" + "---|" * 11]
+             "the target's logits + pick, the drafting loop; the machine's collective speed, "
+             "measured in the same engine after its timed runs: vLLM's all-gather of one "
+             "step's logits ([C, vocab / 2], bf16) and of one (value, index) pair per row, "
+             "median ms; the date of the engine's run.", "",
+             "| method | variant | C | tok/s | spread | vs vLLM | vs vLLM local argmax "
+             "| acceptance | same tokens | B/step | target pick B/step | drafting B/step "
+             "| logits gather ms | pair gather ms | run |",
+             "|" + "---|" * 15]
     for r in sorted(table_rows(results), key=lambda r: (METHODS.index(r["method"]),
                                                         r["concurrency"], r["variant"])):
         lines.append(f"| {r['method']} | {r['variant']} | {r['concurrency']} | "
-                     f"{r['tokens_per_s']:.1f} | {f(r['vs_vllm'], '.3f')} | "
+                     f"{r['tokens_per_s']:.1f} | {f(r['spread'], '.0%')} | "
+                     f"{f(r['vs_vllm'], '.3f')} | "
                      f"{f(r['vs_local_argmax'], '.3f')} | {f(r['acceptance'], '.2f')} | "
                      f"{'' if r['same_tokens'] is None else 'yes' if r['same_tokens'] else 'NO'} | "
                      f"{f(r['bytes_per_step'], ',.0f')} | {f(r['pick_bytes'], ',.0f')} | "
-                     f"{f(r['drafting_bytes'], ',.0f')} |")
+                     f"{f(r['drafting_bytes'], ',.0f')} | {f(r['gather_ms'], '.3f')} | "
+                     f"{f(r['pair_ms'], '.3f')} | {r['date'][:10]} |")
     meta = results.get("meta", {})
     lines += ["", f"Models: {meta.get('models', '')}", f"Machine: {meta.get('machine', '')}",
               f"Command: `{meta.get('command', '')}`"]
@@ -315,6 +333,7 @@ def main(argv=None) -> int:
         print(f"[vllm_engine] {key} ...", flush=True)
         r = measure(models, method, variant, a.concurrency, a.tokens, a.repeats,
                     0 if a.no_comm_log else 16)
+        r["date"] = results["meta"]["date"]
         results["runs"][key] = r
         save(a.out, results)
         for row in r["rows"]:

@@ -109,3 +109,33 @@ def pause_target_pick(worker, paused: bool) -> bool:
     from commfold.vllm import target_pick as vllm_target_pick
 
     return vllm_target_pick.pause(paused)
+
+
+def logits_gather_ms(worker, rows: int, iters: int = 50) -> dict[str, float]:
+    """For ``LLM.collective_rpc``: this engine's own TP all-gather of one step's
+    logits, [rows, vocab shard] in the model's dtype, and of one (value, index) pair
+    per row (what the local pick moves), median milliseconds over `iters` calls after
+    a warm-up. The machine's collective speed, so a reader of an engine figure can
+    tell a fast communicator (vLLM CPU's shared memory) from a slow one."""
+    import statistics
+    import time
+
+    import torch
+    from vllm.distributed import tensor_model_parallel_all_gather
+
+    head = worker.model_runner.model.lm_head
+    full = torch.zeros(rows, head.weight.shape[0], dtype=head.weight.dtype)
+    pair = torch.zeros(rows, 2, dtype=torch.int64)
+
+    def median_ms(x):
+        for _ in range(5):
+            tensor_model_parallel_all_gather(x)
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            tensor_model_parallel_all_gather(x)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e3
+
+    return {"logits_ms": median_ms(full), "pair_ms": median_ms(pair),
+            "logits_bytes": full.numel() * full.element_size()}
