@@ -125,7 +125,9 @@ def logits_gather_ms(worker, rows: int, iters: int = 50) -> dict[str, float]:
 
     head = worker.model_runner.model.lm_head
     full = torch.zeros(rows, head.weight.shape[0], dtype=head.weight.dtype)
-    pair = torch.zeros(rows, 2, dtype=torch.int64)
+    # 16 bytes a row as commfold's pick sends them (vLLM CPU's shared-memory gather
+    # takes no int64: the pair travels as four float32)
+    pair = torch.zeros(rows, 4, dtype=torch.float32)
 
     def median_ms(x):
         for _ in range(5):

@@ -35,9 +35,10 @@ pick's collective runs where vLLM's gather would, inside ``execute_model``, not 
 ``sample_tokens``: vLLM's executor sends ``sample_tokens`` to each worker as a
 separate call and answers the engine as soon as rank 0 is done, so vLLM's own
 ``sample_tokens`` (local on the gathered row) never waits for another rank, while a
-collective there would make every step wait for the last rank to receive the call. This is the V1 model runner's hook (Model
-Runner V2's is commfold.vllm.target_pick_v2: the plugin installs the one of the runner
-vLLM will build); at install it logs one line, on or off and why (vLLM's code moved
+collective there would make every step wait for the last rank to receive the call.
+This is the V1 model runner's hook (Model Runner V2's is
+commfold.vllm.target_pick_v2: the plugin installs the one of the runner vLLM will
+build); at install it logs one line, on or off and why (vLLM's code moved
 under the hook - the calls it relies on, checked by their source text;
 commfold.vllm.runtime). COMMFOLD_TARGET_PICK=0 turns only this hook off; ``pause()``
 switches it off and on at run time in a worker (through ``LLM.collective_rpc``), to
