@@ -37,16 +37,19 @@ def require_vllm():
     return vllm
 
 
-def require_vllm_installed():
+def require_vllm_installed(group: str = "vllm") -> list:
     """`pytestmark = require_vllm_installed()` in a vLLM test module: vllm installed, or
     skip / fail (CI), without importing it (~10 CPU-s), so that collecting the suite
-    imports no vLLM on the pytest-xdist worker that runs no vLLM test; the mark imports
-    it (conftest's vllm_imported: require_vllm) before the module's first test."""
+    imports no vLLM on the pytest-xdist worker that runs no vLLM test; the marks: `vllm`
+    (conftest: the shared vLLM group's worker runs the module; group="module": the
+    module's own group), and the fixture that imports vLLM (conftest's vllm_imported:
+    require_vllm) before the module's first test."""
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
         _missing("ModuleNotFoundError: No module named 'vllm'")
-    return pytest.mark.usefixtures("vllm_imported")
+    tier = pytest.mark.vllm if group == "vllm" else pytest.mark.vllm(group=group)
+    return [tier, pytest.mark.usefixtures("vllm_imported")]
 
 
 # --- tiny models -----------------------------------------------------------------
@@ -264,18 +267,19 @@ if __name__ == "__main__":  # python vllm_models.py '<json runs>' -> a TOKENS_MA
 
 # --- the speculative-decoding example, started early -----------------------------
 
-SPEC_METHODS = ("draft_model",) + (("eagle3",) if os.environ.get("COMMFOLD_VLLM_ALL_CASES")
-                                   else ())
+# the methods tools/vllm_spec_check.py runs here, in this order (two engines each)
+SPEC_METHODS = ("draft_model", "eagle3")
 
 
 class SpecDecodeRun:
-    """tools/vllm_spec_check.py (its engines: SPEC_METHODS, commfold off and on)
-    in a background process writing to `out`. The vLLM group's first test starts it
+    """tools/vllm_spec_check.py (its engines: `methods`, commfold off and on) in a
+    background process writing to `out`. The vLLM group's first test starts it
     (conftest) when test_vllm_spec_decode.py is collected: its engine starts overlap
     the group's rank tests."""
 
-    def __init__(self, out: Path):
+    def __init__(self, out: Path, methods: tuple[str, ...] = SPEC_METHODS[:1]):
         self.out = out
+        self.methods = methods
         self.proc: subprocess.Popen | None = None
         self.done: subprocess.CompletedProcess | None = None
 
@@ -288,7 +292,7 @@ class SpecDecodeRun:
             with open(self.out / "stdout.txt", "w") as o, open(self.out / "stderr.txt", "w") as e:
                 self.proc = subprocess.Popen(
                     [sys.executable, "-m", "tools.vllm_spec_check", "--out", str(self.out),
-                     "--methods", *SPEC_METHODS], stdout=o, stderr=e, text=True, cwd=root)
+                     "--methods", *self.methods], stdout=o, stderr=e, text=True, cwd=root)
         return self
 
     def wait(self, timeout: float = 1500) -> subprocess.CompletedProcess:

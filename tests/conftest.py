@@ -3,7 +3,9 @@ restarted after a failed call (a rank stuck in a collective is not reused); and 
 hypothesis profile: derandomized, so every run draws the same examples in the same
 time (COMMFOLD_HYPOTHESIS=random draws fresh ones); and which pytest-xdist worker runs
 what (pyproject's addopts run every `pytest` on two workers; `-n 0` runs one process)."""
+import collections
 import os
+import re
 
 import pytest
 from hypothesis import settings
@@ -85,10 +87,12 @@ def vllm_v2_ranks() -> Ranks:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _rank_server_started_first():
+def _rank_server_started_first(request):
     """commfold's forkserver starts before the first test, in the session's own
-    environment, which every test then leaves as it found it."""
-    start_forkserver()
+    environment, which every test then leaves as it found it; not in a run that
+    selected no `ranks` test (the server preloads torch's compiler: CPU-seconds)."""
+    if any(item.get_closest_marker("ranks") for item in request.session.items):
+        start_forkserver()
 
 
 @pytest.fixture(autouse=True)
@@ -110,13 +114,16 @@ def vllm_imported():
 
 
 @pytest.fixture(scope="session")
-def spec_decode_run(tmp_path_factory):
+def spec_decode_run(request, tmp_path_factory):
     """The spec-decoding example's run (vllm_models.SpecDecodeRun), started by the
     vLLM group's first test and read by test_vllm_spec_decode.py; killed if still
-    running at the end."""
-    from harness.vllm_models import SpecDecodeRun
+    running at the end. Its methods: those of the selected tests (eagle3's are `slow`)."""
+    from harness.vllm_models import SPEC_METHODS, SpecDecodeRun
 
-    run = SpecDecodeRun(tmp_path_factory.mktemp("spec"))
+    picked = {item.callspec.params.get("method") for item in request.session.items
+              if item.path.name == "test_vllm_spec_decode.py" and hasattr(item, "callspec")}
+    methods = tuple(m for m in SPEC_METHODS if m in picked) or SPEC_METHODS[:1]
+    run = SpecDecodeRun(tmp_path_factory.mktemp("spec"), methods)
     yield run
     run.stop()
 
@@ -125,7 +132,7 @@ def spec_decode_run(tmp_path_factory):
 def _spec_decode_started_early(request):
     """The spec-decoding run's engines, the suite's dearest minutes, start in the
     background with the vLLM group's first test, so they overlap the rest of it."""
-    if _group(request.node.path.stem) == "vllm" and any(
+    if _group(request.node) == "vllm" and any(
             item.path.name == "test_vllm_spec_decode.py" for item in request.session.items):
         request.getfixturevalue("spec_decode_run").start()
 
@@ -135,41 +142,61 @@ def pytest_sessionfinish(session, exitstatus):
         pool.close()
 
 
-# --- pytest-xdist: two workers, a module per worker at a time ----------------------
+# --- tiers: pytest markers (registered in pyproject.toml) ---------------------------
+# ranks: starts rank processes (any test that takes a rank-pool fixture is marked here);
+# vllm: imports vLLM (harness.vllm_models.require_vllm_installed); engine: starts vLLM
+# engines; gpu: needs a CUDA GPU; slow: opt-in, minutes each: deselected unless `-m`
+# names it (`-m slow`, `-m "slow and engine"`). The fast loop: -m "not ranks and not vllm".
 
-# The vLLM modules share the vLLM rank pool, and their first test starts the
-# spec-decoding run that test_vllm_spec_decode.py reads (one SpecDecodeRun a worker):
-# one worker runs them all, in file order. Every other module is a group of its own,
-# so its module fixtures run once (the V2 and DSpark modules among them, each with a
-# vLLM pool of its own: off the vLLM group's chain, the suite's longest).
-VLLM_MODULES = {"test_cpu_portability", "test_fuse_vllm_shm", "test_fuse_vllm_spellings",
-                "test_vllm_draft_pick", "test_vllm_engine", "test_vllm_families",
-                "test_vllm_hook_states",
-                "test_vllm_registration", "test_vllm_spec_decode", "test_vllm_target_pick",
-                "test_vllm_top_tokens"}
-# The longest modules after the vLLM group, longest first (as measured on 2 cores),
-# handed out first so that no worker starts one of them when the other is nearly done.
-LONG_MODULES = ["test_examples", "test_fuse_allreduce_rmsnorm", "test_cli",
-                "test_local_softmax_stats", "test_ranks", "test_bench", "test_backend",
-                "test_fuzz", "test_faults", "test_local_topk"]
+RANK_POOL_FIXTURES = {"ranks", "ranks2", "ranks4", "vllm_ranks", "vllm_v2_ranks", "gpu_ranks"}
 
 
-def _group(stem: str) -> str:
-    return "vllm" if stem in VLLM_MODULES else stem
+def _slow_selected(config) -> bool:
+    """`-m` names slow (`-m slow`, `-m "slow and engine"`, `-m "not slow"`)."""
+    return re.search(r"\bslow\b", config.getoption("markexpr") or "") is not None
+
+
+# --- pytest-xdist: two workers, a group per worker at a time ---------------------------
+
+# The tests marked `vllm` share one group, run by one worker in file order: one import
+# of vLLM, one vLLM rank pool, and the spec-decoding run that test_vllm_spec_decode.py
+# reads (one SpecDecodeRun a worker), started by the group's first test. vllm(group=
+# "module") keeps a test in its module's group, off that chain, the suite's longest:
+# Model Runner V2's modules (each with a vLLM pool of its own) and tests that only
+# register vLLM's ops. Every other module is a group of its own, so its module fixtures
+# run once.
+
+
+def _group(item) -> str:
+    mark = item.get_closest_marker("vllm")
+    if mark is not None and mark.kwargs.get("group", "vllm") == "vllm":
+        return "vllm"
+    return item.path.stem
 
 
 def pytest_itemcollected(item):
-    """Group marks, set as each test is collected (pytest-xdist's loadgroup reads them
-    after collection; pytest 9.2 breaks that, hence pyproject's pin)."""
-    item.add_marker(pytest.mark.xdist_group(_group(item.path.stem)))
+    """The ranks mark and the group mark, set as each test is collected: pytest-xdist's
+    loadgroup reads the group in its own collection hook, which runs before this
+    conftest's (pytest 9.2 breaks that reading, hence pyproject's pin)."""
+    if RANK_POOL_FIXTURES & set(getattr(item, "fixturenames", ())):
+        item.add_marker(pytest.mark.ranks)
+    item.add_marker(pytest.mark.xdist_group(_group(item)))
 
 
 def pytest_collection_modifyitems(config, items):
-    """The vLLM group first (the longest chain: engine starts), then LONG_MODULES, then
-    the rest in file order (pyproject's addopts keep xdist from reordering)."""
-    rank = {stem: i for i, stem in enumerate(LONG_MODULES)}
-    items.sort(key=lambda item: (_group(item.path.stem) != "vllm",
-                                 rank.get(item.path.stem, len(rank))))
+    """`slow` tests deselected unless `-m` names slow; then the order the workers take
+    the groups in (pyproject's addopts keep xdist from reordering): the vLLM group first
+    (the longest chain: engine starts), then the groups that start rank processes, most
+    rank tests first (the dearest, handed out before a worker could start one when the
+    other is nearly done), then the rest in file order."""
+    if not _slow_selected(config):
+        slow = [item for item in items if item.get_closest_marker("slow")]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if not item.get_closest_marker("slow")]
+    rank_tests = collections.Counter(_group(item) for item in items
+                                     if item.get_closest_marker("ranks"))
+    items.sort(key=lambda item: (_group(item) != "vllm", -rank_tests[_group(item)]))
 
 
 def pytest_xdist_auto_num_workers(config):

@@ -18,7 +18,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -34,14 +33,22 @@ from commfold.distributed.comm_log import record_collectives
 from harness.gathers import all_gather_last_dim
 
 ROOT = Path(__file__).resolve().parent.parent
-# The three rewrites' figures; COMMFOLD_FULL=1 adds the decode step (their sum) and
-# commfold's compile-time share (two compiles with Inductor's caches off)
-FIGURES = {"local_argmax", "allreduce_rmsnorm", "replicate"} | (
-    {"decode", "compile_cost"} if os.environ.get("COMMFOLD_FULL") else set())
+REWRITES = {"local_argmax", "allreduce_rmsnorm", "replicate"}
+
+
+# The three rewrites' figures; `slow` adds a run with the decode step (their sum) and
+# commfold's compile-time share (two compiles with Inductor's caches off). Either run
+# starts the suite's ranks.
+@pytest.fixture(scope="module", params=[
+    pytest.param(REWRITES, id="rewrites", marks=pytest.mark.ranks),
+    pytest.param(REWRITES | {"decode", "compile_cost"}, id="full",
+                 marks=[pytest.mark.ranks, pytest.mark.slow])])
+def figures(request) -> set[str]:
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def quick_run(tmp_path_factory):
+def quick_run(figures, tmp_path_factory):
     cwd = tmp_path_factory.mktemp("bench")
     out = cwd / "results"  # --out relative to the caller's cwd, not the checkout's
     # the rewrites' figures (the sampling figure's passes have tests of their own). The CLI
@@ -49,15 +56,15 @@ def quick_run(tmp_path_factory):
     # output pytest shows if this fails.
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(cwd)
-        code = cli.main(["bench", "--quick", "--out", "results", "--only", *sorted(FIGURES)])
+        code = cli.main(["bench", "--quick", "--out", "results", "--only", *sorted(figures)])
     assert code == 0
     return out, json.loads((out / "results.json").read_text()), (out / "results.md").read_text()
 
 
-def test_quick_suite_writes_every_figure(quick_run):
+def test_quick_suite_writes_every_figure(quick_run, figures):
     out, results, md = quick_run
     assert results["meta"]["quick"] is True
-    assert set(results["figures"]) == FIGURES
+    assert set(results["figures"]) == figures
     for name, fig in results["figures"].items():
         assert fig["errors"] == [], (name, fig["errors"])
         assert fig["rows"] and fig["world_sizes"] == [2], name
@@ -69,7 +76,7 @@ def test_quick_suite_writes_every_figure(quick_run):
             "compile_cost": {"layers", "nodes", "compile_s", "commfold_s", "commfold_cpu_s",
                              "rewrites"}}
     figs = results["figures"]
-    for name in FIGURES:
+    for name in figures:
         for row in figs[name]["rows"]:
             assert keys[name] <= set(row), (name, keys[name] - set(row))
     assert all(r["same"] for r in figs["local_argmax"]["rows"]
@@ -80,16 +87,16 @@ def test_quick_suite_writes_every_figure(quick_run):
         assert r["rewrites"] > 0
     assert {r["layer"] for r in figs["replicate"]["rows"]} == {"embedding", "head"}
     assert "## Communication per call" in md
-    assert ("Targets: share" in md) == ("compile_cost" in FIGURES)
+    assert ("Targets: share" in md) == ("compile_cost" in figures)
     plots = sorted(p.name for p in out.glob("*.png"))
     if importlib.util.find_spec("matplotlib") is not None:
-        assert plots == sorted(f"{n}.png" for n in FIGURES)
+        assert plots == sorted(f"{n}.png" for n in figures)
         assert all(f"]({p})" in md for p in plots)
     else:
         assert plots == [] and "Plots skipped" in md
 
 
-def test_rewritten_forms_send_their_lower_bound(quick_run):
+def test_rewritten_forms_send_their_lower_bound(quick_run, figures):
     _, results, md = quick_run
     seen = set()
     for name, fig in results["figures"].items():
@@ -100,7 +107,7 @@ def test_rewritten_forms_send_their_lower_bound(quick_run):
             c = r["comm"]
             assert c[r["rewritten"]] == c["bound"], (name, r)
             assert c[r["baseline"]]["bytes"] >= c["bound"]["bytes"]
-    assert seen == FIGURES - {"compile_cost"}
+    assert seen == figures - {"compile_cost"}
     argmax = results["figures"]["local_argmax"]["rows"]
     assert all(r["comm"]["bound"] == {"bytes": 16 * r["B"], "calls": 1} for r in argmax)
     assert all(r["comm"]["inductor"]["bytes"] == r["B"] * (r["V"] // 2) * 4 for r in argmax)
@@ -109,8 +116,8 @@ def test_rewritten_forms_send_their_lower_bound(quick_run):
     assert "| NO |" not in md
 
 
-def test_without_matplotlib_json_and_markdown_still_written(quick_run, tmp_path, monkeypatch,
-                                                             capsys):
+def test_without_matplotlib_json_and_markdown_still_written(quick_run, figures, tmp_path,
+                                                             monkeypatch, capsys):
     _, results, _ = quick_run
     monkeypatch.syspath_prepend(str(ROOT))
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
@@ -118,7 +125,7 @@ def test_without_matplotlib_json_and_markdown_still_written(quick_run, tmp_path,
 
     written = write_results(results, tmp_path)
     assert written["plots"] == [] and "pip install" in written["plots_skipped"]
-    assert json.loads((tmp_path / "results.json").read_text())["figures"].keys() == FIGURES
+    assert json.loads((tmp_path / "results.json").read_text())["figures"].keys() == figures
     md = (tmp_path / "results.md").read_text()
     assert "Plots skipped: matplotlib is not installed" in md and ".png" not in md
     assert "plots skipped" in capsys.readouterr().out

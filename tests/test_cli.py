@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import commfold
 from commfold import cli
 from commfold.report import format_bytes
@@ -35,6 +37,7 @@ def error_lines(out: str) -> list[str]:
     return [ln for ln in out.splitlines() if ln.startswith("commfold diff: error:")]
 
 
+@pytest.mark.ranks
 def test_diff_funcol_example_two_ranks(tmp_path):
     sys.path.insert(0, str(FUNCOL.parent))
     try:
@@ -135,6 +138,7 @@ dist.barrier()
 """
 
 
+@pytest.mark.ranks
 def test_diff_bad_inputs(tmp_path, capsys, monkeypatch):
     # a missing script, a missing module, an unknown pass: exit 2, one line, no ranks
     for args, why in [(["no_such_script.py"], "no such script: no_such_script.py"),
@@ -224,6 +228,7 @@ def test_help_documents_every_flag(capsys):
     assert code == 2 and "diff" in out and "demo" in out  # no command: usage, failure
 
 
+@pytest.mark.ranks
 def test_demo_small(capsys, tmp_path, monkeypatch):
     # in this process (its ranks fork from the preloaded server): saves two torch imports
     monkeypatch.chdir(tmp_path)

@@ -152,6 +152,8 @@ def vllm_tp_on_avx2_kernels():
                 normed=torch.allclose(out, expected, rtol=1e-6, atol=0))
 
 
+@pytest.mark.ranks
+@pytest.mark.vllm
 def test_vllm_tp_on_the_avx2_kernel_build():
     """vLLM's AVX2 build is the one loaded (never _C), it has no shared-memory
     collectives - the helper says so in one line instead of dying - and commfold's op

@@ -1,15 +1,15 @@
 """Every examples/*.py runs in one command on this CPU and exits 0 (each checks its own
 tokens against the program without commfold and exits non-zero on a difference).
 
-Opt-in (COMMFOLD_FULL=1): each example is a fresh process that spawns its ranks and
-compiles its model twice, ~2 CPU-minutes an example on 2 cores, and what they run is
-in the default suite on ranks: DTensor norms and picks (test_fuse_allreduce_rmsnorm's
-decoders, test_local_argmax, test_fuzz), a drafter's replicated embedding and head
-(test_replicate_vocab_parallel, tools/vllm_spec_check's engines), the funcol decoder
-example under `commfold diff` (test_cli)."""
+Opt-in (`slow`: `python -m pytest -m slow tests/test_examples.py`): each example is a
+fresh process that spawns its ranks and compiles its model twice, ~2 CPU-minutes an
+example on 2 cores, and what they run is in the default suite on ranks: DTensor norms
+and picks (test_fuse_allreduce_rmsnorm's decoders, test_local_argmax, test_fuzz), a
+drafter's replicated embedding and head (test_replicate_vocab_parallel,
+tools/vllm_spec_check's engines), the funcol decoder example under `commfold diff`
+(test_cli)."""
 import ast
 import importlib.util
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,11 +21,17 @@ EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.py") if p.name != "__in
 # Engine starts are the suite's dearest seconds, so none is paid twice:
 # vllm_greedy.py (greedy tokens identical with the plugin on, a tiny Qwen3 at TP=2; with
 # --draft, speculative decoding) is what test_vllm_engine.py's and
-# test_vllm_spec_decode.py's engines assert in more detail; COMMFOLD_VLLM_EXAMPLES=1
-# runs it here too. tp_decoder_funcol.py runs whole on 2 ranks under
+# test_vllm_spec_decode.py's engines assert in more detail; `-m slow` runs it here too.
+# tp_decoder_funcol.py runs whole on 2 ranks under
 # `commfold diff` in test_cli.py, which asserts its own token check in each rank's log.
-RUN_ELSEWHERE = {"tp_decoder_funcol.py"} | (set() if os.environ.get("COMMFOLD_VLLM_EXAMPLES")
-                                            else {"vllm_greedy.py"})
+RUN_ELSEWHERE = {"tp_decoder_funcol.py"}
+
+
+def _example(script: Path):
+    """Every example is `slow`; a CPU example starts ranks, the vLLM one engines."""
+    marks = ([pytest.mark.vllm, pytest.mark.engine] if script.name.startswith("vllm_")
+             else [pytest.mark.ranks])
+    return pytest.param(script, marks=[pytest.mark.slow, *marks], id=script.stem)
 
 
 def test_there_are_examples():
@@ -33,11 +39,9 @@ def test_there_are_examples():
     assert {"tp_decoder_funcol.py", "tp_decoder_dtensor.py", "vllm_greedy.py"} <= names
 
 
-@pytest.mark.parametrize("script", [p for p in EXAMPLES if p.name not in RUN_ELSEWHERE],
-                         ids=[p.stem for p in EXAMPLES if p.name not in RUN_ELSEWHERE])
+@pytest.mark.parametrize("script", [_example(p) for p in EXAMPLES
+                                    if p.name not in RUN_ELSEWHERE])
 def test_example_runs(script, tmp_path):
-    if not (os.environ.get("COMMFOLD_FULL") or script.name.startswith("vllm_")):
-        pytest.skip("the CPU examples run whole with COMMFOLD_FULL=1 (~2 CPU-minutes each)")
     # as the README runs them: a module of the checkout, from its root
     done = subprocess.run([sys.executable, "-m", f"examples.{script.stem}"], capture_output=True,
                           text=True, timeout=900, cwd=ROOT)

@@ -86,6 +86,7 @@ def test_every_block_spelling_is_fused(group, norm):
         assert_fused_or_explained(fn, *_block_inputs(DT[dtype]), fused=1)
 
 
+@pytest.mark.vllm(group="module")  # imports vLLM in this process
 def test_vllm_ir_spellings_are_fused(group):
     vllm_ir_ops()
     for norm, residual, scaled in itertools.product(["vllm_ir", "vllm_ir_rms"], [True, False],

@@ -123,6 +123,7 @@ def ir_scaled_on_rank(cases):
     return numerics_on_rank(cases)
 
 
+@pytest.mark.vllm(group="module")  # imports vLLM's IR ops, here and on its ranks
 def test_scaled_vllm_ir(ranks2):
     """vLLM's IR norms after a scaled branch: fused_add_rms_norm(x * c, residual) reads
     the scaled value as a stored (rounded) input; rms_norm(residual + x * c) the

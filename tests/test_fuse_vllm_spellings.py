@@ -13,6 +13,8 @@ import pytest
 from test_fuse_allreduce_rmsnorm import (SITES, assert_fused_once, decoders_on_rank,
                                         numerics_on_rank)
 
+pytestmark = pytest.mark.vllm  # the ranks import vLLM's ops
+
 
 def _case(dtype, norm, residual, res_first=False, tokens=(9, 40), hidden=96, eps=1e-6,
           weight=True, dead_residual=False, coll="funcol"):

@@ -5,8 +5,9 @@ relative, new residuals bit-equal; every rewrite site is rewritten exactly once,
 distractor is left alone (with a near-miss where its pass promises one), no pass
 error, and the ranks' decision fingerprints agree.
 
-Profiles: CI (default) runs two fixed programs that cover every spelling, plus one
-derandomized batch; COMMFOLD_FUZZ=long runs fresh random batches of larger programs,
+The default run has two fixed programs that cover every spelling, plus one
+derandomized batch; the long fuzz (`slow`: `python -m pytest -n 0 -m slow
+tests/test_fuzz.py`) runs fresh random batches of larger programs,
 COMMFOLD_FUZZ_PROGRAMS of them in all (default 1002). Every batch is one rank-pool
 call, and each program is compiled once per backend.
 """
@@ -19,11 +20,9 @@ from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 from harness import fuzz_programs as fp
 
-LONG = os.environ.get("COMMFOLD_FUZZ", "") == "long"
-PER_BATCH = 6 if LONG else 2  # programs per batch (one rank-pool call)
-PROGRAMS = int(os.environ.get("COMMFOLD_FUZZ_PROGRAMS", "1002")) if LONG else PER_BATCH
-BATCHES = -(-PROGRAMS // PER_BATCH)  # random batches (hypothesis examples)
-BLOCKS = (3, 7) if LONG else (2, 4)  # blocks per program
+PER_BATCH, BLOCKS = 2, (2, 4)  # programs per batch (one rank-pool call), blocks per program
+LONG_PER_BATCH, LONG_BLOCKS = 6, (3, 7)
+LONG_PROGRAMS = int(os.environ.get("COMMFOLD_FUZZ_PROGRAMS", "1002"))
 
 G = dict(kind="greedy", bad=None, seed=1, gather="funcol", dtype="f32", rows=3, vs=5, pad=1,
          ops=["scale", "div"], pick="argmax", ties=True)
@@ -66,9 +65,8 @@ COVERAGE = [
 TALLY = {"programs": 0, "blocks": 0, "rewrites": 0, "distractors": 0}
 
 
-def _run_batch(ranks2, programs):
-    # the long run shares the machine for hours: a batch may wait on the CPU, not hang
-    per_rank = ranks2.run(fp.run_programs, programs, **({"timeout": 3600} if LONG else {}))
+def _run_batch(ranks2, programs, **run_kwargs):
+    per_rank = ranks2.run(fp.run_programs, programs, **run_kwargs)
     problems = []
     for i, blocks in enumerate(programs):
         found = fp.check(blocks, [r[i] for r in per_rank])
@@ -87,10 +85,20 @@ def test_every_spelling(ranks2, i):
     _run_batch(ranks2, [COVERAGE[i]])
 
 
-# CI: one fixed batch (conftest's derandomized profile: the same programs, the same
-# time every run); COMMFOLD_FUZZ=long: fresh random batches
-@settings(max_examples=BATCHES, deadline=None, database=None, phases=[Phase.generate],
-          derandomize=not LONG, suppress_health_check=list(HealthCheck))
+# one fixed batch (derandomized: the same programs, the same time every run)
+@settings(max_examples=1, deadline=None, database=None, phases=[Phase.generate],
+          derandomize=True, suppress_health_check=list(HealthCheck))
 @given(programs=st.lists(fp.program(*BLOCKS), min_size=PER_BATCH, max_size=PER_BATCH))
 def test_random_programs(ranks2, programs):
     _run_batch(ranks2, programs)
+
+
+# the long fuzz: fresh random batches, LONG_PROGRAMS programs in all
+@pytest.mark.slow
+@settings(max_examples=-(-LONG_PROGRAMS // LONG_PER_BATCH), deadline=None, database=None,
+          phases=[Phase.generate], derandomize=False, suppress_health_check=list(HealthCheck))
+@given(programs=st.lists(fp.program(*LONG_BLOCKS), min_size=LONG_PER_BATCH,
+                         max_size=LONG_PER_BATCH))
+def test_random_programs_long(ranks2, programs):
+    # it shares the machine for hours: a batch may wait on the CPU, not hang
+    _run_batch(ranks2, programs, timeout=3600)

@@ -38,23 +38,6 @@ def test_wheel_holds_every_module(tmp_path):
     assert expected - shipped == set(), "add these to pyproject's packages / package-data"
 
 
-def test_the_library_never_imports_the_checkouts_scaffolding():
-    """harness/, benchmarks/ and examples/ are not installed: an installed commfold that
-    imported them would fail at import on a user's machine."""
-    import ast
-
-    offenders = []
-    for src in SOURCE_DIRS:
-        for path in (ROOT / src).rglob("*.py"):
-            for node in ast.walk(ast.parse(path.read_text())):
-                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                         else [node.module or ""] if isinstance(node, ast.ImportFrom)
-                         and node.level == 0 else [])
-                offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names
-                              if n.split(".")[0] in ("harness", "benchmarks", "examples")]
-    assert offenders == []
-
-
 def test_import_needs_only_the_declared_dependencies():
     """torch does not require numpy (a torch-only venv has none): importing commfold
     and each of its modules, the vLLM ones included (they import vLLM only when

@@ -15,6 +15,8 @@ import torch.distributed as dist
 
 from commfold.distributed.ranks import RankError, RankPool, run_on_ranks, start_forkserver
 
+pytestmark = pytest.mark.ranks
+
 
 def rank_and_sum():
     t = torch.tensor([dist.get_rank() + 1.0])

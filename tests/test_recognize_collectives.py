@@ -66,6 +66,7 @@ def test_all_reduce_misses(group):
     assert_miss(match_allreduce(coll), "all-reduce without a wait_tensor", coll)
 
 
+@pytest.mark.vllm(group="module")  # imports vLLM in this process
 def test_vllm_all_reduce(group):
     vllm_collectives()
     g = post_grad(lambda x: torch.ops.vllm.all_reduce(x, "tp:0") + 1, torch.randn(B, VS))
@@ -80,6 +81,7 @@ def _shm_block(x):
     return y + 1
 
 
+@pytest.mark.vllm(group="module")  # imports vLLM in this process
 @pytest.mark.parametrize("v2", [False, True], ids=["auto_functionalized", "v2"])
 def test_vllm_shm_all_reduce(group, v2):
     vllm_shm_ops()
@@ -91,6 +93,7 @@ def test_vllm_shm_all_reduce(group, v2):
                                        af, (af, item))
 
 
+@pytest.mark.vllm(group="module")  # imports vLLM in this process
 def test_vllm_shm_all_reduce_misses(group):
     vllm_shm_ops()
     g = post_grad(_shm_block, torch.randn(B, VS))
@@ -166,6 +169,7 @@ def test_one_row_is_a_plain_reshape(group):
     _fields(_gather(g), g, node(g, aten.reshape.default))
 
 
+@pytest.mark.vllm(group="module")  # imports vLLM in this process
 def test_vllm_all_gather(group):
     vllm_collectives()
     g = post_grad(lambda x: torch.ops.vllm.all_gather(x, -1, W, "tp:0").argmax(-1),
@@ -182,6 +186,7 @@ def _shm_gather(x):
     return full[:, :13].argmax(-1)
 
 
+@pytest.mark.vllm(group="module")  # imports vLLM in this process
 @pytest.mark.parametrize("v2", [False, True], ids=["auto_functionalized", "v2"])
 def test_vllm_shm_all_gather(group, v2):
     vllm_shm_ops()
@@ -240,6 +245,7 @@ def test_gather_misses_c10d(group):
     assert_miss(match_vocab_gather(node(g, aten.argmax.default)), "not an all-gather")
 
 
+@pytest.mark.vllm(group="module")  # imports vLLM in this process
 def test_gather_misses_vllm(group):
     vllm_collectives()
     g = post_grad(lambda x: torch.ops.vllm.all_gather(x, 0, W, "tp:0").argmax(-1),
@@ -248,6 +254,7 @@ def test_gather_misses_vllm(group):
     assert_miss(match_vocab_gather(coll), "all-gather on dim 0, not the last (vocab) dim", coll)
 
 
+@pytest.mark.vllm(group="module")  # imports vLLM in this process
 def test_gather_misses_shm(group):
     vllm_shm_ops()
 

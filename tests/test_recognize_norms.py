@@ -228,6 +228,7 @@ def ir():
     return torch.ops.vllm_ir
 
 
+@pytest.mark.vllm(group="module")  # imports vLLM in this process
 @pytest.mark.parametrize("w_dtype", [bf16, f32], ids=["w_bf16", "w_f32"])
 def test_vllm_ir_rms_norm(ir, w_dtype):
     g = post_grad(lambda x, r, w: ir.rms_norm(x, w, EPS), *_inputs(bf16, w_dtype))
@@ -237,6 +238,7 @@ def test_vllm_ir_rms_norm(ir, w_dtype):
                                sum_in_f32=True, eager=True)
 
 
+@pytest.mark.vllm(group="module")  # imports vLLM in this process
 @pytest.mark.parametrize("v2", [False, True], ids=["auto_functionalized", "v2"])
 @pytest.mark.parametrize("residual_read", [True, False])
 def test_vllm_ir_fused_add_rms_norm(ir, v2, residual_read):
@@ -256,6 +258,7 @@ def test_vllm_ir_fused_add_rms_norm(ir, v2, residual_read):
     assert match_rmsnorm(res) == m.__class__(**{**m.__dict__, "x": res, "residual": y})
 
 
+@pytest.mark.vllm(group="module")  # imports vLLM in this process
 def test_vllm_ir_misses(ir):
     def fused(x, r, w, eps=EPS, variance_size=None, tail=None):
         y, res = x * 1, r * 1

@@ -105,6 +105,7 @@ def test_scaled_f32_sum_and_no_residual():
     assert norm.residual is None and norm.h is sc.scaled
 
 
+@pytest.mark.vllm(group="module")  # imports vLLM in this process
 @pytest.mark.parametrize("w_dtype", [bf16, f32], ids=["w_bf16", "w_f32"])
 def test_vllm_ir_rms_norm_of_the_graphs_sum(w_dtype):
     """vllm_ir.rms_norm(residual + x * c): the eager op reads the add's stored (rounded)

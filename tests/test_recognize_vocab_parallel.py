@@ -216,6 +216,7 @@ def test_lm_head_misses(group):
     assert_miss(match_lm_head(gather), "LM head weight is not a 2-D tensor of the hidden dtype")
 
 
+@pytest.mark.vllm(group="module")  # imports vLLM in this process
 def test_lm_head_on_a_packed_weight(group):
     """vLLM CPU's LM head multiplies by a weight it packed for oneDNN at load
     (``_C.onednn_mm`` with a handle): no weight in the graph, so no replication - and

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from harness.vllm_models import init_vllm_tp, require_vllm_installed, shm_supported
 
-pytestmark = require_vllm_installed()
+pytestmark = require_vllm_installed(group="module")  # Model Runner V2: off the vLLM worker's chain
 
 V = 1500
 

@@ -7,8 +7,8 @@ the same drafts accepted in every run; commfold says on each worker that it
 replicated the sharded head, and its per-position collectives (an all-reduce of the
 Markov embedding, a vocab gather of its bias) are gone.
 
-Opt-in (three engines, ~2.5 minutes on 2 cores): COMMFOLD_VLLM_DSPARK_ENGINE=1, or
-COMMFOLD_VLLM_ALL_CASES=1."""
+Opt-in (three engines, ~2.5 minutes on 2 cores): `slow`, run with
+`python -m pytest -m slow tests/test_vllm_dspark_engine.py`."""
 from __future__ import annotations
 
 import json
@@ -21,11 +21,7 @@ import pytest
 
 from harness.vllm_models import ENGINE_ENV, TOKENS_MARK, require_vllm_installed
 
-pytestmark = require_vllm_installed()
-
-if not (os.environ.get("COMMFOLD_VLLM_DSPARK_ENGINE") or os.environ.get("COMMFOLD_VLLM_ALL_CASES")):
-    pytest.skip("the DSpark engine runs are opt-in (~2.5 minutes): COMMFOLD_VLLM_DSPARK_ENGINE=1",
-                allow_module_level=True)
+pytestmark = [*require_vllm_installed(group="module"), pytest.mark.engine, pytest.mark.slow]
 
 from commfold.distributed.comm_log import read_step_logs  # noqa: E402
 from harness.triton_cpu import v2_engine_env  # noqa: E402

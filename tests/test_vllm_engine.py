@@ -19,21 +19,21 @@ cache did not serve the graph compiled without commfold. Engine starts are the
 suite's dearest seconds (each pair ~4 CPU-minutes on 2 cores), and the default run's
 two are test_vllm_spec_decode.py's (the plugin in a live engine: the drafter's
 rewrites, the target's greedy verify picked locally, every step's collectives); this
-module is opt-in: COMMFOLD_VLLM_ALL_CASES=1 runs Llama bf16 through the plugin, which
+module is opt-in (`slow`: `python -m pytest -m slow tests/test_vllm_engine.py`): Llama
+bf16 through the plugin, which
 also carries the target pick's mixed / logprobs / prompt-logprobs batches (the
 pick itself is checked against vLLM's Sampler on ranks by test_vllm_target_pick.py in
 every run), and Qwen3 fp32 through the named pass, with and without vLLM's IR ops.
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 
 from harness.vllm_models import (SIZES, engine_pair, logprob_mismatches, require_vllm_installed,
                                  write_model)
 
-pytestmark = require_vllm_installed()
+pytestmark = [*require_vllm_installed(), pytest.mark.engine, pytest.mark.slow]
 
 from commfold.report import Report  # noqa: E402
 from commfold.vllm.step_checks import target_pick_problems  # noqa: E402
@@ -52,20 +52,17 @@ SAMPLING_CASES = {"llama-bf16-plugin"}
 # are test_vllm_spec_decode's (its target and drafters); vLLM's IR ops are tested on
 # ranks with vLLM's own ops (test_fuse_vllm_spellings), the named route by
 # test_vllm_registration (and examples/vllm_greedy.py, runnable).
-if os.environ.get("COMMFOLD_VLLM_ALL_CASES"):
-    # the decomposed bf16 norm (f32 sum of two upcasts, new residual cast back); a
-    # 1 KiB rule: the embedding stays sharded (a near-miss says why) and its
-    # all-reduce is fused into the first input norm
-    CASES["llama-bf16-plugin"] = ("llama", "bfloat16", "plugin", False, "1024")
-    # vLLM's IR ops (vllm_ir.rms_norm, auto_functionalized(fused_add_rms_norm)); the
-    # embedding (1024 padded rows x 128 x 4 B = 512 KiB) under the default 64 MiB
-    # rule: replicated, no all-reduce left for the first input norm
-    CASES["qwen3-fp32-torchwrap-named"] = ("qwen3", "float32", "named", True, None)
-    CASES["qwen3-fp32-named"] = ("qwen3", "float32", "named", False, None)
-    CASES["qwen3-bf16-torchwrap"] = ("qwen3", "bfloat16", "named", True, None)
-else:
-    pytest.skip("engine pairs are opt-in (~4 CPU-minutes each): COMMFOLD_VLLM_ALL_CASES=1",
-                allow_module_level=True)
+
+# the decomposed bf16 norm (f32 sum of two upcasts, new residual cast back); a
+# 1 KiB rule: the embedding stays sharded (a near-miss says why) and its
+# all-reduce is fused into the first input norm
+CASES["llama-bf16-plugin"] = ("llama", "bfloat16", "plugin", False, "1024")
+# vLLM's IR ops (vllm_ir.rms_norm, auto_functionalized(fused_add_rms_norm)); the
+# embedding (1024 padded rows x 128 x 4 B = 512 KiB) under the default 64 MiB
+# rule: replicated, no all-reduce left for the first input norm
+CASES["qwen3-fp32-torchwrap-named"] = ("qwen3", "float32", "named", True, None)
+CASES["qwen3-fp32-named"] = ("qwen3", "float32", "named", False, None)
+CASES["qwen3-bf16-torchwrap"] = ("qwen3", "bfloat16", "named", True, None)
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
 def engine_case(request, tmp_path_factory):

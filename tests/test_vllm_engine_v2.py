@@ -8,8 +8,8 @@ both ranks by V2's step log; the target pick local on the greedy steps (one pair
 exchange, no vocab-wide gather) and the logprobs steps (two small all-gathers, and two
 for the prompt logprobs), and vLLM's own on the others, with the reason noted.
 
-Opt-in (an engine pair is ~3 minutes on 2 cores): COMMFOLD_VLLM_V2_ENGINE=1, or
-COMMFOLD_VLLM_ALL_CASES=1."""
+Opt-in (an engine pair is ~3 minutes on 2 cores): `slow`, run with
+`python -m pytest -m slow tests/test_vllm_engine_v2.py`."""
 from __future__ import annotations
 
 import json
@@ -23,11 +23,7 @@ import pytest
 from harness.vllm_models import (ENGINE_ENV, SIZES, TOKENS_MARK, logprob_mismatches,
                                  require_vllm_installed, write_model)
 
-pytestmark = require_vllm_installed()
-
-if not (os.environ.get("COMMFOLD_VLLM_V2_ENGINE") or os.environ.get("COMMFOLD_VLLM_ALL_CASES")):
-    pytest.skip("the V2 engine pair is opt-in (~3 minutes): COMMFOLD_VLLM_V2_ENGINE=1",
-                allow_module_level=True)
+pytestmark = [*require_vllm_installed(group="module"), pytest.mark.engine, pytest.mark.slow]
 
 from commfold.distributed.comm_log import read_step_logs  # noqa: E402
 from harness.triton_cpu import v2_engine_env  # noqa: E402

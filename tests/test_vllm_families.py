@@ -19,12 +19,11 @@ Families: sandwich norms (Gemma2), scaled residual (Granite), tied head (Llama),
 MoE (Qwen3-MoE), post-norm (OLMo-2, served by vLLM's Transformers backend class
 TransformersForCausalLM), LayerNorm (OPT: nothing to fuse, tokens equal).
 
-Opt-in (each pair ~2.5-4 minutes on 2 cores; ~20 minutes for the six):
-COMMFOLD_VLLM_FAMILIES=1 (or COMMFOLD_VLLM_ALL_CASES=1); `-k gemma2` runs one family.
+Opt-in (each pair ~2.5-4 minutes on 2 cores; ~20 minutes for the six): `slow`, run with
+`python -m pytest -n 0 -m slow tests/test_vllm_families.py`; `-k gemma2` runs one family.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import pytest
@@ -32,12 +31,7 @@ import pytest
 from harness.tiny_models import ARCHS, SIZES
 from harness.vllm_models import engine_pair, require_vllm_installed, write_model
 
-pytestmark = require_vllm_installed()
-
-if not (os.environ.get("COMMFOLD_VLLM_FAMILIES") or os.environ.get("COMMFOLD_VLLM_ALL_CASES")):
-    pytest.skip("the vLLM family engine pairs are opt-in (6 pairs, ~20 minutes on 2 cores): "
-                "COMMFOLD_VLLM_FAMILIES=1 python -m pytest -n 0 tests/test_vllm_families.py "
-                "(-k <family> for one, ~3 minutes)", allow_module_level=True)
+pytestmark = [*require_vllm_installed(), pytest.mark.engine, pytest.mark.slow]
 
 from commfold.report import Report  # noqa: E402
 from commfold.vllm.step_checks import target_pick_problems  # noqa: E402

@@ -15,10 +15,10 @@ local_argmax, and, in every engine step's collective log, full-vocab gathers in 
 drafting phase without commfold and none with it.
 
 Engine starts (~50 s each on 2 cores) are the suite's dearest seconds: the default run
-has ``draft_model`` (two engines); ``COMMFOLD_VLLM_ALL_CASES=1`` adds ``eagle3`` (two
-more). EAGLE-3's own pick - the draft vocab's local argmax, then the d2t remap - is
-tested in every run on ranks against vLLM's real Eagle3 compute_logits
-(test_vllm_draft_pick.py).
+has ``draft_model`` (two engines); ``-m slow`` adds ``eagle3`` (two more: the run's
+methods are those of the selected tests). EAGLE-3's own pick - the draft vocab's local
+argmax, then the d2t remap - is tested in every run on ranks against vLLM's real Eagle3
+compute_logits (test_vllm_draft_pick.py).
 """
 from __future__ import annotations
 
@@ -26,16 +26,18 @@ import json
 
 import pytest
 
-from harness.vllm_models import SPEC_METHODS, require_vllm_installed
+from harness.vllm_models import require_vllm_installed
 
-pytestmark = require_vllm_installed()
+pytestmark = [*require_vllm_installed(), pytest.mark.engine]
 
 from commfold.distributed.comm_log import read_step_logs  # noqa: E402
 from commfold.vllm.step_checks import target_pick_problems  # noqa: E402
 from harness.vllm_spec import (drafting_gathers, is_final_norm,  # noqa: E402
                                         rank_reports, split_reports)
 
-METHODS = SPEC_METHODS
+# harness.vllm_models.SPEC_METHODS, eagle3 opt-in (conftest's spec_decode_run runs the
+# methods of the selected tests)
+METHODS = ["draft_model", pytest.param("eagle3", marks=pytest.mark.slow)]
 WIDE_ROW = 1024
 
 

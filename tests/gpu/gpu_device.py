@@ -13,10 +13,12 @@ DEVICE = os.environ.get("COMMFOLD_GPU_CHECK_DEVICE", "cuda")
 if DEVICE not in ("cuda", "cpu"):
     raise ValueError(f"COMMFOLD_GPU_CHECK_DEVICE={DEVICE!r}: expected 'cuda' or 'cpu'")
 
-# Every module of the check carries this mark: without a CUDA GPU its tests skip at
-# collection (torch.cuda.is_available() is cheap on a CPU build and touches no GPU).
-requires_device = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
-                                     reason="no CUDA GPU")
+# Every module of the check carries these marks: the `gpu` tier, and without a CUDA GPU
+# its tests skip at collection (torch.cuda.is_available() is cheap on a CPU build and
+# touches no GPU).
+requires_device = [pytest.mark.gpu,
+                   pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
+                                      reason="no CUDA GPU")]
 
 
 def world_comm() -> str:
