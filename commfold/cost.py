@@ -143,8 +143,7 @@ TABLE: dict[Key, Limit] = {
 DEFAULT_REPLICATE_MAX_BYTES = Measured(64 << 20, _REPLICATE)
 # Two-shot (reduce-scatter, local add + norm, all-gather) was slower than one-shot at
 # every size measured on gloo: -1, never.
-DEFAULT_TWO_SHOT_MIN_BYTES = Measured(
-    -1, "docs/passes.md, fuse_allreduce_rmsnorm (bench_allreduce_rmsnorm --two-shot)")
+DEFAULT_TWO_SHOT_MIN_BYTES = Measured(-1, "docs/performance.md, \"Two-shot\"")
 # FlashInfer's fusion: the largest call handed to it when vLLM's own table has no
 # entry for the GPU (not measured: a size within that table's entries).
 DEFAULT_FLASHINFER_MAX_BYTES = Measured(2 << 20, "not measured (vLLM's table's range)")
