@@ -73,3 +73,15 @@ def test_no_measured_figure_in_passes_or_patterns():
              for folder in ("passes", "patterns") for p in sorted((ROOT / folder).glob("*.py"))
              for i, line in enumerate(p.read_text().splitlines(), 1) if FIGURE.search(line)]
     assert found == []
+
+
+def test_batch_sharded_pick_weighs_bytes_moved():
+    """V2's batch-sharded sampling stays when its all-to-all moves fewer bytes than the
+    pick's pairs (commfold.vllm.target_pick_v2 asks this per step)."""
+    def site(rows, vocab, world, dtype):
+        return cost.Site(cost.BATCH_SHARDED_PICK, dtype=dtype, rows=rows, vocab=vocab,
+                         world=world)
+
+    assert cost.why_slower(site(4, 100, 2, torch.bfloat16)) is None  # 64 B < 200 B
+    assert cost.why_slower(site(8, 8, 2, torch.float32)) == \
+        "batch-sharded sampling moves less (64 B < 128 B)"
