@@ -9,7 +9,7 @@ Rows (rank 0's median per step over interleaved iterations; ratio = sharded / ot
 - head:         matmul + all-gather of logits vs replicated matmul (no collective)
 - head+argmax:  matmul + all-gather + argmax  vs  local_argmax (shard argmax + pair
                 gather)  vs  replicated matmul + argmax: the measurement behind
-                ARGMAX_REPLICATE_MAX_BYTES in passes/replicate_vocab_parallel.py.
+                commfold.cost's REPLICATE_BEFORE_ARGMAX limit.
 build ms: the one-time (and after-reload) cost of assembling the full weight.
 Every variant is the same program compiled with a different commfold config. The
 replicated form's lower bound is no collective at all per step. ``measure`` is the

@@ -9,7 +9,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
-from commfold.ops.norm_flags import TWO_SHOT_DEFAULT_MIN_BYTES
+from commfold.cost import DEFAULT_REPLICATE_MAX_BYTES, DEFAULT_TWO_SHOT_MIN_BYTES
 
 # The pass registry: every pass, in the order they run; each is the module of the
 # same name in passes/ (its run(ctx): commfold.passes.PASSES, loaded on first use).
@@ -35,8 +35,8 @@ class Config:
         most this many bytes is replicated on every rank (no per-step collective).
     replicate_head_max_bytes: LM heads only, a tighter bound for speed (a replicated
         head reads its full weight each step): None takes the limit measured for the
-        head's device (HEAD_REPLICATE_MAX_BYTES in passes/replicate_vocab_parallel.py;
-        replicate_max_bytes where none was measured).
+        head's device (commfold.cost's REPLICATE_HEAD limit; replicate_max_bytes where
+        none was measured).
     strict: raise on an internal pass error instead of leaving the graph unchanged
         (for tests; users keep the default so a compile never breaks).
     extra: free-form (key, value) pairs that only enter the cache key (tests use a
@@ -44,20 +44,19 @@ class Config:
     two_shot_min_bytes: the fused all-reduce + RMSNorm runs two-shot (reduce-scatter,
         add + norm on the local rows, all-gather) on c10d groups for tensors of at
         least this many bytes whose rows divide by the world size; -1: never (the
-        default, see commfold.ops.norm_flags).
+        default, measured: commfold.cost).
     fuse_cost_rule: leave an all-reduce + RMSNorm site unfused where the fused op
         was measured slower than the unfused program (sizes, dtypes and communicators
-        in passes/fuse_allreduce_rmsnorm.py); False fuses every site it can.
+        in commfold.cost's FUSE rule); False fuses every site it can.
     """
 
     passes: tuple[str, ...] = ALL_PASSES
-    # measured: passes/replicate_vocab_parallel.py's docstring and
-    # the `replicate` figure in benchmarks/results/results.md
-    replicate_max_bytes: int = 64 * 2**20
+    # the measured defaults: commfold.cost
+    replicate_max_bytes: int = DEFAULT_REPLICATE_MAX_BYTES.value
     replicate_head_max_bytes: int | None = None
     strict: bool = False
     extra: tuple[tuple[str, str], ...] = field(default=())
-    two_shot_min_bytes: int = TWO_SHOT_DEFAULT_MIN_BYTES
+    two_shot_min_bytes: int = DEFAULT_TWO_SHOT_MIN_BYTES.value
     fuse_cost_rule: bool = True
 
     def __post_init__(self):

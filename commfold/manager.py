@@ -1,5 +1,6 @@
-"""The pass manager: an Inductor CustomGraphPass that runs commfold's passes on a
-post-grad graph, never breaks a compile, and keys Inductor's cache on code + config."""
+"""The pass manager: an Inductor CustomGraphPass that canonicalizes a post-grad graph
+(commfold.canonicalize), runs commfold's passes on it, never breaks a compile, and
+keys Inductor's cache on code + config."""
 from __future__ import annotations
 
 import hashlib
@@ -13,14 +14,17 @@ from pathlib import Path
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from commfold.canonicalize import canonicalize
 from commfold.config import Config
 from commfold.context import PassContext
 from commfold.fx.checkpoint import Checkpoint, restore, snapshot
-from commfold.fx.edit import drop_dead_size_queries
 from commfold.report import PassError, Report, publish
 from commfold.torch_compat import warn_if_unsupported
 
 log = logging.getLogger("commfold")
+
+# the name canonicalization's failure is recorded under in Report.errors
+CANONICALIZE = "canonicalize"
 
 
 def _registry() -> dict:
@@ -110,17 +114,17 @@ class CommfoldPass(CustomGraphPass):
             self.then(graph)
 
     def _run(self, graph: fx.Graph, report: Report, config: Config) -> None:
-        """Run the passes; if one raises, put the graph back as it came (one snapshot,
-        taken up front) and run the others again without it. Passes are deterministic,
-        so the rerun gives the same rewrites; failures are rare, so the saved state is a
-        cheap Checkpoint, rebuilt into nodes only on failure.
+        """Canonicalize the graph, then run the passes; if one raises, put the graph
+        back as canonicalization left it (one snapshot, taken up front) and run the
+        others again without it. Passes are deterministic, so the rerun gives the same
+        rewrites; failures are rare, so the saved state is a cheap Checkpoint, rebuilt
+        into nodes only on failure.
 
         The graph is linted once after all passes (a malformed rewrite fails here, not
         in Inductor); if that fails, the passes rerun with a lint after each, which
         names the pass to drop. Strict and observed runs lint after each pass at once."""
         registry = _registry()
-        drop_dead_size_queries(graph)  # never a second reader of what a pass replaces
-        saved = None if config.strict else Checkpoint(graph)
+        saved = self._canonicalize(graph, report, config)
         failed: dict[str, str] = {}
         lint_each = config.strict or _observer is not None
         while True:
@@ -141,8 +145,8 @@ class CommfoldPass(CustomGraphPass):
                     report.pass_seconds[name] = time.perf_counter() - t0
                     if _observer is not None:
                         observed.append((name, before, snapshot(graph)))
-                if not lint_each:  # also when no rewrite was recorded: passes
-                    current = None  # normalize spellings (patterns.slice_writeback)
+                if not lint_each:  # also when no rewrite was recorded
+                    current = None
                     graph.lint()
                 break
             except Exception as e:  # never break a user's compile
@@ -157,6 +161,27 @@ class CommfoldPass(CustomGraphPass):
         report.errors.extend(PassError(name, err) for name, err in failed.items())
         for name, before, after in observed:
             _observer(name, before, after, report)
+
+    def _canonicalize(self, graph: fx.Graph, report: Report, config: Config
+                      ) -> Checkpoint | None:
+        """Canonicalize in place, recording what changed in the report; returns the
+        checkpoint failed passes restore (None when strict: nothing is restored). A
+        failing canonicalization leaves the graph as it came, with an error in the
+        report (strict raises); the passes then run on the graph as it came."""
+        saved = None if config.strict else Checkpoint(graph)
+        try:
+            changed = canonicalize(graph)
+            if changed:
+                graph.lint()
+        except Exception as e:
+            if config.strict:
+                raise
+            restore(graph, saved)
+            report.errors.append(PassError(CANONICALIZE, f"{type(e).__name__}: {e}"))
+            log.debug("commfold canonicalization failed:\n%s", traceback.format_exc())
+            return saved
+        report.canonicalized = changed
+        return Checkpoint(graph) if changed and not config.strict else saved
 
     def uuid(self):
         if _observer is not None:

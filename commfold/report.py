@@ -71,6 +71,9 @@ class Report:
     errors: list[PassError] = field(default_factory=list)
     pass_seconds: dict[str, float] = field(default_factory=dict)
     already_done: list[AlreadyDone] = field(default_factory=list)
+    # what canonicalization changed before the passes ran: {step: changes}
+    # (commfold.canonicalize; the same graph on every rank, so not in the fingerprint)
+    canonicalized: dict[str, int] = field(default_factory=dict)
 
     def count(self, pass_name: str | None = None, pattern: str | None = None) -> int:
         return sum(
@@ -112,7 +115,8 @@ class Report:
             near_misses=[NearMiss(**m) for m in d["near_misses"]],
             errors=[PassError(**e) for e in d["errors"]],
             pass_seconds=dict(d.get("pass_seconds", {})),
-            already_done=[AlreadyDone(**a) for a in d.get("already_done", [])])
+            already_done=[AlreadyDone(**a) for a in d.get("already_done", [])],
+            canonicalized=dict(d.get("canonicalized", {})))
 
     def summary(self) -> str:
         cached = " - compiled graph served from Inductor's cache" if self.from_cache else ""
@@ -126,6 +130,9 @@ class Report:
                              f"{r.comm_before} -> {r.comm_after}",
                              format_bytes(r.extra_memory_bytes)))
             lines += _table(rows)
+        if self.canonicalized:
+            lines.append("  canonicalized before the passes: " + ", ".join(
+                f"{n} {step}" for step, n in self.canonicalized.items()))
         for a in self.already_done:
             lines.append(f"  already done [{a.pass_name}/{a.pattern}] at {a.location}: by {a.by}")
         for m in self.near_misses:

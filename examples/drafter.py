@@ -11,7 +11,7 @@ The drafter is Markov-style: the next token depends on the current one only.
   stay sharded (its all-reduce stays);
 - head: vocab-parallel LM head r x V (the logits all-gathered on the vocab dim, then
   argmax). A greedy pick after a head competes with local_argmax: by the measured rule
-  (passes/replicate_vocab_parallel.py, ARGMAX_REPLICATE_MAX_BYTES) a head this size is
+  (commfold.cost, REPLICATE_BEFORE_ARGMAX) a head this size is
   left to local_argmax, which the report records (without local_argmax it would stay
   sharded too: over the CPU's head limit, replicate_head_max_bytes).
 

@@ -30,22 +30,13 @@ Why it is safe:
   whether the input's buffer may be reused (it must be dead) or is copied first.
 The decision depends on the graph and the config only: rank-consistent.
 
-Cost rule (Config.fuse_cost_rule): on vLLM CPU's shared-memory all-reduce the fused
-op was measured slower than the unfused all-reduce + Inductor's add + norm kernel
-below SHM_MIN_BYTES (32-bit: 0.95-0.99x up to 64 KiB, 1.06-1.18x from 256 KiB;
-16-bit: 0.89-0.94x up to 1 MiB, 1.02x at 2 MiB; TP=2, this machine, 150 rounds:
-docs/performance.md, "The fused norm's cost rule"). A site whose smallest possible size
-(a symbolic token count at its range's lower bound) is below that stays unfused, with a
-near-miss. On gloo (a c10d group whose CPU backend is gloo) float32 sites measured
-0.93-1.10x on one machine and 0.99-1.15x on another (within the A/A control's noise)
-and are fused; 16-bit sites measured 0.72-0.91x from 128 KiB on the first and at most
-1.05x on the second (docs/performance.md), so they stay unfused at any size.
-vLLM's own all-reduce op on CPU (shm or gloo inside, chosen by vLLM at run time)
-is not measured and is fused. On CUDA the op runs FlashInfer's fused kernel when it is
-installed; without it, its composite path (the all-reduce, then eager ops) measured
-0.72x of plain Inductor on an H200 (bf16, T=64, H=4096, docs/gpu-check.md), so CUDA
-sites stay unfused when FlashInfer's fusion API is not importable (the same install
-on every rank).
+Cost rule (Config.fuse_cost_rule): a site where the fused op was measured slower than
+the unfused all-reduce + Inductor's add + norm stays unfused, with a near-miss naming
+the rule: commfold.cost's FUSE rule, by device kind, communicator (vLLM CPU's shared
+memory, gloo, vLLM's own op, FlashInfer or the op's composite path on FlashInfer's
+devices), dtype and the site's smallest possible size (a symbolic token count at its
+range's lower bound); what the table does not list (vLLM's own op, say) is fused.
+The measurements: docs/performance.md.
 
 Writes: auto_functionalized(commfold::allreduce_rmsnorm[.scaled | .scaled_tensor], x,
 residual, weight, eps, offset, flags, comm[, scale]) -> getitem 0 (normed), getitem 1
@@ -61,8 +52,9 @@ from torch._higher_order_ops.auto_functionalize import auto_functionalized
 from torch._inductor import config as inductor_config
 from torch._inductor.fx_utils import get_node_storage
 
+from commfold import cost
 from commfold.context import PassContext
-from commfold.distributed.collectives import CommKind, communicator
+from commfold.distributed.collectives import communicator
 from commfold.fx.nodes import min_nbytes, nbytes, tensor_val
 from commfold.fx.edit import erase_if_dead, insert_call
 from commfold.ops import flashinfer_norm
@@ -76,12 +68,6 @@ from commfold.patterns.vendor_fused import match_vendor_fusion
 from commfold.report import Comm
 
 PATTERN = "all_reduce->rmsnorm"
-# element size -> the least bytes at which the fused op is not slower on vLLM CPU's
-# shared-memory all-reduce (measured: see the module docstring)
-SHM_MIN_BYTES = {4: 256 * 1024, 2: 2 * 2**20}
-# element sizes whose sites stay unfused on gloo at any size (16-bit: 0.72-0.91x from
-# 128 KiB on one machine, at most 1.05x on another; float32 even within noise)
-GLOO_UNFUSED_ELEMENT_SIZES = (2,)
 
 
 def run(ctx: PassContext) -> None:
@@ -121,34 +107,16 @@ def _allreduce_norm(coll):
 
 
 def _slower(ar: AllReduce) -> str | None:
-    """Why the fused op would be slower here than the unfused program, or None."""
+    """Why the fused op would be slower here than the unfused program (the cost
+    table's FUSE rule), or None."""
     x = tensor_val(ar.input)
-    if x.device.type in flashinfer_norm.DEVICE_TYPES:
-        if flashinfer_norm.flashinfer_comm() is None:
-            return (f"cost rule: on {x.device.type} without FlashInfer's fused all-reduce "
-                    "the op runs its composite path (the all-reduce, then eager ops), "
-                    "measured slower than plain Inductor (0.72x, H200, bf16, T=64, H=4096: "
-                    f"docs/gpu-check.md) {_RULE_OFF}")
-        return None
-    if x.device.type != "cpu":
-        return None
-    comm = communicator(ar.comm)
-    if comm.kind is CommKind.VLLM_SHM:
-        least = SHM_MIN_BYTES.get(x.element_size())
-        size = min_nbytes(x)
-        if least is None or size >= least:
-            return None
-        return (f"cost rule: {size} bytes (its smallest size) is below {least} on vLLM "
-                f"CPU's shared-memory all-reduce, where the fused op is slower in {x.dtype} "
-                f"{_RULE_OFF}")
-    if x.element_size() in GLOO_UNFUSED_ELEMENT_SIZES and comm.backend("cpu") == "gloo":
-        return (f"cost rule: a {x.dtype} site on gloo, where the fused op measured up to "
-                f"28% slower (from 128 KiB) and at most 5% faster {_RULE_OFF}")
-    return None
-
-
-_RULE_OFF = ("(docs/performance.md; Config(fuse_cost_rule=False) or "
-             "COMMFOLD_FUSE_COST_RULE=0 fuses it)")
+    device = x.device.type
+    if device in flashinfer_norm.DEVICE_TYPES:  # the same install on every rank
+        comm = cost.FLASHINFER if flashinfer_norm.flashinfer_comm() is not None \
+            else cost.COMPOSITE
+    else:
+        comm = cost.comm_name(communicator(ar.comm), device)
+    return cost.why_slower(cost.Site(cost.FUSE, device, comm, x.dtype, min_nbytes(x)))
 
 
 def _unsafe(ar: AllReduce, scale: ResidualScale | None, norm: RMSNorm) -> str | None:

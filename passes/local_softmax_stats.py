@@ -41,19 +41,17 @@ from commfold.fx.nodes import arg, is_call, nbytes, numel_times, tensor_val
 from commfold.fx.edit import erase_if_dead, insert_call, replace_items
 from commfold.patterns.common import FLOAT_DTYPES, aten
 from commfold.patterns.gather import after_vocab_gather, gather_candidates
-from commfold.patterns.slice_writeback import fold_readbacks
 from commfold.patterns.greedy import GreedyPick
 from commfold.patterns.softmax_stats import (Greedy, RowReads, SoftmaxStats, exact_widening,
                                              match_row_reads)
 from commfold.report import Comm
 
-from .local_argmax import rewrite_pick, shard_and_chain, tanh_refusal
+from ._local_pick import rewrite_pick, shard_and_chain, tanh_refusal
 
 PATTERN = "all_gather->softmax_stats"
 
 
 def run(ctx: PassContext) -> None:
-    fold_readbacks(ctx.graph)  # logits scaled in place: one reader again
     changed = False
     for reads in ctx.matches(PATTERN, gather_candidates(ctx.graph),
                            after_vocab_gather(match_row_reads)):

@@ -10,7 +10,7 @@ Why it is safe:
   recognizer checks every node on the way has one consumer), so the full row need
   not exist;
 - the elementwise ops are replayed on the shard, so each logit compared is bit-for-bit
-  the value compared before (a tanh on CPU excepted: not taken, see local_argmax);
+  the value compared before (a tanh on CPU excepted: not taken, see _local_pick.tanh_refusal);
 - shards are concatenated in rank order (checked), so a rank's column j is global
   column rank * Vs + j; commfold::local_topk ranks columns by unique (value, -index)
   keys: exact values, NaN largest, padding past the valid vocab masked;
@@ -20,7 +20,7 @@ Why it is safe:
 
 Writes: shard -> replayed ops -> commfold::local_topk(., valid_vocab, comm, k) whose
 one collective gathers k (key, value) int64 pairs per row per rank (on CPU the ops
-go into the op as a chain: see local_argmax).
+go into the op as a chain: see _local_pick.shard_and_chain).
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from commfold.patterns.gather import after_vocab_gather
 from commfold.patterns.topk import TopK, match_topk
 from commfold.report import Comm
 
-from .local_argmax import qualified, shard_and_chain
+from ._local_pick import qualified, shard_and_chain
 
 PATTERN = "all_gather->topk"
 

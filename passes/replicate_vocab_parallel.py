@@ -6,28 +6,20 @@ all-reduce; VocabParallelLMHead: matmul with a weight shard, VocabGather, slice 
 valid vocab) and patterns.greedy (is the gathered row only argmax'ed?).
 
 Decides, from shapes and the config only (so every rank decides the same):
-- replicate when the FULL weight is at most ``Config.replicate_max_bytes``. The full
-  size is world x rows-per-rank x row bytes, rows-per-rank being the shard's rows, or
-  more when the served ids show a larger stride (a shorter last shard, as torch.chunk
-  leaves, then gives the same figure on every rank);
+- replicate when the FULL weight is at most ``Config.replicate_max_bytes`` (memory
+  and the one-time build: a replicated embedding was faster at every size measured).
+  The full size is world x rows-per-rank x row bytes, rows-per-rank being the shard's
+  rows, or more when the served ids show a larger stride (a shorter last shard, as
+  torch.chunk leaves, then gives the same figure on every rank);
+- an LM head reads its full weight each step instead of its shard plus a gather of
+  logits: faster for small heads, slower from a size that depends on the device. It
+  is replicated up to commfold.cost's head limit (REPLICATE_HEAD: the limit measured
+  for the weight's device, or Config.replicate_head_max_bytes when set);
 - an LM head whose gathered logits only feed a greedy pick, when local_argmax is
-  configured too, stays sharded for local_argmax unless its full weight is at most
-  ``ARGMAX_REPLICATE_MAX_BYTES`` (see below).
-
-Size limits, measured (the `replicate` figure in benchmarks/results/results.md;
-benchmarks/bench_replicate.py, TP=2, gloo, batch 1, V=151936, f32, 2-core CPU):
-- EMBEDDINGS: replicate_max_bytes (64 MiB, Config). A replicated embedding is faster
-  at every measured size (the step loses its all-reduce and reads the same rows), so
-  the limit is memory plus the one-time build.
-- LM HEADS: also at most HEAD_REPLICATE_MAX_BYTES for the weight's device (below), or
-  Config.replicate_head_max_bytes when set. A replicated head reads the whole weight
-  each step instead of its shard plus a gather of logits: faster for small heads,
-  slower from a size that depends on the machine. On the 2-core CPU the `replicate`
-  figure reads it faster at 9.3 MiB and slower from 18.5 MiB (one earlier run: still
-  faster at 18.5, slower at 37), hence 8 MiB there, under the crossover on every run.
-  No other device was measured: there heads use replicate_max_bytes (a GPU reads a
-  weight in microseconds, so its crossover is likely far higher; vLLM's
-  hand-replicated DSpark Markov head measured a gain on GPUs).
+  configured too, stays sharded for local_argmax above commfold.cost's
+  REPLICATE_BEFORE_ARGMAX limit (a shard read + one pair gathered per row beats a
+  full-weight read there).
+The measurements behind the limits: docs/performance.md, "Replication limits".
 
 Why it is safe: the replica is every rank's shard, bit for bit, in rank order, trimmed
 to the ids the ranks serve / the sliced vocab (commfold.ops.replicate builds it once,
@@ -42,8 +34,9 @@ from __future__ import annotations
 
 import torch
 
-from commfold.distributed.collectives import communicator
+from commfold import cost
 from commfold.context import PassContext
+from commfold.distributed.collectives import communicator
 from commfold.fx.nodes import nbytes, tensor_val
 from commfold.fx.edit import erase_if_dead, insert_call
 from commfold.patterns.gather import gather_candidates, match_vocab_gather
@@ -56,20 +49,6 @@ from commfold.report import Comm
 EMBEDDING = "vocab_parallel_embedding"
 LM_HEAD = "vocab_parallel_lm_head"
 
-# Replicate-vs-local_argmax rule for an LM head read only by a greedy pick. A
-# replicated head reads the FULL weight each step, (W-1)/W of it extra; local_argmax
-# reads the shard and gathers one (value, index) pair per row: a latency-bound
-# collective. So replication wins for small heads, local_argmax for large ones:
-# `python -m benchmarks.bench_replicate --r 4 16 --layers head+argmax` (TP=2, gloo, 2-core
-# CPU) reads them even at 2.3 MiB and local_argmax ahead from 9.3 MiB, hence 4 MiB.
-ARGMAX_REPLICATE_MAX_BYTES = 4 << 20
-
-# device type -> the largest LM head (full weight, bytes) replicated by default: the
-# measured crossover, with a margin (module docstring); unlisted devices: no limit
-# beyond Config.replicate_max_bytes
-HEAD_REPLICATE_MAX_BYTES = {"cpu": 8 << 20}
-
-
 def run(ctx: PassContext) -> None:
     for m in ctx.matches(EMBEDDING, embedding_candidates(ctx.graph), match_embedding):
         _embedding(ctx, m)
@@ -80,19 +59,6 @@ def run(ctx: PassContext) -> None:
 def _lm_head_match(coll):
     gather = match_vocab_gather(coll)
     return match_lm_head(gather) if gather else None
-
-
-def head_limit(config, device_type: str) -> tuple[int, str]:
-    """The largest LM head replicated on `device_type`, and what sets it (for the
-    report). From the config and the device type only: rank-consistent."""
-    if config.replicate_head_max_bytes is not None:
-        if config.replicate_head_max_bytes < config.replicate_max_bytes:
-            return config.replicate_head_max_bytes, "replicate_head_max_bytes"
-        return config.replicate_max_bytes, "replicate_max_bytes"
-    measured = HEAD_REPLICATE_MAX_BYTES.get(device_type)
-    if measured is not None and measured < config.replicate_max_bytes:
-        return measured, f"the measured {device_type} head limit (replicate_head_max_bytes)"
-    return config.replicate_max_bytes, "replicate_max_bytes"
 
 
 def _row_bytes(shard) -> int:
@@ -128,17 +94,18 @@ def _lm_head(ctx: PassContext, m: VocabParallelLMHead) -> None:
     vs = int(tensor_val(m.shard).shape[0])
     cols = m.valid_vocab or g.world_size * vs
     full = cols * _row_bytes(m.shard)
-    limit, name = head_limit(ctx.config, tensor_val(m.shard).device.type)
-    if full > limit:
-        ctx.skipped(LM_HEAD, m.output, f"full weight {full} B > {name} {limit} B")
+    device = tensor_val(m.shard).device.type
+    why = cost.why_slower(cost.Site(cost.REPLICATE_HEAD, device, nbytes=full), ctx.config)
+    if why:
+        ctx.skipped(LM_HEAD, m.output, why)
         return
     pick = match_greedy(g)
-    if pick and "local_argmax" in ctx.config.passes and full > ARGMAX_REPLICATE_MAX_BYTES:
-        ctx.skipped(LM_HEAD, pick.pick,
-                    f"greedy pick follows: left to local_argmax (full weight {full} B > "
-                    f"{ARGMAX_REPLICATE_MAX_BYTES} B, where a shard read + pair gather "
-                    f"beats a full-weight read)")
-        return
+    if pick and "local_argmax" in ctx.config.passes:
+        why = cost.why_slower(cost.Site(cost.REPLICATE_BEFORE_ARGMAX, device, nbytes=full),
+                              ctx.config)
+        if why:
+            ctx.skipped(LM_HEAD, pick.pick, why)
+            return
     decision = "greedy pick follows: replicated (small head)" if pick else "logits used"
     with graph.inserting_before(m.output):
         logits = insert_call(graph, torch.ops.commfold.replicated_lm_head.default,

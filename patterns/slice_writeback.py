@@ -4,14 +4,13 @@ LogitsProcessor scales its gathered logits so) becomes
     s = slice_scatter(base, f(slice(x, d, a, b)), d, a, b);  y = slice(s, d, a, b)
 
 where ``y`` reads back exactly the scattered values. Left so, the gathered row has
-two consumers and hides every pick behind it; ``fold_readbacks`` points each such read
-at the scattered values themselves (bit-identical: the same tensor) and drops the
-scatter when nothing else reads it."""
+two consumers and hides every pick behind it. ``read_back`` recognizes such a read;
+the manager's canonicalization (commfold.canonicalize) points each one at the
+scattered values themselves (bit-identical: the same tensor) before any pass runs."""
 from __future__ import annotations
 
 import torch.fx as fx
 
-from commfold.fx.edit import erase_if_dead
 from commfold.fx.nodes import arg, dtype_of, is_call, same_shape
 
 from .common import aten
@@ -31,19 +30,3 @@ def read_back(node: fx.Node) -> fx.Node | None:
             and same_shape(node, src) and dtype_of(node) == dtype_of(src):
         return src
     return None
-
-
-def fold_readbacks(graph: fx.Graph) -> int:
-    """Replace each read-back slice by the values scattered, in graph order (a fold
-    can make a later slice one); returns how many."""
-    n = 0
-    for node in list(graph.nodes):
-        src = None if node._erased else read_back(node)
-        if src is None:
-            continue
-        scatter = node.args[0]
-        node.replace_all_uses_with(src)
-        graph.erase_node(node)
-        erase_if_dead(scatter)
-        n += 1
-    return n

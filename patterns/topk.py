@@ -17,16 +17,15 @@ from typing import Literal
 
 import torch.fx as fx
 
+from commfold.cost import LOCAL_TOPK_MAX_K
 from commfold.fx.nodes import arg, is_call, is_getitem, norm_dim, tensor_val
 
 from .common import FLOAT_DTYPES, Miss, aten, vocab_slice_end
 from .gather import VocabGather
 from .greedy import walk_to_reader
 
-# k int64 pairs per row per rank stay small: top-8 / top-50 measured 2.30x / 2.15x
-# faster than the full gather at B=64, V=151936 (benchmarks/results/README.md, "Beyond
-# greedy"); larger k was not measured.
-MAX_K = 64
+# the largest k taken: k int64 pairs per row per rank stay small (commfold.cost)
+MAX_K = LOCAL_TOPK_MAX_K.value
 _READERS = {aten.topk.default, aten.sort.default, aten.sort.stable}
 
 

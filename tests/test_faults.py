@@ -38,7 +38,7 @@ PROGRAM = [G, dict(kind="norm", seed=2, coll="funcol", norm="hand", dtype="f32",
 # Injection rounds: each faults one point in every pass (the passes fail independently).
 # (module, attribute, fail on the n-th call)
 ROUNDS = {
-    "inside each pass": [("commfold.passes.local_argmax", "insert_call", 2),
+    "inside each pass": [("commfold.passes._local_pick", "insert_call", 2),
                          ("commfold.passes.fuse_allreduce_rmsnorm", "insert_call", 2),
                          ("commfold.passes.replicate_vocab_parallel", "insert_call", 1)],
     "recognizers (a)": [("commfold.passes.local_argmax", "match_greedy", 1),
@@ -48,10 +48,12 @@ ROUNDS = {
                         ("commfold.passes.fuse_allreduce_rmsnorm", "match_rmsnorm", 1),
                         ("commfold.passes.replicate_vocab_parallel", "match_lm_head", 1)],
     # only one pass faults: the others' rewrites stay
-    "local_argmax only": [("commfold.passes.local_argmax", "insert_call", 3)],
+    "local_argmax only": [("commfold.passes._local_pick", "insert_call", 3)],
 }
 STRICT_ROUNDS = ("inside each pass", "recognizers (b)")  # strict=True must raise
-PASS_OF = {"commfold.passes.local_argmax": LA, "commfold.passes.fuse_allreduce_rmsnorm": FUSE,
+# local_argmax's rewrite is passes/_local_pick.py's rewrite_pick
+PASS_OF = {"commfold.passes.local_argmax": LA, "commfold.passes._local_pick": LA,
+           "commfold.passes.fuse_allreduce_rmsnorm": FUSE,
            "commfold.passes.replicate_vocab_parallel": REP}
 
 

@@ -369,12 +369,14 @@ def run_argmax(passes, vocab, hidden):
 def test_argmax_rule(ranks2):
     """A greedy pick after a head: replicate a head under the measured crossover, leave
     a larger one to local_argmax (one tiny collective), both tokens-exact."""
-    from commfold.passes.replicate_vocab_parallel import ARGMAX_REPLICATE_MAX_BYTES
+    from commfold.cost import REPLICATE_BEFORE_ARGMAX, Site, limit_for
+
+    argmax_limit = limit_for(Site(REPLICATE_BEFORE_ARGMAX)).most
 
     both = (PASS, "local_argmax")
     for r in ranks2.run(run_argmax, both, V, H):  # 736 B
         assert r["rewrites"] == {PASS: 1, "local_argmax": 0} and r["equal"] and r["calls"] == 0, r
-    big_vocab = ARGMAX_REPLICATE_MAX_BYTES // (64 * 4) + 3  # just over the crossover
+    big_vocab = argmax_limit // (64 * 4) + 3  # just over the crossover
     for r in ranks2.run(run_argmax, both, big_vocab, 64):
         assert r["rewrites"] == {PASS: 0, "local_argmax": 1} and r["equal"] and r["calls"] == 1, r
         assert any("left to local_argmax" in why for why in r["reasons"]), r
@@ -403,12 +405,12 @@ def run_head_limit(vocab, hidden, **config):
 
 def test_head_limit(ranks2):
     """LM heads have a tighter, per-device limit than embeddings (a replicated head
-    reads its full weight each step): on CPU the measured HEAD_REPLICATE_MAX_BYTES,
+    reads its full weight each step): on CPU the measured limit (commfold.cost),
     inclusive; replicate_head_max_bytes overrides it both ways; replicate_max_bytes
     still bounds it. Skips name the limit that applied, the same on every rank."""
-    from commfold.passes.replicate_vocab_parallel import HEAD_REPLICATE_MAX_BYTES
+    from commfold.cost import REPLICATE_HEAD, Site, limit_for
 
-    cpu = HEAD_REPLICATE_MAX_BYTES["cpu"]
+    cpu = limit_for(Site(REPLICATE_HEAD, "cpu")).most
     at, over = cpu // (64 * 4), cpu // (64 * 4) + 2  # full weight == limit, just over
     for r in ranks2.run(run_head_limit, at, 64):
         assert r["rewrites"] == 1 and r["close"] and r["calls"] == 0, r

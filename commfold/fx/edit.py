@@ -3,7 +3,6 @@ source line, replay a chain of elementwise ops on another input, rewire a tuple
 result's getitems, erase what became dead."""
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 
 from commfold.fx.fake_values import fake_value
@@ -61,20 +60,3 @@ def erase_if_dead(node: fx.Node, also=()) -> None:
         inputs = [i for i in n.all_input_nodes]
         n.graph.erase_node(n)
         stack.extend(inputs)
-
-
-# shape queries: pure, they read only a tensor's metadata
-SIZE_QUERIES = (torch.ops.aten.sym_size.int, torch.ops.aten.sym_stride.int,
-                torch.ops.aten.sym_numel.default, torch.ops.aten.sym_storage_offset.default)
-
-
-def drop_dead_size_queries(graph: fx.Graph) -> int:
-    """Erase shape queries nothing reads; their number. torch 2.11-2.12 leave some in
-    post-grad graphs (a ``sym_size`` of a DTensor's gathered logits, say), where they
-    would count as one more reader of a value a pass replaces; Inductor drops them
-    anyway."""
-    dead = [n for n in graph.nodes if n.op == "call_function" and n.target in SIZE_QUERIES
-            and not n.users]
-    for n in dead:
-        graph.erase_node(n)
-    return len(dead)

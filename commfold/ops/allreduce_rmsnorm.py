@@ -28,7 +28,7 @@ Paths, chosen per call from shapes and arguments only (same on every rank):
 - two-shot: reduce_scatter rows, add + norm on the local rows, all_gather the normed
   output and the residual. Used when rows % world == 0 and the tensor has at least
   the threshold packed in ``flags`` (pack_flags' two_shot_min_bytes; < 0: never). The
-  default comes from measurements (norm_flags.TWO_SHOT_DEFAULT_MIN_BYTES);
+  default comes from measurements (commfold.cost.DEFAULT_TWO_SHOT_MIN_BYTES);
 - CUDA: FlashInfer's fused all-reduce + add + norm when installed and the call fits
   it (commfold.ops.flashinfer_norm; not run on a GPU here), else composite;
 - composite: eager torch ops, for non-CPU tensors or when no C++ toolchain exists.
@@ -42,7 +42,7 @@ import torch
 from commfold.distributed.collectives import CommKind, communicator
 from commfold.ops import add_rmsnorm_cpu, flashinfer_norm
 from commfold.ops.norm_flags import (OFFSET_IN_WEIGHT_DTYPE, OUT_F32, ROUND_BEFORE_WEIGHT,  # noqa: F401
-                         ROUND_SCALED, ROUND_SUM, SCALE_DIVIDES, TWO_SHOT_DEFAULT_MIN_BYTES,
+                         ROUND_SCALED, ROUND_SUM, SCALE_DIVIDES,
                          TWO_SHOT_SHIFT, pack_flags)
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -13,7 +13,8 @@ so every rank takes the same path and the same collective):
   Gemma's ``1 + w`` goes in as ``weight_bias`` when the graph adds it in f32;
 - x at most ``max_bytes(world)`` bytes: ``COMMFOLD_FLASHINFER_MAX_BYTES`` if set,
   else vLLM's measured table for this GPU and world size when vLLM is installed,
-  else 2 MiB. Larger calls take the composite path (NCCL all-reduce + norm);
+  else commfold.cost's DEFAULT_FLASHINFER_MAX_BYTES. Larger calls take the composite
+  path (NCCL all-reduce + norm);
 - ``COMMFOLD_FLASHINFER=0`` turns delegation off.
 
 One workspace per (group, hidden size, dtype), created on first use (a collective
@@ -33,15 +34,15 @@ from functools import cache
 
 import torch
 
+from commfold.cost import DEFAULT_FLASHINFER_MAX_BYTES
 from commfold.distributed.collectives import CommKind
 
 log = logging.getLogger("commfold")
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DEVICE_TYPES = ("cuda",)  # tests widen this to run the plumbing on CPU tensors
-# Not measured here (no GPU): when vLLM's table (below) has no entry, a limit within
-# its entries (0.5-64 MB), as a guess.
-DEFAULT_MAX_BYTES = 2 * 2**20
+# when vLLM's table (below) has no entry: commfold.cost's default (not measured)
+DEFAULT_MAX_BYTES = DEFAULT_FLASHINFER_MAX_BYTES.value
 MAX_WORLD = 16
 
 _workspaces: dict = {}

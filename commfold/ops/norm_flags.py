@@ -15,13 +15,6 @@ SCALE_DIVIDES = 16          # the scaled overload divides the reduced value by i
 ROUND_SCALED = 32           # the scaled value is rounded to x's dtype before the add
 TWO_SHOT_SHIFT = 8          # flags >> 8: two-shot from this many bytes + 1 (0: never)
 
-# Config.two_shot_min_bytes' default. Measured on the 2-core CPU dev machine (gloo,
-# TP=2, T in 1..2048, H in 1024/4096): gloo's reduce_scatter costs about as much as
-# its all_reduce, so reduce_scatter + all_gather is slower than all_reduce + local
-# norm at every size (0.15-0.55x of unfused: docs/passes.md, fuse_allreduce_rmsnorm;
-# rerun: python -m benchmarks.bench_allreduce_rmsnorm --two-shot). Off by default.
-TWO_SHOT_DEFAULT_MIN_BYTES = -1
-
 
 def pack_flags(offset_in_weight_dtype: bool = False, round_before_weight: bool = False,
                round_sum: bool = False, out_f32: bool = False,

@@ -16,6 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# the byte counts the batch-sharded comparison weighs (commfold.cost's
+# BATCH_SHARDED_PICK rule), importable here with the rest of the step's decision
+from commfold.cost import all_to_all_bytes, pick_bytes  # noqa: F401
+
 MAX_LOGPROBS = 20
 LOGPROB_MODES = ("raw_logprobs", "processed_logprobs")
 # V2 scores its top logits as logprobs or as the logits themselves (exact locally); a
@@ -213,15 +217,3 @@ def decide_v2_prompt(k: int, logprobs_mode: str, vocab: int) -> tuple[str | None
         return None, "prompt_logprobs=-1 (the whole vocab)"
     mode, why = logprobs_mode_ok(k, logprobs_mode, vocab, False, V2_LOGPROB_MODES)
     return mode, why.replace("logprobs=", "prompt_logprobs=").replace("greedy, ", "")
-
-
-def pick_bytes(rows: int, tp: int) -> int:
-    """Bytes each rank receives for commfold's pick: one (value, index) pair, 16 B,
-    per row from every other rank."""
-    return rows * (tp - 1) * 16
-
-
-def all_to_all_bytes(rows: int, vocab: int, tp: int, itemsize: int) -> int:
-    """Bytes each rank receives under V2's batch-sharded sampling: its rows' logits
-    (about rows / tp of them) from every other rank's vocab shard."""
-    return -(-rows // tp) * (vocab // tp) * (tp - 1) * itemsize

@@ -23,6 +23,7 @@ import logging
 import torch
 
 from commfold.config import Config
+from commfold.cost import head_limit
 
 log = logging.getLogger("commfold")
 
@@ -47,8 +48,6 @@ def why_kept(layer, config: Config) -> str | None:
     shapes and the config only: the same on every rank."""
     from vllm.model_executor.layers.vocab_parallel_embedding import (
         ParallelLMHead, UnquantizedEmbeddingMethod, VocabParallelEmbedding)
-
-    from passes.replicate_vocab_parallel import head_limit
 
     if type(layer) not in (VocabParallelEmbedding, ParallelLMHead):
         return f"{type(layer).__name__}, a subclass commfold does not rebuild"

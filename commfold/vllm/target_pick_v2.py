@@ -44,12 +44,12 @@ import os
 
 import torch
 
+from commfold import cost
 from commfold.vllm import step_log
 from commfold.vllm import hook_points
 from commfold.vllm import runtime
 from commfold.vllm import target_pick
-from commfold.vllm.decision import (V2Step, all_to_all_bytes, decide_v2, decide_v2_prompt,
-                                    pick_bytes, verify_method)
+from commfold.vllm.decision import V2Step, decide_v2, decide_v2_prompt, verify_method
 from commfold.vllm.logits_head import LogitsHead
 
 log = logging.getLogger("commfold")
@@ -222,11 +222,13 @@ def _sample(original):
             return original(self, hidden_states, input_batch, grammar_output)
         mode, why = decide(self, input_batch, grammar_output, head.vocab)
         if mode is not None and getattr(self, "batch_sharder", None) is not None:
-            rows = int(input_batch.logits_indices.shape[0])
-            ours = pick_bytes(rows, head.world)
-            theirs = all_to_all_bytes(rows, head.vocab, head.world, hidden_states.element_size())
-            if ours >= theirs:
-                mode, why = None, f"batch-sharded sampling moves less ({theirs} B < {ours} B)"
+            site = cost.Site(cost.BATCH_SHARDED_PICK, hidden_states.device.type,
+                             dtype=hidden_states.dtype,
+                             rows=int(input_batch.logits_indices.shape[0]),
+                             vocab=head.vocab, world=head.world)
+            slower = cost.why_slower(site)
+            if slower:
+                mode, why = None, slower
         step_log.note("target_pick", mode or f"vLLM ({why})")
         if mode is None:
             return original(self, hidden_states, input_batch, grammar_output)

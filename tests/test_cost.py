@@ -1,0 +1,87 @@
+"""The cost table (commfold.cost): every number names a file of this checkout that
+holds its measurement, every rule has a check, the most specific entry wins, the
+Config defaults are the table's, and no pass or pattern holds a measured figure."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import commfold
+from commfold import cost
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _sources() -> list[str]:
+    return [lim.measured_in for lim in cost.TABLE.values()] + [
+        v.measured_in for v in vars(cost).values() if isinstance(v, cost.Measured)]
+
+
+@pytest.mark.parametrize("where", _sources())
+def test_every_number_names_where_it_was_measured(where):
+    if where.startswith("not measured"):
+        return
+    path = ROOT / where.split(",")[0].split(" ")[0]
+    assert path.is_file(), where
+    text = path.read_text()
+    for section in re.findall(r'"([^"]+)"', where):
+        assert f"## {section}" in text, (where, section)
+    for figure in re.findall(r"`([^`]+)`", where):
+        assert f"`{figure}`" in text, (where, figure)
+
+
+def test_every_rule_has_a_check():
+    assert {k.rule for k in cost.TABLE} <= set(cost.CHECKS)
+
+
+def test_most_specific_entry_wins_and_unlisted_sites_are_not_slower():
+    shm32 = cost.Site(cost.FUSE, "cpu", cost.SHM, torch.float32, nbytes=1024)
+    assert cost.limit_for(shm32).least == 256 << 10 and cost.why_slower(shm32)
+    assert cost.why_slower(cost.Site(cost.FUSE, "cpu", cost.SHM, torch.float32,
+                                     nbytes=256 << 10)) is None
+    assert cost.why_slower(cost.Site(cost.FUSE, "cpu", cost.SHM, torch.float64)) is None
+    assert cost.why_slower(cost.Site(cost.FUSE, "cpu", cost.GLOO, torch.float32)) is None
+    assert cost.why_slower(cost.Site(cost.FUSE, "cpu", cost.VLLM, torch.bfloat16)) is None
+    assert cost.why_slower(cost.Site(cost.FUSE, "cuda", cost.FLASHINFER, torch.bfloat16)) \
+        is None
+    assert "composite path" in cost.why_slower(
+        cost.Site(cost.FUSE, "cuda", cost.COMPOSITE, torch.bfloat16))
+
+
+def test_config_defaults_come_from_the_table():
+    default = commfold.Config()
+    assert default.replicate_max_bytes == cost.DEFAULT_REPLICATE_MAX_BYTES.value
+    assert default.two_shot_min_bytes == cost.DEFAULT_TWO_SHOT_MIN_BYTES.value
+    limit, what = cost.head_limit(default, "cpu")
+    assert limit == cost.limit_for(cost.Site(cost.REPLICATE_HEAD, "cpu")).most
+    assert "measured cpu head limit" in what
+    assert cost.head_limit(default, "cuda") == (default.replicate_max_bytes,
+                                                "replicate_max_bytes")
+
+
+# a ratio (0.93x), a share (28%), a timing (5.8 us, 1.3 ms), a size (9.3 MiB: the
+# table's), a machine named for its figures
+FIGURE = re.compile(r"\b\d+(\.\d+)?x\b|\d%|\b\d+(\.\d+)? ?(us|µs|ms|KiB|MiB|GiB)\b"
+                    r"|first machine|H200")
+
+
+def test_no_measured_figure_in_passes_or_patterns():
+    found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
+             for folder in ("passes", "patterns") for p in sorted((ROOT / folder).glob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1) if FIGURE.search(line)]
+    assert found == []
+
+
+def test_batch_sharded_pick_weighs_bytes_moved():
+    """V2's batch-sharded sampling stays when its all-to-all moves fewer bytes than the
+    pick's pairs (commfold.vllm.target_pick_v2 asks this per step)."""
+    def site(rows, vocab, world, dtype):
+        return cost.Site(cost.BATCH_SHARDED_PICK, dtype=dtype, rows=rows, vocab=vocab,
+                         world=world)
+
+    assert cost.why_slower(site(4, 100, 2, torch.bfloat16)) is None  # 64 B < 200 B
+    assert cost.why_slower(site(8, 8, 2, torch.float32)) == \
+        "batch-sharded sampling moves less (64 B < 128 B)"
