@@ -16,15 +16,18 @@ vLLM).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import final
 
 import torch.fx as fx
 
 from commfold.distributed.collectives import CommKind
 from commfold.fx.nodes import is_call, is_getitem
 
-from .common import Miss, c10d, functional_kwargs, is_functionalized, optional_op, waits_of
+from .common import (Miss, Verdict, c10d, functional_kwargs, is_functionalized, optional_op,
+                     waits_of)
 
 
+@final
 @dataclass(frozen=True)
 class AllReduce:
     """`reduced` holds the `reduce_op` ('sum', 'avg', ...) of every rank's `input`."""
@@ -45,7 +48,7 @@ def allreduce_candidates(graph: fx.Graph) -> list[fx.Node]:
         n.target in targets or is_functionalized(n, shm_ar))]
 
 
-def match_allreduce(coll: fx.Node) -> AllReduce | Miss:
+def match_allreduce(coll: fx.Node) -> Verdict[AllReduce]:
     if is_call(coll, c10d.all_reduce.default):
         x, op, group = coll.args[:3]
         waits = waits_of(coll)

@@ -16,6 +16,7 @@ spelling commfold knows:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import final
 
 import torch.fx as fx
 
@@ -23,9 +24,10 @@ from commfold.distributed.collectives import CommKind
 from commfold.fx.nodes import (arg, is_call, is_getitem, ndim, norm_dim, only_user, same_shape,
                             tensor_val)
 
-from .common import Miss, aten, c10d, is_functionalized, optional_op, waits_of
+from .common import Miss, Verdict, aten, c10d, is_functionalized, optional_op, waits_of
 
 
+@final
 @dataclass(frozen=True)
 class VocabGather:
     """`gathered` holds the ranks' `shard`s concatenated on the last dim, in rank order."""
@@ -51,7 +53,7 @@ def gather_candidates(graph: fx.Graph) -> list[fx.Node]:
         n.target in targets or is_functionalized(n, shm_ag))]
 
 
-def match_vocab_gather(coll: fx.Node) -> VocabGather | Miss:
+def match_vocab_gather(coll: fx.Node) -> Verdict[VocabGather]:
     if is_call(coll, c10d.all_gather_into_tensor.default):
         return _match_c10d(coll)
     vllm_ag = optional_op("vllm", "all_gather")
@@ -62,7 +64,7 @@ def match_vocab_gather(coll: fx.Node) -> VocabGather | Miss:
     return Miss("not an all-gather", coll)
 
 
-def _match_shm(coll: fx.Node) -> VocabGather | Miss:
+def _match_shm(coll: fx.Node) -> Verdict[VocabGather]:
     shard, rank = coll.kwargs.get("data"), None
     if isinstance(shard, fx.Node):
         rank = ndim(shard)
@@ -81,7 +83,7 @@ def _match_shm(coll: fx.Node) -> VocabGather | Miss:
     return _match_reshape_permute(coll, outs, shard, view, world, comm, rank)
 
 
-def _match_vllm(coll: fx.Node) -> VocabGather | Miss:
+def _match_vllm(coll: fx.Node) -> Verdict[VocabGather]:
     shard, dim, world, group = coll.args[:4]
     rank = ndim(shard)
     if rank is None or norm_dim(dim, rank) != rank - 1:
@@ -89,7 +91,7 @@ def _match_vllm(coll: fx.Node) -> VocabGather | Miss:
     return VocabGather(shard, coll, int(world), CommKind.VLLM.spec(group), coll)
 
 
-def _match_c10d(coll: fx.Node) -> VocabGather | Miss:
+def _match_c10d(coll: fx.Node) -> Verdict[VocabGather]:
     shard, world, group = coll.args[:3]
     world = int(world)
     rank = ndim(shard)
@@ -118,7 +120,7 @@ def _one_row(shape) -> bool:
     return all(statically_known_true(d == 1) for d in shape[:-1])
 
 
-def _match_split_cat(coll, waits, shard, split, world, comm, rank) -> VocabGather | Miss:
+def _match_split_cat(coll, waits, shard, split, world, comm, rank) -> Verdict[VocabGather]:
     dim = arg(split, "dim")
     getitems = list(split.users)
     if len(getitems) != world or not all(is_getitem(g) for g in getitems):
@@ -140,7 +142,7 @@ def _match_split_cat(coll, waits, shard, split, world, comm, rank) -> VocabGathe
     return VocabGather(shard, cat, world, comm, coll, tuple(waits))
 
 
-def _match_reshape_permute(coll, waits, shard, view, world, comm, rank) -> VocabGather | Miss:
+def _match_reshape_permute(coll, waits, shard, view, world, comm, rank) -> Verdict[VocabGather]:
     shape = list(tensor_val(shard).shape)
     if _one_row(shape) and same_shape(view, shape[:-1] + [world * shape[-1]]):
         return VocabGather(shard, view, world, comm, coll, tuple(waits))  # 1 row: a plain view

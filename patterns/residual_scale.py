@@ -16,6 +16,7 @@ eager ATen does not.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import final
 
 import torch.fx as fx
 
@@ -24,6 +25,7 @@ from commfold.fx.nodes import dtype_of, is_call, is_number, tensor_val
 from .common import aten
 
 
+@final
 @dataclass(frozen=True)
 class ResidualScale:
     x: fx.Node  # the value scaled

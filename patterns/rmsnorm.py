@@ -28,7 +28,7 @@ import torch.fx as fx
 from commfold.fx.nodes import (arg, dtype_of, is_call, is_number, ndim, only_user, same_shape,
                             tensor_val)
 
-from .common import Miss, aten, prims
+from .common import Miss, Recognized, Verdict, aten, prims
 from .rmsnorm_match import RMSNorm
 from .rmsnorm_vllm import match_ir_norm, match_ir_norm_of_sum
 
@@ -54,7 +54,7 @@ def _other(node: fx.Node, x: fx.Node):
     return None
 
 
-def match_rmsnorm(x: fx.Node) -> RMSNorm | Miss | None:
+def match_rmsnorm(x: fx.Node) -> Recognized[RMSNorm]:
     """The residual add + RMSNorm reading x; a Miss when one almost matches; None when
     no RMSNorm reads x. A norm reading x itself wins over one reading x + residual
     (then x is also the new residual, read by a later add)."""
@@ -87,7 +87,7 @@ def match_rmsnorm(x: fx.Node) -> RMSNorm | Miss | None:
     return found
 
 
-def _match_f32_sum(x, up, s) -> RMSNorm | Miss | None:
+def _match_f32_sum(x, up, s) -> Recognized[RMSNorm]:
     """s = convert(x, f32) + convert(residual, f32): vLLM's fused add + norm."""
     cr = _other(s, up)
     if isinstance(cr, fx.Node) and dtype_of(cr) == torch.float32 and same_shape(cr, x) \
@@ -120,7 +120,7 @@ F32_STREAM = ("a float32 residual stream (torch before 2.13 drops vLLM's cast ba
               "keeps the residual in the model's dtype")
 
 
-def _match_norm(x, residual, h, hf=None, pre=()) -> RMSNorm | Miss | None:
+def _match_norm(x, residual, h, hf=None, pre=()) -> Recognized[RMSNorm]:
     dtype = dtype_of(x)
     if hf is None:
         hf = h
@@ -161,7 +161,7 @@ def _match_norm(x, residual, h, hf=None, pre=()) -> RMSNorm | Miss | None:
     return _match_tail(x, residual, h, float(eps), normed, inner, dtype, sum_in_f32=bool(pre))
 
 
-def _match_tail(x, residual, h, eps, normed, inner, dtype, sum_in_f32=False) -> RMSNorm | Miss:
+def _match_tail(x, residual, h, eps, normed, inner, dtype, sum_in_f32=False) -> Verdict[RMSNorm]:
     """After n = hf * rsqrt(...): the optional cast back and weight multiply."""
     cur, round_before = normed, False
     weight, offset, off_in_w = None, 0.0, False
@@ -193,7 +193,7 @@ def _match_tail(x, residual, h, eps, normed, inner, dtype, sum_in_f32=False) -> 
                    cur, tuple(inner), sum_in_f32=sum_in_f32)
 
 
-def _weight(w, x) -> tuple | Miss | None:
+def _weight(w, x) -> Recognized[tuple]:
     """(raw weight, offset, offset added in the weight's dtype) for the weight operand
     w: w | convert(w, f32) | (w | convert(w, f32)) + number; None if w is not a weight."""
     if not isinstance(w, fx.Node):

@@ -4,6 +4,7 @@ recognizers import it and not each other."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import final
 
 import torch
 import torch.fx as fx
@@ -11,6 +12,7 @@ import torch.fx as fx
 from commfold.fx.nodes import tensor_val
 
 
+@final
 @dataclass(frozen=True)
 class RMSNorm:
     x: fx.Node  # the value normed (before the residual add)

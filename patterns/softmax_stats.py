@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import final
 
 import torch
 import torch.fx as fx
@@ -27,13 +28,15 @@ import torch.fx as fx
 from commfold.fx.nodes import (arg, is_call, is_getitem, norm_dim, only_user, same_shape,
                             tensor_val)
 
-from .common import Miss, aten, op_name, optional_op, prims, reader_within, vocab_slice_end
+from .common import (Miss, Recognized, Verdict, aten, op_name, optional_op, prims, reader_within,
+                     vocab_slice_end)
 from .gather import VocabGather
 from .greedy import is_elementwise, monotone_step
 
 _GREEDY = (aten.argmax.default, aten.max.dim)
 
 
+@final
 @dataclass(frozen=True)
 class SoftmaxStats:
     """One amax -> (x - shift) -> exp -> sum structure over row `base`."""
@@ -55,6 +58,7 @@ class SoftmaxStats:
         return self.online is not None or bool(arg(self.sum, "keepdim"))
 
 
+@final
 @dataclass(frozen=True)
 class Greedy:
     """argmax / max(dim=-1) of row `base`."""
@@ -64,6 +68,7 @@ class Greedy:
     pick: fx.Node
 
 
+@final
 @dataclass(frozen=True)
 class RowReads:
     """Everything that reads gathered row `gather`: statistics and greedy picks."""
@@ -74,7 +79,7 @@ class RowReads:
     greedy: tuple[Greedy, ...]
 
 
-def match_row_reads(g: VocabGather) -> RowReads | Miss | None:
+def match_row_reads(g: VocabGather) -> Recognized[RowReads]:
     """The softmax statistics (and greedy picks) that are the only readers of g's
     row; None when no amax reads the row (nothing of this pattern here)."""
     start, valid = g.gathered, None
@@ -127,7 +132,7 @@ def _is_online(node, row, rank) -> bool:
         and _over_last(node.args[1], rank)
 
 
-def _match_online(row, chain, online, rank) -> SoftmaxStats | Miss:
+def _match_online(row, chain, online, rank) -> Verdict[SoftmaxStats]:
     """prepare_softmax_online(X, -1): its (max, sum) outputs stand for amax and the
     sum of exp(X - amax); the rest is the amax form's."""
     items = {u.args[1]: u for u in online.users if is_getitem(u)}
@@ -137,7 +142,7 @@ def _match_online(row, chain, online, rank) -> SoftmaxStats | Miss:
     return _match_stats(row, chain, items[0], rank, total=items[1], online=online)
 
 
-def _match_stats(row, chain, amax, rank, total=None, online=None) -> SoftmaxStats | Miss:
+def _match_stats(row, chain, amax, rank, total=None, online=None) -> Verdict[SoftmaxStats]:
     """From amax A (or the online form's max, with its sum `total`): D = X - A, the
     exp and sum of D, and what reads them."""
     shift_node, finite = amax, None

@@ -13,13 +13,13 @@ greedy pick (patterns.greedy), not matched here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, final
 
 import torch.fx as fx
 
 from commfold.fx.nodes import arg, is_call, is_getitem, norm_dim, tensor_val
 
-from .common import FLOAT_DTYPES, Miss, aten, vocab_slice_end
+from .common import FLOAT_DTYPES, Miss, Recognized, aten, vocab_slice_end
 from .gather import VocabGather
 from .greedy import walk_to_reader
 
@@ -30,6 +30,7 @@ MAX_K = 64
 _READERS = {aten.topk.default, aten.sort.default, aten.sort.stable}
 
 
+@final
 @dataclass(frozen=True)
 class TopK:
     """The top k of a gathered row. `outputs` maps each node now holding the values
@@ -45,7 +46,7 @@ class TopK:
     outputs: tuple[tuple[fx.Node, int], ...]
 
 
-def match_topk(g: VocabGather) -> TopK | Miss | None:
+def match_topk(g: VocabGather) -> Recognized[TopK]:
     """The top-k pick reading g, a Miss saying why g's reader is not one, or None
     when no topk/sort reads g (or a topk(1): the greedy pass's)."""
     walk = walk_to_reader(g, _READERS)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
+from typing import final
 
 import torch
 import torch.fx as fx
@@ -26,13 +27,14 @@ import torch.fx as fx
 from commfold.fx.nodes import arg, is_call, is_number, ndim, only_user, val
 
 from .allreduce import allreduce_candidates, match_allreduce
-from .common import AUTO_FUNCTIONALIZED, Miss, aten, prims, vocab_slice_end
+from .common import AUTO_FUNCTIONALIZED, Miss, Recognized, aten, prims, vocab_slice_end
 from .gather import VocabGather
 
 MAX_WINDOW = 1 << 23  # ids analysed densely per side (evaluated in 1M-id chunks)
 MAX_SEGMENTS = 8
 
 
+@final
 @dataclass(frozen=True)
 class IdRange:
     """ids in [lo, hi) read shard row ``id - lo + row_start`` (rank-local constants)."""
@@ -42,6 +44,7 @@ class IdRange:
     row_start: int
 
 
+@final
 @dataclass(frozen=True)
 class VocabParallelEmbedding:
     ids: fx.Node
@@ -53,6 +56,7 @@ class VocabParallelEmbedding:
     lookup: fx.Node  # the embedding node
 
 
+@final
 @dataclass(frozen=True)
 class VocabParallelLMHead:
     hidden: fx.Node  # [N, H] rows fed to the matmul
@@ -69,7 +73,7 @@ def embedding_candidates(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.nodes if is_call(n, aten.embedding.default)]
 
 
-def match_embedding(lookup: fx.Node) -> VocabParallelEmbedding | Miss | None:
+def match_embedding(lookup: fx.Node) -> Recognized[VocabParallelEmbedding]:
     """The vocab-parallel embedding around `lookup` (an aten.embedding), a Miss, or None
     when the lookup is not followed by a zeroing and an all-reduce (a plain embedding)."""
     shard, idx = lookup.args[0], lookup.args[1]
@@ -289,7 +293,7 @@ def _unpadded(x):
     return x.args[0]
 
 
-def match_lm_head(g: VocabGather) -> VocabParallelLMHead | Miss | None:
+def match_lm_head(g: VocabGather) -> Recognized[VocabParallelLMHead]:
     """The matmul whose vocab-sharded logits g gathers and the slice after it; a Miss
     for an LM head this pass cannot take; None when no matmul made the logits."""
     logits, reshape = g.shard, None
