@@ -6,7 +6,7 @@ reader a few ops downstream). Vocabulary-free node accessors live in commfold.fx
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, TypeAlias, TypeVar, final
+from typing import Any, Literal, TypeAlias, TypeVar, final
 
 import torch
 import torch.fx as fx
@@ -67,7 +67,7 @@ def functional_kwargs(af: fx.Node) -> dict | None:
     they are; v2 passes a mutated argument as a base (`_all_bases[_<name>_base_index]`)
     plus how it is viewed: an alias of the base is the base, any other view gives
     None (what the op then mutates is not a whole tensor)."""
-    kw = dict(af.kwargs)
+    kw: dict[str, Any] = dict(af.kwargs)  # the op's arguments: any kind
     bases = kw.pop("_all_bases", None)
     if bases is None:
         return kw
@@ -86,7 +86,7 @@ def functional_kwargs(af: fx.Node) -> dict | None:
 def waits_of(node: fx.Node) -> list[fx.Node]:
     """The chain of wait_tensor nodes after a collective (a user's explicit wait adds a
     second one); empty if none."""
-    chain = []
+    chain: list[fx.Node] = []
     while True:
         nxt = only_user(node)
         if nxt is None or not is_call(nxt, c10d.wait_tensor.default):
@@ -122,7 +122,7 @@ def reader_within(node: fx.Node, is_reader, hops: int = 6) -> fx.Node | None:
     recognizer could not follow is a near-miss only when what it looks for is close."""
     frontier, seen = [node], set()
     for _ in range(hops):
-        nxt = []
+        nxt: list[fx.Node] = []
         for n in frontier:
             if is_reader(n):
                 return n

@@ -21,8 +21,8 @@ from typing import final
 import torch.fx as fx
 
 from commfold.distributed.collectives import CommKind
-from commfold.fx.nodes import (arg, is_call, is_getitem, ndim, norm_dim, only_user, same_shape,
-                            tensor_val)
+from commfold.fx.nodes import (arg, fake_tensor, is_call, is_getitem, ndim, norm_dim, only_user,
+                            operands, same_shape)
 
 from .common import Miss, Verdict, aten, c10d, is_functionalized, optional_op, waits_of
 
@@ -76,7 +76,7 @@ def _match_shm(coll: fx.Node) -> Verdict[VocabGather]:
     view = only_user(outs[0])
     if view is None or not is_call(view, aten.reshape.default, aten.view.default):
         return Miss("all-gather on dim 0 (rows), not re-laid on the vocab dim", coll)
-    world = view.args[1][0]
+    world = operands(view)[1][0]
     if not isinstance(world, int):
         return Miss("gathered buffer viewed other than as [world, *shard]", coll)
     comm = CommKind.VLLM_SHM.spec(coll.kwargs["handle"])
@@ -84,7 +84,7 @@ def _match_shm(coll: fx.Node) -> Verdict[VocabGather]:
 
 
 def _match_vllm(coll: fx.Node) -> Verdict[VocabGather]:
-    shard, dim, world, group = coll.args[:4]
+    shard, dim, world, group = operands(coll)[:4]
     rank = ndim(shard)
     if rank is None or norm_dim(dim, rank) != rank - 1:
         return Miss(f"all-gather on dim {dim}, not the last (vocab) dim", coll)
@@ -92,7 +92,7 @@ def _match_vllm(coll: fx.Node) -> Verdict[VocabGather]:
 
 
 def _match_c10d(coll: fx.Node) -> Verdict[VocabGather]:
-    shard, world, group = coll.args[:3]
+    shard, world, group = operands(coll)[:3]
     world = int(world)
     rank = ndim(shard)
     if rank is None or rank < 2:
@@ -130,7 +130,7 @@ def _match_split_cat(coll, waits, shard, split, world, comm, rank) -> Verdict[Vo
     cat = only_user(getitems[0])
     if cat is None or not is_call(cat, aten.cat.default):
         return Miss("per-rank chunks are not concatenated", coll)
-    parts = cat.args[0]
+    parts = operands(cat)[0]
     cat_dim = arg(cat, "dim")
     if len(parts) != world or any(not is_getitem(p, i) or p.args[0] is not split
                                   for i, p in enumerate(parts)):
@@ -143,14 +143,14 @@ def _match_split_cat(coll, waits, shard, split, world, comm, rank) -> Verdict[Vo
 
 
 def _match_reshape_permute(coll, waits, shard, view, world, comm, rank) -> Verdict[VocabGather]:
-    shape = list(tensor_val(shard).shape)
+    shape = list(fake_tensor(shard).shape)
     if _one_row(shape) and same_shape(view, shape[:-1] + [world * shape[-1]]):
         return VocabGather(shard, view, world, comm, coll, tuple(waits))  # 1 row: a plain view
     if not same_shape(view, [world] + shape):
         return Miss("gathered buffer viewed other than as [world, *shard]", coll)
     perm = only_user(view)
     want = list(range(1, rank)) + [0, rank]
-    if perm is None or not is_call(perm, aten.permute.default) or list(perm.args[1]) != want:
+    if perm is None or not is_call(perm, aten.permute.default) or list(arg(perm, "dims")) != want:
         return Miss("rank dim is not moved next to the vocab dim", coll)
     nxt = only_user(perm)
     if nxt is not None and is_call(nxt, aten.clone.default):

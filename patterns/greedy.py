@@ -10,7 +10,7 @@ from typing import Literal, final
 import torch
 import torch.fx as fx
 
-from commfold.fx.nodes import arg, is_call, is_getitem, is_number, norm_dim, only_user, tensor_val
+from commfold.fx.nodes import arg, fake_tensor, is_call, is_getitem, is_number, norm_dim, only_user
 
 from .common import (FLOAT_DTYPES, Miss, Recognized, Verdict, aten, op_name, prims,
                      reader_within, vocab_slice_end)
@@ -90,8 +90,9 @@ def walk_to_reader(g: VocabGather, readers) -> Recognized[RowWalk]:
     """Follow g's gathered row through a vocab slice and monotone elementwise ops to
     an op whose target is in `readers`; a Miss says why the path breaks (only when a
     reader is a few ops downstream), None when no reader reads g at all."""
-    node, valid, chain = g.gathered, None, []
-    rank = tensor_val(g.shard).dim()
+    node, valid = g.gathered, None
+    chain: list[fx.Node] = []
+    rank = fake_tensor(g.shard).dim()
     while True:
         user = only_user(node)
         if user is None:
@@ -127,7 +128,7 @@ def match_greedy(g: VocabGather) -> Recognized[GreedyPick]:
     if pick.target is aten.topk.default and pick.args[1] != 1:
         return None
     return _match_pick(g, pick, walk.valid_vocab, list(walk.elementwise),
-                       tensor_val(g.shard).dim())
+                       fake_tensor(g.shard).dim())
 
 
 def _near(node: fx.Node, reason: str | None, readers):
@@ -148,7 +149,7 @@ def is_elementwise(node: fx.Node) -> bool:
 
 def _match_pick(g, pick, valid, chain, rank) -> Verdict[GreedyPick]:
     kind = _PICKS[pick.target]
-    dtype = tensor_val(pick.args[0]).dtype
+    dtype = fake_tensor(pick.args[0]).dtype
     if dtype not in FLOAT_DTYPES:
         return Miss(f"{kind} over {dtype} logits (floating point only)", pick)
     dim = arg(pick, "dim")

@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from commfold.fx.nodes import (arg, dtype_of, is_call, is_number, ndim, only_user, same_shape,
-                            tensor_val)
+from commfold.fx.nodes import (arg, dtype_of, fake_tensor, is_call, is_number, only_user,
+                            same_shape, tensor_val)
 
 from .common import Miss, Recognized, Verdict, aten, prims
 from .rmsnorm_match import RMSNorm
@@ -137,7 +137,7 @@ def _match_norm(x, residual, h, hf=None, pre=()) -> Recognized[RMSNorm]:
     mean = only_user(sq)
     if not is_call(mean, aten.mean.dim):
         return None
-    rank = ndim(x)
+    rank = fake_tensor(x).dim()
     dims, keepdim = arg(mean, "dim"), arg(mean, "keepdim")
     if arg(mean, "dtype") not in (None, torch.float32):
         return Miss("mean of squares in a dtype other than float32", mean)
@@ -184,7 +184,7 @@ def _match_tail(x, residual, h, eps, normed, inner, dtype, sum_in_f32=False) -> 
     if weight is None:
         round_before = False
     out_dtype = dtype_of(cur)
-    if out_dtype not in (torch.float32, dtype):
+    if out_dtype is None or out_dtype not in (torch.float32, dtype):
         return Miss(f"norm output in {out_dtype} (neither f32 nor the input dtype)", cur)
     for n in inner:  # the norm's intermediates must not be read elsewhere
         if any(u not in inner and u is not cur and (h is None or u is not h) for u in n.users):
@@ -209,7 +209,7 @@ def _weight(w, x) -> Recognized[tuple]:
     if _cast_to(w, torch.float32):
         w, off_in_w = w.args[0], False
     v = tensor_val(w) if isinstance(w, fx.Node) else None
-    hidden = tensor_val(x).shape[-1]
+    hidden = fake_tensor(x).shape[-1]
     if v is None or v.dim() != 1 or not same_shape(v.shape, [hidden]):
         return Miss("norm weight is not a [hidden] vector", w)
     if v.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -219,5 +219,5 @@ def _weight(w, x) -> Recognized[tuple]:
 
 def _is_square(node, x) -> bool:
     if is_call(node, aten.pow.Tensor_Scalar):
-        return node.args[0] is x and node.args[1] == 2
+        return node.args[0] is x and bool(node.args[1] == 2)
     return is_call(node, aten.mul.Tensor) and node.args[0] is x and node.args[1] is x

@@ -9,7 +9,7 @@ from typing import final
 import torch
 import torch.fx as fx
 
-from commfold.fx.nodes import tensor_val
+from commfold.fx.nodes import fake_tensor
 
 
 @final
@@ -31,4 +31,4 @@ class RMSNorm:
 
     @property
     def dtype(self) -> torch.dtype:
-        return tensor_val(self.x).dtype
+        return fake_tensor(self.x).dtype

@@ -25,8 +25,8 @@ from typing import final
 import torch
 import torch.fx as fx
 
-from commfold.fx.nodes import (arg, is_call, is_getitem, norm_dim, only_user, same_shape,
-                            tensor_val)
+from commfold.fx.nodes import (arg, fake_tensor, is_call, is_getitem, norm_dim, only_user,
+                            same_shape, tensor_val)
 
 from .common import (Miss, Recognized, Verdict, aten, op_name, optional_op, prims, reader_within,
                      vocab_slice_end)
@@ -83,13 +83,15 @@ def match_row_reads(g: VocabGather) -> Recognized[RowReads]:
     """The softmax statistics (and greedy picks) that are the only readers of g's
     row; None when no amax reads the row (nothing of this pattern here)."""
     start, valid = g.gathered, None
-    rank = tensor_val(g.shard).dim()
+    rank = fake_tensor(g.shard).dim()
     first = only_user(start)
     if first is not None and is_call(first, aten.slice.Tensor):
         cut = vocab_slice_end(first, rank)
         if cut:
             start, valid = first, cut[0]
-    stats, greedy, todo = [], [], [(start, ())]
+    stats: list[SoftmaxStats] = []
+    greedy: list[Greedy] = []
+    todo: list[tuple[fx.Node, tuple[fx.Node, ...]]] = [(start, ())]
     near = reader_within(g.gathered, lambda n: is_call(n, aten.amax.default)) is not None
     while todo:
         row, chain = todo.pop()
@@ -166,6 +168,7 @@ def _match_stats(row, chain, amax, rank, total=None, online=None) -> Verdict[Sof
                         "(where(all finite, (x - max x) * c, ...)): not supported yet", d)
         return Miss("shifted row is not exponentiated", d)
     if online is None:
+        assert exp is not None  # the elif above returned otherwise
         sums = [u for u in exp.users if is_call(u, aten.sum.dim_IntList)]
         if len(sums) != 1 or not _over_last(arg(sums[0], "dim"), rank):
             return Miss("exp of the shifted row is not summed over the vocab dim", exp)
@@ -200,13 +203,13 @@ def _match_stats(row, chain, amax, rank, total=None, online=None) -> Verdict[Sof
 def _pick_problem(r: fx.Node, lp: fx.Node, rank: int) -> str | None:
     if not is_call(r, aten.gather.default) or r.args[0] is not lp:
         return f"log_softmax row feeds {op_name(r)}, which needs the full row"
-    if norm_dim(r.args[1], rank) != rank - 1 or arg(r, "sparse_grad") or len(r.args) > 3:
+    if norm_dim(arg(r, "dim"), rank) != rank - 1 or arg(r, "sparse_grad") or len(r.args) > 3:
         return "gather from the log_softmax row on a dim other than vocab"
     idx = r.args[2]
-    iv, lv = tensor_val(idx), tensor_val(lp)
+    iv = tensor_val(idx)
     if not isinstance(idx, fx.Node) or iv is None or iv.dim() != rank:
         return "gather index of another rank"
-    if rank != 2 and not same_shape(list(iv.shape[:-1]), list(lv.shape[:-1])):
+    if rank != 2 and not same_shape(list(iv.shape[:-1]), list(fake_tensor(lp).shape[:-1])):
         return "gather index leading dims differ from the logits' (beyond 2-D)"
     return None
 
@@ -219,7 +222,7 @@ def _is_finite_shift(where: fx.Node, amax: fx.Node) -> bool:
     if not (is_call(ab, aten.abs.default) and ab.args[0] is amax):
         return False
     if is_call(zero, aten.full.default):
-        return zero.args[1] == 0 and list(zero.args[0]) == []
+        return arg(zero, "fill_value") == 0 and list(arg(zero, "size")) == []
     return isinstance(zero, (int, float)) and zero == 0
 
 
@@ -253,7 +256,7 @@ def exact_widening(node: fx.Node) -> bool:
         return True
     if not is_call(node, prims.convert_element_type.default):
         return False
-    src = tensor_val(node.args[0]).dtype
+    src = fake_tensor(node.args[0]).dtype
     dst = node.args[1]
     while src in EXACT_WIDENING and src != dst:
         src = EXACT_WIDENING[src]

@@ -17,7 +17,7 @@ from typing import Literal, final
 
 import torch.fx as fx
 
-from commfold.fx.nodes import arg, is_call, is_getitem, norm_dim, tensor_val
+from commfold.fx.nodes import arg, fake_tensor, is_call, is_getitem, norm_dim
 
 from .common import FLOAT_DTYPES, Miss, Recognized, aten, vocab_slice_end
 from .gather import VocabGather
@@ -53,8 +53,8 @@ def match_topk(g: VocabGather) -> Recognized[TopK]:
     if not walk:
         return walk
     node = walk.reader
-    rank = tensor_val(g.shard).dim()
-    dtype = tensor_val(node.args[0]).dtype
+    rank = fake_tensor(g.shard).dim()
+    dtype = fake_tensor(node.args[0]).dtype
     if dtype not in FLOAT_DTYPES:
         return Miss(f"top-k over {dtype} logits (floating point only)", node)
     if node.target is aten.topk.default:
@@ -130,7 +130,7 @@ def _match_sort(node, rank):
 
 
 def _static_width(node) -> int | None:
-    width = tensor_val(node).shape[-1]
+    width = fake_tensor(node).shape[-1]
     return width if isinstance(width, int) else None
 
 
@@ -145,4 +145,4 @@ def _first_k(s, rank) -> int | None:
     end = cut[0] if cut else None
     if not isinstance(end, int) or isinstance(end, bool):
         return None
-    return end if statically_known_true(tensor_val(s).shape[-1] == end) else None
+    return end if statically_known_true(fake_tensor(s).shape[-1] == end) else None
