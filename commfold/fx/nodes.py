@@ -37,14 +37,6 @@ def operands(node: fx.Node) -> tuple[Any, ...]:
     return node.args
 
 
-def as_node(x) -> fx.Node:
-    """x, an argument known to be a node (an op's tensor operand in a traced graph),
-    typed as one; a TypeError if it is not."""
-    if not isinstance(x, fx.Node):
-        raise TypeError(f"expected an FX node, got {type(x).__name__}")
-    return x
-
-
 def dtype_of(node) -> torch.dtype | None:
     """The dtype of a node holding a tensor, else None."""
     v = node.meta.get("val") if isinstance(node, fx.Node) else None
