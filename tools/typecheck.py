@@ -6,7 +6,7 @@ names. mypy names a file by the folders it sits in (passes.local_argmax), so a p
 maps it, then runs mypy's own build. Exit status and output are mypy's.
 
     python3 tools/typecheck.py            # the configured files
-    python3 tools/typecheck.py passes/    # other files or folders, same settings
+    python3 tools/typecheck.py passes/    # other files or folders (the checkout's), same settings
 """
 from __future__ import annotations
 
@@ -48,8 +48,9 @@ def main(argv: list[str]) -> int:
     sources, options = process_options(argv, fscache=fscache)
     dirs = package_dirs()
     for source in sources:
-        source.module = module_name(source.module, dirs)
-        source.base_dir = str(ROOT)
+        name = module_name(source.module, dirs)
+        if name != source.module:
+            source.module, source.base_dir = name, str(ROOT)
     _, messages, blockers = run_build(sources, options, fscache, t0, sys.stdout, sys.stderr)
     n_errors, n_notes, n_files = util.count_stats(messages)
     took = f"{time.time() - t0:.1f} s"
