@@ -7,6 +7,7 @@ import hashlib
 import logging
 import time
 import traceback
+from collections.abc import Callable
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
@@ -42,7 +43,8 @@ def code_hash() -> str:
 
     h = hashlib.sha256()
     roots = {Path(__file__).parent,  # the core package: this module's folder
-             *(Path(m.__file__).parent for m in (commfold.passes, commfold.patterns))}
+             *(Path(m.__file__).parent for m in (commfold.passes, commfold.patterns)
+               if m.__file__)}
     for root in sorted(roots):
         for f in sorted(root.rglob("*.py")):
             h.update(str(f.relative_to(root)).encode())
@@ -62,7 +64,7 @@ def _pass_functions(names) -> str:
 # CommfoldPass in this process calls observer(pass_name, graph_before, graph_after,
 # report) after each pass (graph copies, so later passes do not change them), and, if
 # `passes` is given, runs those passes instead of its configured ones (other options kept).
-_observer = None
+_observer: Callable[[str, fx.Graph | None, fx.Graph, Report], None] | None = None
 _forced_passes: tuple[str, ...] | None = None
 
 
@@ -159,8 +161,9 @@ class CommfoldPass(CustomGraphPass):
                 failed[current] = f"{type(e).__name__}: {e}"
                 log.debug("commfold pass %s failed:\n%s", current, traceback.format_exc())
         report.errors.extend(PassError(name, err) for name, err in failed.items())
-        for name, before, after in observed:
-            _observer(name, before, after, report)
+        for name, before, after in observed:  # none unless an observer is set
+            if _observer is not None:
+                _observer(name, before, after, report)
 
     def _canonicalize(self, graph: fx.Graph, report: Report, config: Config
                       ) -> Checkpoint | None:

@@ -16,7 +16,7 @@ import torch
 
 from commfold.context import PassContext
 from commfold.fx.edit import erase_if_dead, insert_call, replace_items, replay
-from commfold.fx.nodes import is_call, nbytes, numel_times, tensor_val
+from commfold.fx.nodes import fake_tensor, is_call, nbytes, numel_times, tensor_val
 from commfold.ops import chain_encoding
 from commfold.patterns.common import aten
 from commfold.patterns.gather import gather_candidates
@@ -34,7 +34,7 @@ def qualified(ctx: PassContext, pattern: str, matcher, reader, dtypes, dtype_rea
     others recorded as near-misses at reader(match)."""
     for m in ctx.matches(pattern, gather_candidates(ctx.graph), matcher):
         node = reader(m)
-        why = dtype_reason if tensor_val(node.args[0]).dtype not in dtypes else \
+        why = dtype_reason if fake_tensor(node.args[0]).dtype not in dtypes else \
             tanh_refusal(m.gather.shard, m.elementwise)
         if why:
             ctx.skipped(pattern, node, why)
@@ -46,7 +46,7 @@ def rewrite_pick(ctx: PassContext, m: GreedyPick, before: Comm | None = None) ->
     """Replace m's pick by commfold::local_argmax on the shard (local_argmax's rewrite;
     the softmax-statistics pass passes `before` so the removed gather is counted once)."""
     graph = ctx.graph
-    full = tensor_val(m.gather.gathered)
+    full = fake_tensor(m.gather.gathered)
     before = before or Comm(nbytes(full), 1)
     with graph.inserting_before(m.pick):
         x, chain = shard_and_chain(graph, m.gather.shard, m.elementwise)
@@ -60,7 +60,7 @@ def rewrite_pick(ctx: PassContext, m: GreedyPick, before: Comm | None = None) ->
         replace_items(m.pick, (value, index))
     erase_if_dead(m.pick, also=m.gather.comm_nodes)
     # one int64 (value bits, index) pair per row per rank, as the collective outputs
-    pair_bytes = numel_times(tensor_val(index), 16 * m.gather.world_size)
+    pair_bytes = numel_times(fake_tensor(index), 16 * m.gather.world_size)
     ctx.rewrote(PICK_PATTERN, m.pick, before, Comm(pair_bytes, 1),
                 detail=f"{m.kind}, world {m.gather.world_size}, "
                        f"{'no padding' if m.valid_vocab is None else 'padding sliced off'}")
@@ -89,7 +89,7 @@ def shard_and_chain(graph, shard, ops, memo=None) -> tuple:
     steps = chain_steps(ops)
     if steps == []:  # nothing but copies
         return shard, ()
-    chain = chain_encoding.for_shard(tensor_val(shard), steps)
+    chain = chain_encoding.for_shard(fake_tensor(shard), steps)
     if chain is not None:
         return shard, (chain,)
     return replay(graph, shard, ops, memo), ()

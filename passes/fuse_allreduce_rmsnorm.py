@@ -55,7 +55,7 @@ from torch._inductor.fx_utils import get_node_storage
 from commfold import cost
 from commfold.context import PassContext
 from commfold.distributed.collectives import communicator
-from commfold.fx.nodes import min_nbytes, nbytes, tensor_val
+from commfold.fx.nodes import fake_tensor, min_nbytes, nbytes
 from commfold.fx.edit import erase_if_dead, insert_call
 from commfold.ops import flashinfer_norm
 from commfold.ops.allreduce_rmsnorm import SUPPORTED_DTYPES, pack_flags
@@ -109,7 +109,7 @@ def _allreduce_norm(coll):
 def _slower(ar: AllReduce) -> str | None:
     """Why the fused op would be slower here than the unfused program (the cost
     table's FUSE rule), or None."""
-    x = tensor_val(ar.input)
+    x = fake_tensor(ar.input)
     device = x.device.type
     if device in flashinfer_norm.DEVICE_TYPES:  # the same install on every rank
         comm = cost.FLASHINFER if flashinfer_norm.flashinfer_comm() is not None \
@@ -122,7 +122,7 @@ def _slower(ar: AllReduce) -> str | None:
 def _unsafe(ar: AllReduce, scale: ResidualScale | None, norm: RMSNorm) -> str | None:
     if ar.reduce_op != "sum":
         return f"'{ar.reduce_op}' all-reduce (only a sum can be fused with the add)"
-    dtype = tensor_val(ar.input).dtype
+    dtype = fake_tensor(ar.input).dtype
     if dtype not in SUPPORTED_DTYPES or norm.dtype != dtype:
         return f"unsupported dtype {dtype} (norm input {norm.dtype})"
     if scale is not None and len(ar.reduced.users) > 1:
@@ -131,7 +131,7 @@ def _unsafe(ar: AllReduce, scale: ResidualScale | None, norm: RMSNorm) -> str | 
         return (f"the {'scaled' if scale else 'reduced'} value is read besides the residual "
                 "add (the op returns only the sum with the residual)")
     if scale is not None and not scale.identity \
-            and tensor_val(ar.input).device.type in flashinfer_norm.DEVICE_TYPES:
+            and fake_tensor(ar.input).device.type in flashinfer_norm.DEVICE_TYPES:
         return flashinfer_norm.NO_SCALE
     # FX nodes compare by graph position (O(1)): no per-match walk of the graph
     last_input = _last_operand(ar, scale, norm)
@@ -158,7 +158,7 @@ def _rewrite(ctx: PassContext, ar: AllReduce, scale: ResidualScale | None, norm:
         round_sum=((norm.residual is not None or scaled) and lowp
                    and not norm.sum_in_f32 and (emulate or _stored(norm))),
         out_f32=norm.out_dtype == torch.float32, two_shot_min_bytes=two_shot,
-        scale_divides=scaled and scale.divides,
+        scale_divides=scaled and scale is not None and scale.divides,
         # the scaled value is a stored buffer when an eager norm reads it itself
         round_scaled=scaled and lowp and (bool(inductor_config.emulate_precision_casts)
                                           or _eager_reads(norm, norm.x)))
@@ -172,9 +172,9 @@ def _rewrite(ctx: PassContext, ar: AllReduce, scale: ResidualScale | None, norm:
             written = anchor = insert_call(graph, torch.ops.aten.clone.default, (written,),
                                            like=norm.output)
     op, args = torch.ops.commfold.allreduce_rmsnorm.default, {}
-    if scaled:
-        op = torch.ops.commfold.allreduce_rmsnorm
-        op, args = op.scaled if scale.number else op.scaled_tensor, dict(scale=scale.value)
+    if scaled and scale is not None:
+        ops = torch.ops.commfold.allreduce_rmsnorm
+        op, args = ops.scaled if scale.number else ops.scaled_tensor, dict(scale=scale.value)
     with graph.inserting_after(anchor):
         fused = insert_call(
             graph, auto_functionalized, (op,),
@@ -200,7 +200,7 @@ def _rewrite(ctx: PassContext, ar: AllReduce, scale: ResidualScale | None, norm:
             erase_if_dead(node)
     if not ar.collective._erased:  # would run the collective twice: never leave it
         raise RuntimeError("fuse_allreduce_rmsnorm: the original all-reduce is still read")
-    x = tensor_val(ar.input)
+    x = fake_tensor(ar.input)
     size = nbytes(x)
     ctx.rewrote(PATTERN, norm.output, Comm(size, 1), Comm(size, 1),
                 detail=_detail(x, norm, scale if scaled else None))
@@ -209,7 +209,7 @@ def _rewrite(ctx: PassContext, ar: AllReduce, scale: ResidualScale | None, norm:
 def _last_operand(ar: AllReduce, scale: ResidualScale | None, norm: RMSNorm
                   ) -> torch.fx.Node:
     """The fused op's operand defined last: the op goes after it."""
-    c = scale.value if scale is not None and not scale.number else None
+    c = scale.value if scale is not None and isinstance(scale.value, torch.fx.Node) else None
     return max(n for n in (ar.collective, norm.residual, norm.weight, c) if n is not None)
 
 

@@ -37,11 +37,11 @@ import torch.fx as fx
 from torch._inductor.pattern_matcher import stable_topological_sort
 
 from commfold.context import PassContext
-from commfold.fx.nodes import arg, is_call, nbytes, numel_times, tensor_val
+from commfold.fx.nodes import arg, fake_tensor, is_call, nbytes, numel_times
 from commfold.fx.edit import erase_if_dead, insert_call, replace_items
 from commfold.patterns.common import FLOAT_DTYPES, aten
 from commfold.patterns.gather import after_vocab_gather, gather_candidates
-from commfold.patterns.greedy import GreedyPick
+from commfold.patterns.greedy import GreedyPick, PickKind
 from commfold.patterns.softmax_stats import (Greedy, RowReads, SoftmaxStats, exact_widening,
                                              match_row_reads)
 from commfold.report import Comm
@@ -55,7 +55,7 @@ def run(ctx: PassContext) -> None:
     changed = False
     for reads in ctx.matches(PATTERN, gather_candidates(ctx.graph),
                            after_vocab_gather(match_row_reads)):
-        bad = [s for s in reads.stats if tensor_val(s.base).dtype not in FLOAT_DTYPES]
+        bad = [s for s in reads.stats if fake_tensor(s.base).dtype not in FLOAT_DTYPES]
         if bad:
             ctx.skipped(PATTERN, bad[0].amax, "softmax over non-floating logits")
             continue
@@ -73,7 +73,7 @@ def run(ctx: PassContext) -> None:
 
 def _rewrite(ctx: PassContext, m: RowReads) -> None:
     graph = ctx.graph
-    before = Comm(nbytes(tensor_val(m.gather.gathered)), 1)
+    before = Comm(nbytes(fake_tensor(m.gather.gathered)), 1)
     replayed: dict[fx.Node, fx.Node] = {}
     fused: set[fx.Node] = set()
     sent = 0
@@ -85,11 +85,11 @@ def _rewrite(ctx: PassContext, m: RowReads) -> None:
     for gr in m.greedy:
         if gr.pick not in fused:  # its own (value, index) exchange
             keep = bool(arg(gr.pick, "keepdim"))
-            kind = "argmax" if gr.pick.target is aten.argmax.default else "max"
+            kind: PickKind = "argmax" if gr.pick.target is aten.argmax.default else "max"
             rewrite_pick(ctx, GreedyPick(m.gather, m.valid_vocab, gr.chain, gr.pick, kind, keep),
                          before=Comm(0, 0))
     erase_if_dead(m.gather.gathered, also=m.gather.comm_nodes)
-    rows = tensor_val(m.stats[0].sum)
+    rows = fake_tensor(m.stats[0].sum)
     # `sent` float64 values per row per rank
     after = Comm(numel_times(rows, 8 * sent * m.gather.world_size), len(m.stats))
     ctx.rewrote(PATTERN, m.stats[0].amax, before, after, detail=_detail(m, fused))
@@ -122,7 +122,7 @@ def _rewrite_stats(graph, m: RowReads, s: SoftmaxStats, argmax: Greedy | None,
     for p in s.picks:  # gather(D - L, -1, idx) == (x[idx] - shift) - L, elementwise
         with graph.inserting_before(p):
             if p in picks:  # the op's own (x[idx] - shift) - log(S)
-                k = tensor_val(p).shape[-1]
+                k = fake_tensor(p).shape[-1]
                 new = picked if len(picks) == 1 else insert_call(
                     graph, aten.slice.Tensor, (picked, -1, offset, offset + k), like=p)
                 offset += k
@@ -144,7 +144,7 @@ def _rewrite_stats(graph, m: RowReads, s: SoftmaxStats, argmax: Greedy | None,
         if dead is not None and not dead._erased:
             erase_if_dead(dead, also=m.gather.comm_nodes)
     return 2 + (argmax is not None or bool(s.softmax_max)) + sum(
-        tensor_val(p).shape[-1] for p in picks)
+        fake_tensor(p).shape[-1] for p in picks)
 
 
 def _rewrite_softmax_max(graph, mx, big_m, shift, big_s, first, s) -> None:
@@ -184,7 +184,7 @@ def _is_index_of(idx, pick: fx.Node) -> bool:
         return bool(arg(pick, "keepdim"))
     if not is_call(idx, aten.unsqueeze.default) or idx.args[0] is not pick:
         return False
-    return idx.args[1] in (-1, tensor_val(pick).dim())
+    return idx.args[1] in (-1, fake_tensor(pick).dim())
 
 
 def _detail(m: RowReads, fused) -> str:

@@ -29,7 +29,7 @@ import operator
 import torch
 
 from commfold.context import PassContext
-from commfold.fx.nodes import nbytes, numel_times, tensor_val
+from commfold.fx.nodes import fake_tensor, nbytes, numel_times
 from commfold.fx.edit import erase_if_dead, insert_call
 from commfold.ops.local_topk import SUPPORTED_DTYPES
 from commfold.patterns.gather import after_vocab_gather
@@ -51,7 +51,7 @@ def run(ctx: PassContext) -> None:
 
 def _rewrite(ctx: PassContext, m: TopK) -> None:
     graph = ctx.graph
-    before = Comm(nbytes(tensor_val(m.gather.gathered)), 1)
+    before = Comm(nbytes(fake_tensor(m.gather.gathered)), 1)
     with graph.inserting_before(m.reader):
         x, chain = shard_and_chain(graph, m.gather.shard, m.elementwise)
         top = insert_call(graph, torch.ops.commfold.local_topk.default,
@@ -61,7 +61,7 @@ def _rewrite(ctx: PassContext, m: TopK) -> None:
         old.replace_all_uses_with(new[which])
         erase_if_dead(old, also=m.gather.comm_nodes)  # transitively: up to the gather
     # k int64 (key, value) pairs per row per rank, as the collective outputs
-    pairs = numel_times(tensor_val(new[1]), 16 * m.gather.world_size)
+    pairs = numel_times(fake_tensor(new[1]), 16 * m.gather.world_size)
     ctx.rewrote(PATTERN, m.reader, before, Comm(pairs, 1),
                 detail=f"{m.kind} k={m.k}, world {m.gather.world_size}, "
                        f"{'no padding' if m.valid_vocab is None else 'padding sliced off'}")

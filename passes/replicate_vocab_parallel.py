@@ -37,7 +37,7 @@ import torch
 from commfold import cost
 from commfold.context import PassContext
 from commfold.distributed.collectives import communicator
-from commfold.fx.nodes import nbytes, tensor_val
+from commfold.fx.nodes import fake_tensor, nbytes, operands
 from commfold.fx.edit import erase_if_dead, insert_call
 from commfold.patterns.gather import gather_candidates, match_vocab_gather
 from commfold.patterns.greedy import match_greedy
@@ -62,13 +62,13 @@ def _lm_head_match(coll):
 
 
 def _row_bytes(shard) -> int:
-    v = tensor_val(shard)
+    v = fake_tensor(shard)
     return int(v.shape[1]) * v.element_size()
 
 
 def _embedding(ctx: PassContext, m: VocabParallelEmbedding) -> None:
     world = communicator(m.comm).world_size()
-    rows = int(tensor_val(m.shard).shape[0])
+    rows = int(fake_tensor(m.shard).shape[0])
     first = min(r.lo for r in m.ranges) if m.ranges else 0
     if world > 1:  # a shorter last shard: its first served id shows the full stride
         rows = max(rows, -(-first // (world - 1)))
@@ -82,7 +82,7 @@ def _embedding(ctx: PassContext, m: VocabParallelEmbedding) -> None:
     with graph.inserting_before(m.output):
         new = insert_call(graph, torch.ops.commfold.replicated_embedding.default,
                           (m.ids, m.shard, flat, world, m.comm), like=m.lookup)
-    before = Comm(nbytes(tensor_val(m.output)), 1)
+    before = Comm(nbytes(fake_tensor(m.output)), 1)
     m.output.replace_all_uses_with(new)
     erase_if_dead(m.output, also=m.comm_nodes)
     ctx.rewrote(EMBEDDING, new, before, Comm(0, 0), extra_memory_bytes=full,
@@ -91,10 +91,10 @@ def _embedding(ctx: PassContext, m: VocabParallelEmbedding) -> None:
 
 def _lm_head(ctx: PassContext, m: VocabParallelLMHead) -> None:
     g, graph = m.gather, ctx.graph
-    vs = int(tensor_val(m.shard).shape[0])
+    vs = int(fake_tensor(m.shard).shape[0])
     cols = m.valid_vocab or g.world_size * vs
     full = cols * _row_bytes(m.shard)
-    device = tensor_val(m.shard).device.type
+    device = fake_tensor(m.shard).device.type
     why = cost.why_slower(cost.Site(cost.REPLICATE_HEAD, device, nbytes=full), ctx.config)
     if why:
         ctx.skipped(LM_HEAD, m.output, why)
@@ -112,10 +112,10 @@ def _lm_head(ctx: PassContext, m: VocabParallelLMHead) -> None:
                              (m.hidden, m.shard, m.valid_vocab, g.world_size, g.comm),
                              like=m.output)
         if m.reshape is not None:
-            shape = list(m.reshape.args[1])[:-1] + [cols]
+            shape = list(operands(m.reshape)[1])[:-1] + [cols]
             logits = insert_call(graph, torch.ops.aten.reshape.default, (logits, shape),
                                  like=m.output)
-    before = Comm(nbytes(tensor_val(g.gathered)), 1)
+    before = Comm(nbytes(fake_tensor(g.gathered)), 1)
     m.output.replace_all_uses_with(logits)
     erase_if_dead(m.output, also=g.comm_nodes)
     ctx.rewrote(LM_HEAD, logits, before, Comm(0, 0), extra_memory_bytes=full,

@@ -16,15 +16,18 @@ vLLM).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import final
 
 import torch.fx as fx
 
 from commfold.distributed.collectives import CommKind
-from commfold.fx.nodes import is_call, is_getitem
+from commfold.fx.nodes import is_call, is_getitem, operands
 
-from .common import Miss, c10d, functional_kwargs, is_functionalized, optional_op, waits_of
+from .common import (Miss, Verdict, c10d, functional_kwargs, is_functionalized, optional_op,
+                     waits_of)
 
 
+@final
 @dataclass(frozen=True)
 class AllReduce:
     """`reduced` holds the `reduce_op` ('sum', 'avg', ...) of every rank's `input`."""
@@ -45,9 +48,9 @@ def allreduce_candidates(graph: fx.Graph) -> list[fx.Node]:
         n.target in targets or is_functionalized(n, shm_ar))]
 
 
-def match_allreduce(coll: fx.Node) -> AllReduce | Miss:
+def match_allreduce(coll: fx.Node) -> Verdict[AllReduce]:
     if is_call(coll, c10d.all_reduce.default):
-        x, op, group = coll.args[:3]
+        x, op, group = operands(coll)[:3]
         waits = waits_of(coll)
         if not waits:
             return Miss("all-reduce without a wait_tensor", coll)
@@ -55,7 +58,7 @@ def match_allreduce(coll: fx.Node) -> AllReduce | Miss:
                          (coll, *waits))
     vllm_ar = optional_op("vllm", "all_reduce")
     if vllm_ar is not None and is_call(coll, vllm_ar):
-        x, group = coll.args[:2]
+        x, group = operands(coll)[:2]
         return AllReduce(x, coll, "sum", CommKind.VLLM.spec(group), coll, (coll,))
     if is_functionalized(coll, optional_op("_C", "shm_allreduce")):
         outs = [u for u in coll.users if is_getitem(u, 1)]

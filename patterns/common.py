@@ -6,6 +6,7 @@ reader a few ops downstream). Vocabulary-free node accessors live in commfold.fx
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Literal, TypeAlias, TypeVar, final
 
 import torch
 import torch.fx as fx
@@ -22,6 +23,7 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 AUTO_FUNCTIONALIZED = (auto_functionalized, auto_functionalized_v2)
 
 
+@final
 @dataclass(frozen=True)
 class Miss:
     """A recognizer's answer when a shape almost matched: why it did not."""
@@ -29,8 +31,17 @@ class Miss:
     reason: str
     node: fx.Node | None = None
 
-    def __bool__(self) -> bool:  # a Miss is never a match
+    def __bool__(self) -> Literal[False]:  # a Miss is never a match: `if not m` narrows
         return False
+
+
+M = TypeVar("M")
+# What a recognizer answers: its match, a Miss (the shape almost matched: why not), or
+# None (nothing like the shape). Only a match is truthy, so `if not m: return m` hands
+# both non-matches on, and a caller that tests `m is None` alone still holds a Miss
+# where the checker wants the match's fields.
+Recognized: TypeAlias = M | Miss | None
+Verdict: TypeAlias = M | Miss  # a recognizer that always decides: the match or why not
 
 
 def optional_op(namespace: str, name: str, overload: str = "default"):
@@ -56,7 +67,7 @@ def functional_kwargs(af: fx.Node) -> dict | None:
     they are; v2 passes a mutated argument as a base (`_all_bases[_<name>_base_index]`)
     plus how it is viewed: an alias of the base is the base, any other view gives
     None (what the op then mutates is not a whole tensor)."""
-    kw = dict(af.kwargs)
+    kw: dict[str, Any] = dict(af.kwargs)  # the op's arguments: any kind
     bases = kw.pop("_all_bases", None)
     if bases is None:
         return kw
@@ -75,7 +86,7 @@ def functional_kwargs(af: fx.Node) -> dict | None:
 def waits_of(node: fx.Node) -> list[fx.Node]:
     """The chain of wait_tensor nodes after a collective (a user's explicit wait adds a
     second one); empty if none."""
-    chain = []
+    chain: list[fx.Node] = []
     while True:
         nxt = only_user(node)
         if nxt is None or not is_call(nxt, c10d.wait_tensor.default):
@@ -84,7 +95,7 @@ def waits_of(node: fx.Node) -> list[fx.Node]:
         node = nxt
 
 
-def vocab_slice_end(node: fx.Node, rank: int) -> tuple | Miss:
+def vocab_slice_end(node: fx.Node, rank: int) -> Verdict[tuple[int | fx.Node | None]]:
     """(end,) when slice node keeps the vocab dim's [0:end] (end an int, a SymInt
     node, or None), else a Miss saying why. The ops given `end` apply slice's own
     clamping at run time (end may be symbolic)."""
@@ -111,7 +122,7 @@ def reader_within(node: fx.Node, is_reader, hops: int = 6) -> fx.Node | None:
     recognizer could not follow is a near-miss only when what it looks for is close."""
     frontier, seen = [node], set()
     for _ in range(hops):
-        nxt = []
+        nxt: list[fx.Node] = []
         for n in frontier:
             if is_reader(n):
                 return n

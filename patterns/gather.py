@@ -16,16 +16,18 @@ spelling commfold knows:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import final
 
 import torch.fx as fx
 
 from commfold.distributed.collectives import CommKind
-from commfold.fx.nodes import (arg, is_call, is_getitem, ndim, norm_dim, only_user, same_shape,
-                            tensor_val)
+from commfold.fx.nodes import (arg, fake_tensor, is_call, is_getitem, ndim, norm_dim, only_user,
+                            operands, same_shape)
 
-from .common import Miss, aten, c10d, is_functionalized, optional_op, waits_of
+from .common import Miss, Verdict, aten, c10d, is_functionalized, optional_op, waits_of
 
 
+@final
 @dataclass(frozen=True)
 class VocabGather:
     """`gathered` holds the ranks' `shard`s concatenated on the last dim, in rank order."""
@@ -51,7 +53,7 @@ def gather_candidates(graph: fx.Graph) -> list[fx.Node]:
         n.target in targets or is_functionalized(n, shm_ag))]
 
 
-def match_vocab_gather(coll: fx.Node) -> VocabGather | Miss:
+def match_vocab_gather(coll: fx.Node) -> Verdict[VocabGather]:
     if is_call(coll, c10d.all_gather_into_tensor.default):
         return _match_c10d(coll)
     vllm_ag = optional_op("vllm", "all_gather")
@@ -62,7 +64,7 @@ def match_vocab_gather(coll: fx.Node) -> VocabGather | Miss:
     return Miss("not an all-gather", coll)
 
 
-def _match_shm(coll: fx.Node) -> VocabGather | Miss:
+def _match_shm(coll: fx.Node) -> Verdict[VocabGather]:
     shard, rank = coll.kwargs.get("data"), None
     if isinstance(shard, fx.Node):
         rank = ndim(shard)
@@ -74,23 +76,23 @@ def _match_shm(coll: fx.Node) -> VocabGather | Miss:
     view = only_user(outs[0])
     if view is None or not is_call(view, aten.reshape.default, aten.view.default):
         return Miss("all-gather on dim 0 (rows), not re-laid on the vocab dim", coll)
-    world = view.args[1][0]
+    world = operands(view)[1][0]
     if not isinstance(world, int):
         return Miss("gathered buffer viewed other than as [world, *shard]", coll)
     comm = CommKind.VLLM_SHM.spec(coll.kwargs["handle"])
     return _match_reshape_permute(coll, outs, shard, view, world, comm, rank)
 
 
-def _match_vllm(coll: fx.Node) -> VocabGather | Miss:
-    shard, dim, world, group = coll.args[:4]
+def _match_vllm(coll: fx.Node) -> Verdict[VocabGather]:
+    shard, dim, world, group = operands(coll)[:4]
     rank = ndim(shard)
     if rank is None or norm_dim(dim, rank) != rank - 1:
         return Miss(f"all-gather on dim {dim}, not the last (vocab) dim", coll)
     return VocabGather(shard, coll, int(world), CommKind.VLLM.spec(group), coll)
 
 
-def _match_c10d(coll: fx.Node) -> VocabGather | Miss:
-    shard, world, group = coll.args[:3]
+def _match_c10d(coll: fx.Node) -> Verdict[VocabGather]:
+    shard, world, group = operands(coll)[:3]
     world = int(world)
     rank = ndim(shard)
     if rank is None or rank < 2:
@@ -118,7 +120,7 @@ def _one_row(shape) -> bool:
     return all(statically_known_true(d == 1) for d in shape[:-1])
 
 
-def _match_split_cat(coll, waits, shard, split, world, comm, rank) -> VocabGather | Miss:
+def _match_split_cat(coll, waits, shard, split, world, comm, rank) -> Verdict[VocabGather]:
     dim = arg(split, "dim")
     getitems = list(split.users)
     if len(getitems) != world or not all(is_getitem(g) for g in getitems):
@@ -128,7 +130,7 @@ def _match_split_cat(coll, waits, shard, split, world, comm, rank) -> VocabGathe
     cat = only_user(getitems[0])
     if cat is None or not is_call(cat, aten.cat.default):
         return Miss("per-rank chunks are not concatenated", coll)
-    parts = cat.args[0]
+    parts = operands(cat)[0]
     cat_dim = arg(cat, "dim")
     if len(parts) != world or any(not is_getitem(p, i) or p.args[0] is not split
                                   for i, p in enumerate(parts)):
@@ -140,15 +142,15 @@ def _match_split_cat(coll, waits, shard, split, world, comm, rank) -> VocabGathe
     return VocabGather(shard, cat, world, comm, coll, tuple(waits))
 
 
-def _match_reshape_permute(coll, waits, shard, view, world, comm, rank) -> VocabGather | Miss:
-    shape = list(tensor_val(shard).shape)
+def _match_reshape_permute(coll, waits, shard, view, world, comm, rank) -> Verdict[VocabGather]:
+    shape = list(fake_tensor(shard).shape)
     if _one_row(shape) and same_shape(view, shape[:-1] + [world * shape[-1]]):
         return VocabGather(shard, view, world, comm, coll, tuple(waits))  # 1 row: a plain view
     if not same_shape(view, [world] + shape):
         return Miss("gathered buffer viewed other than as [world, *shard]", coll)
     perm = only_user(view)
     want = list(range(1, rank)) + [0, rank]
-    if perm is None or not is_call(perm, aten.permute.default) or list(perm.args[1]) != want:
+    if perm is None or not is_call(perm, aten.permute.default) or list(arg(perm, "dims")) != want:
         return Miss("rank dim is not moved next to the vocab dim", coll)
     nxt = only_user(perm)
     if nxt is not None and is_call(nxt, aten.clone.default):

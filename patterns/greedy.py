@@ -5,21 +5,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, final
 
 import torch
 import torch.fx as fx
 
-from commfold.fx.nodes import arg, is_call, is_getitem, is_number, norm_dim, only_user, tensor_val
+from commfold.fx.nodes import arg, fake_tensor, is_call, is_getitem, is_number, norm_dim, only_user
 
-from .common import (FLOAT_DTYPES, Miss, aten, op_name, prims, reader_within,
-                     vocab_slice_end)
+from .common import (FLOAT_DTYPES, Miss, Recognized, Verdict, aten, op_name, prims,
+                     reader_within, vocab_slice_end)
 from .gather import VocabGather
 
 PickKind = Literal["argmax", "max", "topk"]
 
 
 
+@final
 @dataclass(frozen=True)
 class GreedyPick:
     gather: VocabGather
@@ -74,6 +75,7 @@ def monotone_step(node: fx.Node, x: fx.Node) -> str | None:
     return f"{name} between the gather and the argmax is not a known monotone elementwise op"
 
 
+@final
 @dataclass(frozen=True)
 class RowWalk:
     """The single-consumer path from a gathered row to the op that reads it: an
@@ -84,12 +86,13 @@ class RowWalk:
     reader: fx.Node
 
 
-def walk_to_reader(g: VocabGather, readers) -> RowWalk | Miss | None:
+def walk_to_reader(g: VocabGather, readers) -> Recognized[RowWalk]:
     """Follow g's gathered row through a vocab slice and monotone elementwise ops to
     an op whose target is in `readers`; a Miss says why the path breaks (only when a
     reader is a few ops downstream), None when no reader reads g at all."""
-    node, valid, chain = g.gathered, None, []
-    rank = tensor_val(g.shard).dim()
+    node, valid = g.gathered, None
+    chain: list[fx.Node] = []
+    rank = fake_tensor(g.shard).dim()
     while True:
         user = only_user(node)
         if user is None:
@@ -114,7 +117,7 @@ def walk_to_reader(g: VocabGather, readers) -> RowWalk | Miss | None:
         return _near(user, None, readers)
 
 
-def match_greedy(g: VocabGather) -> GreedyPick | Miss | None:
+def match_greedy(g: VocabGather) -> Recognized[GreedyPick]:
     """The greedy pick reading g, a Miss saying why g's reader is not one, or None
     when nothing argmax-like reads g at all (not a near-miss: no record). topk with
     k > 1 is not a greedy pick: it is left to the top-k recognizer (None)."""
@@ -125,7 +128,7 @@ def match_greedy(g: VocabGather) -> GreedyPick | Miss | None:
     if pick.target is aten.topk.default and pick.args[1] != 1:
         return None
     return _match_pick(g, pick, walk.valid_vocab, list(walk.elementwise),
-                       tensor_val(g.shard).dim())
+                       fake_tensor(g.shard).dim())
 
 
 def _near(node: fx.Node, reason: str | None, readers):
@@ -144,9 +147,9 @@ def is_elementwise(node: fx.Node) -> bool:
         prims.convert_element_type.default, aten._to_copy.default)
 
 
-def _match_pick(g, pick, valid, chain, rank) -> GreedyPick | Miss:
+def _match_pick(g, pick, valid, chain, rank) -> Verdict[GreedyPick]:
     kind = _PICKS[pick.target]
-    dtype = tensor_val(pick.args[0]).dtype
+    dtype = fake_tensor(pick.args[0]).dtype
     if dtype not in FLOAT_DTYPES:
         return Miss(f"{kind} over {dtype} logits (floating point only)", pick)
     dim = arg(pick, "dim")

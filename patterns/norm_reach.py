@@ -46,7 +46,7 @@ def unmatched_norm(value: fx.Node, hops: int = HOPS) -> Miss | None:
 def norm_path(value: fx.Node, hops: int = HOPS) -> list[fx.Node] | None:
     """[value, ..., the norm's first op]: the shortest path through elementwise ops
     with at most `hops` of them between the two ends; None when there is none."""
-    parent = {value: None}
+    parent: dict[fx.Node, fx.Node | None] = {value: None}
     frontier = [value]
     for _ in range(hops + 1):
         nxt = []
@@ -57,8 +57,8 @@ def norm_path(value: fx.Node, hops: int = HOPS) -> list[fx.Node] | None:
                 parent[u] = n
                 if norm_start(u):
                     path = [u]
-                    while parent[path[-1]] is not None:
-                        path.append(parent[path[-1]])
+                    while (before := parent[path[-1]]) is not None:
+                        path.append(before)
                     return path[::-1]
                 if _elementwise(u):
                     nxt.append(u)

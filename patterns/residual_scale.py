@@ -16,6 +16,7 @@ eager ATen does not.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeGuard, final
 
 import torch.fx as fx
 
@@ -24,6 +25,7 @@ from commfold.fx.nodes import dtype_of, is_call, is_number, tensor_val
 from .common import aten
 
 
+@final
 @dataclass(frozen=True)
 class ResidualScale:
     x: fx.Node  # the value scaled
@@ -57,8 +59,10 @@ def scale_of(node: fx.Node, x: fx.Node) -> ResidualScale | None:
     a, b = node.args
     if is_call(node, aten.mul.Tensor):
         c = b if a is x else a if b is x else None
-        if is_number(c) or _scalar_tensor(c, x):
-            return ResidualScale(x, node, c if _scalar_tensor(c, x) else float(c), False)
+        if _scalar_tensor(c, x):
+            return ResidualScale(x, node, c, False)
+        if is_number(c):
+            return ResidualScale(x, node, float(c), False)
     if is_call(node, aten.div.Tensor) and a is x and b is not x:
         if is_number(b) and b != 0:
             return ResidualScale(x, node, float(b), True)
@@ -67,7 +71,7 @@ def scale_of(node: fx.Node, x: fx.Node) -> ResidualScale | None:
     return None
 
 
-def _scalar_tensor(c, x: fx.Node) -> bool:
+def _scalar_tensor(c, x: fx.Node) -> TypeGuard[fx.Node]:
     """c is the node of a 0-d tensor of x's dtype, on x's device (or the CPU)."""
     if not isinstance(c, fx.Node) or c is x:
         return False

@@ -25,10 +25,10 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from commfold.fx.nodes import (arg, dtype_of, is_call, is_number, ndim, only_user, same_shape,
-                            tensor_val)
+from commfold.fx.nodes import (arg, dtype_of, fake_tensor, is_call, is_number, only_user,
+                            same_shape, tensor_val)
 
-from .common import Miss, aten, prims
+from .common import Miss, Recognized, Verdict, aten, prims
 from .rmsnorm_match import RMSNorm
 from .rmsnorm_vllm import match_ir_norm, match_ir_norm_of_sum
 
@@ -54,7 +54,7 @@ def _other(node: fx.Node, x: fx.Node):
     return None
 
 
-def match_rmsnorm(x: fx.Node) -> RMSNorm | Miss | None:
+def match_rmsnorm(x: fx.Node) -> Recognized[RMSNorm]:
     """The residual add + RMSNorm reading x; a Miss when one almost matches; None when
     no RMSNorm reads x. A norm reading x itself wins over one reading x + residual
     (then x is also the new residual, read by a later add)."""
@@ -87,7 +87,7 @@ def match_rmsnorm(x: fx.Node) -> RMSNorm | Miss | None:
     return found
 
 
-def _match_f32_sum(x, up, s) -> RMSNorm | Miss | None:
+def _match_f32_sum(x, up, s) -> Recognized[RMSNorm]:
     """s = convert(x, f32) + convert(residual, f32): vLLM's fused add + norm."""
     cr = _other(s, up)
     if isinstance(cr, fx.Node) and dtype_of(cr) == torch.float32 and same_shape(cr, x) \
@@ -120,7 +120,7 @@ F32_STREAM = ("a float32 residual stream (torch before 2.13 drops vLLM's cast ba
               "keeps the residual in the model's dtype")
 
 
-def _match_norm(x, residual, h, hf=None, pre=()) -> RMSNorm | Miss | None:
+def _match_norm(x, residual, h, hf=None, pre=()) -> Recognized[RMSNorm]:
     dtype = dtype_of(x)
     if hf is None:
         hf = h
@@ -137,7 +137,7 @@ def _match_norm(x, residual, h, hf=None, pre=()) -> RMSNorm | Miss | None:
     mean = only_user(sq)
     if not is_call(mean, aten.mean.dim):
         return None
-    rank = ndim(x)
+    rank = fake_tensor(x).dim()
     dims, keepdim = arg(mean, "dim"), arg(mean, "keepdim")
     if arg(mean, "dtype") not in (None, torch.float32):
         return Miss("mean of squares in a dtype other than float32", mean)
@@ -161,7 +161,7 @@ def _match_norm(x, residual, h, hf=None, pre=()) -> RMSNorm | Miss | None:
     return _match_tail(x, residual, h, float(eps), normed, inner, dtype, sum_in_f32=bool(pre))
 
 
-def _match_tail(x, residual, h, eps, normed, inner, dtype, sum_in_f32=False) -> RMSNorm | Miss:
+def _match_tail(x, residual, h, eps, normed, inner, dtype, sum_in_f32=False) -> Verdict[RMSNorm]:
     """After n = hf * rsqrt(...): the optional cast back and weight multiply."""
     cur, round_before = normed, False
     weight, offset, off_in_w = None, 0.0, False
@@ -184,7 +184,7 @@ def _match_tail(x, residual, h, eps, normed, inner, dtype, sum_in_f32=False) -> 
     if weight is None:
         round_before = False
     out_dtype = dtype_of(cur)
-    if out_dtype not in (torch.float32, dtype):
+    if out_dtype is None or out_dtype not in (torch.float32, dtype):
         return Miss(f"norm output in {out_dtype} (neither f32 nor the input dtype)", cur)
     for n in inner:  # the norm's intermediates must not be read elsewhere
         if any(u not in inner and u is not cur and (h is None or u is not h) for u in n.users):
@@ -193,7 +193,7 @@ def _match_tail(x, residual, h, eps, normed, inner, dtype, sum_in_f32=False) -> 
                    cur, tuple(inner), sum_in_f32=sum_in_f32)
 
 
-def _weight(w, x) -> tuple | Miss | None:
+def _weight(w, x) -> Recognized[tuple]:
     """(raw weight, offset, offset added in the weight's dtype) for the weight operand
     w: w | convert(w, f32) | (w | convert(w, f32)) + number; None if w is not a weight."""
     if not isinstance(w, fx.Node):
@@ -209,7 +209,7 @@ def _weight(w, x) -> tuple | Miss | None:
     if _cast_to(w, torch.float32):
         w, off_in_w = w.args[0], False
     v = tensor_val(w) if isinstance(w, fx.Node) else None
-    hidden = tensor_val(x).shape[-1]
+    hidden = fake_tensor(x).shape[-1]
     if v is None or v.dim() != 1 or not same_shape(v.shape, [hidden]):
         return Miss("norm weight is not a [hidden] vector", w)
     if v.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -219,5 +219,5 @@ def _weight(w, x) -> tuple | Miss | None:
 
 def _is_square(node, x) -> bool:
     if is_call(node, aten.pow.Tensor_Scalar):
-        return node.args[0] is x and node.args[1] == 2
+        return node.args[0] is x and bool(node.args[1] == 2)
     return is_call(node, aten.mul.Tensor) and node.args[0] is x and node.args[1] is x

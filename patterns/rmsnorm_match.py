@@ -4,13 +4,15 @@ recognizers import it and not each other."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import final
 
 import torch
 import torch.fx as fx
 
-from commfold.fx.nodes import tensor_val
+from commfold.fx.nodes import fake_tensor
 
 
+@final
 @dataclass(frozen=True)
 class RMSNorm:
     x: fx.Node  # the value normed (before the residual add)
@@ -29,4 +31,4 @@ class RMSNorm:
 
     @property
     def dtype(self) -> torch.dtype:
-        return tensor_val(self.x).dtype
+        return fake_tensor(self.x).dtype

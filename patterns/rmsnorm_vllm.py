@@ -21,10 +21,13 @@ vLLM's ops are looked up by name and only when registered (commfold never import
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.fx as fx
 
-from commfold.fx.nodes import arg, dtype_of, is_call, is_getitem, is_number, same_shape, tensor_val
+from commfold.fx.nodes import (arg, dtype_of, fake_tensor, is_call, is_getitem, is_number,
+                            same_shape, tensor_val)
 
 from .common import Miss, functional_kwargs, is_functionalized, optional_op
 from .rmsnorm_match import RMSNorm
@@ -80,7 +83,7 @@ def _fused_add(x, af):
     if not isinstance(residual, fx.Node) or residual is x or not same_shape(residual, x) \
             or dtype_of(residual) != dtype_of(x):
         return Miss("vllm_ir.fused_add_rms_norm operands differ in shape or dtype", af)
-    outs = {}
+    outs: dict[Any, fx.Node] = {}  # getitem index -> the getitem
     for u in af.users:
         if not is_getitem(u) or u.args[1] in outs:
             return Miss("vllm_ir.fused_add_rms_norm result read other than by getitem", af)
@@ -99,11 +102,11 @@ def _build(x, residual, node, a, out, h, inner, sum_in_f32=True):
         return Miss("vllm_ir norm with variance_size (a partial-row variance)", node)
     if not is_number(eps):
         return Miss("vllm_ir norm eps is not a number", node)
-    dtype = dtype_of(x)
+    dtype = fake_tensor(x).dtype
     round_before = False
     if weight is not None:
         v = tensor_val(weight)
-        if v is None or v.dim() != 1 or not same_shape(v.shape, [tensor_val(x).shape[-1]]):
+        if v is None or v.dim() != 1 or not same_shape(v.shape, [fake_tensor(x).shape[-1]]):
             return Miss("norm weight is not a [hidden] vector", node)
         if v.dtype not in (torch.float32, dtype):
             return Miss(f"vllm_ir norm weight in {v.dtype}, input in {dtype}", node)

@@ -4,19 +4,22 @@ divide, add or subtract a Python number, tanh, float casts, clones. The caller
 replays anything else on the shard as graph ops."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch.fx as fx
 
 from .common import aten, is_call, prims
 
-_ARITH = {aten.mul.Tensor: "mul", aten.div.Tensor: "div", aten.add.Tensor: "add",
+_ARITH: dict[Any, str] = {aten.mul.Tensor: "mul", aten.div.Tensor: "div", aten.add.Tensor: "add",
           aten.sub.Tensor: "sub"}
 _COMMUTE = ("mul", "add")
 
 
-def chain_steps(nodes) -> list[tuple] | None:
+def chain_steps(nodes) -> list[tuple[str, Any]] | None:
     """[(name, constant)] for the chain of single-input elementwise nodes (each reads
     the one before), or None when one of them is not such a step."""
-    steps, prev = [], None
+    steps: list[tuple[str, Any]] = []  # (name, its constant: a number, a dtype, None)
+    prev = None
     for node in nodes:
         x = node.args[0] if node.args else None
         if is_call(node, aten.clone.default):

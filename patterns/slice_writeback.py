@@ -26,7 +26,8 @@ def read_back(node: fx.Node) -> fx.Node | None:
     if not is_call(scatter, aten.slice_scatter.default):
         return None
     src = scatter.args[1]
-    if [arg(node, k) for k in _BOUNDS] == [arg(scatter, k) for k in _BOUNDS] \
+    if isinstance(src, fx.Node) \
+            and [arg(node, k) for k in _BOUNDS] == [arg(scatter, k) for k in _BOUNDS] \
             and same_shape(node, src) and dtype_of(node) == dtype_of(src):
         return src
     return None

@@ -20,20 +20,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import final
 
 import torch
 import torch.fx as fx
 
-from commfold.fx.nodes import (arg, is_call, is_getitem, norm_dim, only_user, same_shape,
-                            tensor_val)
+from commfold.fx.nodes import (arg, fake_tensor, is_call, is_getitem, norm_dim, only_user,
+                            same_shape, tensor_val)
 
-from .common import Miss, aten, op_name, optional_op, prims, reader_within, vocab_slice_end
+from .common import (Miss, Recognized, Verdict, aten, op_name, optional_op, prims, reader_within,
+                     vocab_slice_end)
 from .gather import VocabGather
 from .greedy import is_elementwise, monotone_step
 
 _GREEDY = (aten.argmax.default, aten.max.dim)
 
 
+@final
 @dataclass(frozen=True)
 class SoftmaxStats:
     """One amax -> (x - shift) -> exp -> sum structure over row `base`."""
@@ -55,6 +58,7 @@ class SoftmaxStats:
         return self.online is not None or bool(arg(self.sum, "keepdim"))
 
 
+@final
 @dataclass(frozen=True)
 class Greedy:
     """argmax / max(dim=-1) of row `base`."""
@@ -64,6 +68,7 @@ class Greedy:
     pick: fx.Node
 
 
+@final
 @dataclass(frozen=True)
 class RowReads:
     """Everything that reads gathered row `gather`: statistics and greedy picks."""
@@ -74,17 +79,19 @@ class RowReads:
     greedy: tuple[Greedy, ...]
 
 
-def match_row_reads(g: VocabGather) -> RowReads | Miss | None:
+def match_row_reads(g: VocabGather) -> Recognized[RowReads]:
     """The softmax statistics (and greedy picks) that are the only readers of g's
     row; None when no amax reads the row (nothing of this pattern here)."""
     start, valid = g.gathered, None
-    rank = tensor_val(g.shard).dim()
+    rank = fake_tensor(g.shard).dim()
     first = only_user(start)
     if first is not None and is_call(first, aten.slice.Tensor):
         cut = vocab_slice_end(first, rank)
         if cut:
             start, valid = first, cut[0]
-    stats, greedy, todo = [], [], [(start, ())]
+    stats: list[SoftmaxStats] = []
+    greedy: list[Greedy] = []
+    todo: list[tuple[fx.Node, tuple[fx.Node, ...]]] = [(start, ())]
     near = reader_within(g.gathered, lambda n: is_call(n, aten.amax.default)) is not None
     while todo:
         row, chain = todo.pop()
@@ -127,7 +134,7 @@ def _is_online(node, row, rank) -> bool:
         and _over_last(node.args[1], rank)
 
 
-def _match_online(row, chain, online, rank) -> SoftmaxStats | Miss:
+def _match_online(row, chain, online, rank) -> Verdict[SoftmaxStats]:
     """prepare_softmax_online(X, -1): its (max, sum) outputs stand for amax and the
     sum of exp(X - amax); the rest is the amax form's."""
     items = {u.args[1]: u for u in online.users if is_getitem(u)}
@@ -137,7 +144,7 @@ def _match_online(row, chain, online, rank) -> SoftmaxStats | Miss:
     return _match_stats(row, chain, items[0], rank, total=items[1], online=online)
 
 
-def _match_stats(row, chain, amax, rank, total=None, online=None) -> SoftmaxStats | Miss:
+def _match_stats(row, chain, amax, rank, total=None, online=None) -> Verdict[SoftmaxStats]:
     """From amax A (or the online form's max, with its sum `total`): D = X - A, the
     exp and sum of D, and what reads them."""
     shift_node, finite = amax, None
@@ -161,6 +168,7 @@ def _match_stats(row, chain, amax, rank, total=None, online=None) -> SoftmaxStat
                         "(where(all finite, (x - max x) * c, ...)): not supported yet", d)
         return Miss("shifted row is not exponentiated", d)
     if online is None:
+        assert exp is not None  # the elif above returned otherwise
         sums = [u for u in exp.users if is_call(u, aten.sum.dim_IntList)]
         if len(sums) != 1 or not _over_last(arg(sums[0], "dim"), rank):
             return Miss("exp of the shifted row is not summed over the vocab dim", exp)
@@ -195,13 +203,13 @@ def _match_stats(row, chain, amax, rank, total=None, online=None) -> SoftmaxStat
 def _pick_problem(r: fx.Node, lp: fx.Node, rank: int) -> str | None:
     if not is_call(r, aten.gather.default) or r.args[0] is not lp:
         return f"log_softmax row feeds {op_name(r)}, which needs the full row"
-    if norm_dim(r.args[1], rank) != rank - 1 or arg(r, "sparse_grad") or len(r.args) > 3:
+    if norm_dim(arg(r, "dim"), rank) != rank - 1 or arg(r, "sparse_grad") or len(r.args) > 3:
         return "gather from the log_softmax row on a dim other than vocab"
     idx = r.args[2]
-    iv, lv = tensor_val(idx), tensor_val(lp)
+    iv = tensor_val(idx)
     if not isinstance(idx, fx.Node) or iv is None or iv.dim() != rank:
         return "gather index of another rank"
-    if rank != 2 and not same_shape(list(iv.shape[:-1]), list(lv.shape[:-1])):
+    if rank != 2 and not same_shape(list(iv.shape[:-1]), list(fake_tensor(lp).shape[:-1])):
         return "gather index leading dims differ from the logits' (beyond 2-D)"
     return None
 
@@ -214,7 +222,7 @@ def _is_finite_shift(where: fx.Node, amax: fx.Node) -> bool:
     if not (is_call(ab, aten.abs.default) and ab.args[0] is amax):
         return False
     if is_call(zero, aten.full.default):
-        return zero.args[1] == 0 and list(zero.args[0]) == []
+        return arg(zero, "fill_value") == 0 and list(arg(zero, "size")) == []
     return isinstance(zero, (int, float)) and zero == 0
 
 
@@ -248,7 +256,7 @@ def exact_widening(node: fx.Node) -> bool:
         return True
     if not is_call(node, prims.convert_element_type.default):
         return False
-    src = tensor_val(node.args[0]).dtype
+    src = fake_tensor(node.args[0]).dtype
     dst = node.args[1]
     while src in EXACT_WIDENING and src != dst:
         src = EXACT_WIDENING[src]

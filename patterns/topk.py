@@ -13,14 +13,14 @@ greedy pick (patterns.greedy), not matched here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, final
 
 import torch.fx as fx
 
 from commfold.cost import LOCAL_TOPK_MAX_K
-from commfold.fx.nodes import arg, is_call, is_getitem, norm_dim, tensor_val
+from commfold.fx.nodes import arg, fake_tensor, is_call, is_getitem, norm_dim
 
-from .common import FLOAT_DTYPES, Miss, aten, vocab_slice_end
+from .common import FLOAT_DTYPES, Miss, Recognized, aten, vocab_slice_end
 from .gather import VocabGather
 from .greedy import walk_to_reader
 
@@ -29,6 +29,7 @@ MAX_K = LOCAL_TOPK_MAX_K.value
 _READERS = {aten.topk.default, aten.sort.default, aten.sort.stable}
 
 
+@final
 @dataclass(frozen=True)
 class TopK:
     """The top k of a gathered row. `outputs` maps each node now holding the values
@@ -44,15 +45,15 @@ class TopK:
     outputs: tuple[tuple[fx.Node, int], ...]
 
 
-def match_topk(g: VocabGather) -> TopK | Miss | None:
+def match_topk(g: VocabGather) -> Recognized[TopK]:
     """The top-k pick reading g, a Miss saying why g's reader is not one, or None
     when no topk/sort reads g (or a topk(1): the greedy pass's)."""
     walk = walk_to_reader(g, _READERS)
     if not walk:
         return walk
     node = walk.reader
-    rank = tensor_val(g.shard).dim()
-    dtype = tensor_val(node.args[0]).dtype
+    rank = fake_tensor(g.shard).dim()
+    dtype = fake_tensor(node.args[0]).dtype
     if dtype not in FLOAT_DTYPES:
         return Miss(f"top-k over {dtype} logits (floating point only)", node)
     if node.target is aten.topk.default:
@@ -128,7 +129,7 @@ def _match_sort(node, rank):
 
 
 def _static_width(node) -> int | None:
-    width = tensor_val(node).shape[-1]
+    width = fake_tensor(node).shape[-1]
     return width if isinstance(width, int) else None
 
 
@@ -143,4 +144,4 @@ def _first_k(s, rank) -> int | None:
     end = cut[0] if cut else None
     if not isinstance(end, int) or isinstance(end, bool):
         return None
-    return end if statically_known_true(tensor_val(s).shape[-1] == end) else None
+    return end if statically_known_true(fake_tensor(s).shape[-1] == end) else None

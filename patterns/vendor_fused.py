@@ -8,6 +8,7 @@ the op's schema name, so nothing here needs vLLM (or FlashInfer) to be importabl
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import final
 
 from torch import fx
 
@@ -24,6 +25,7 @@ VENDOR_FUSED = {
 }
 
 
+@final
 @dataclass(frozen=True)
 class VendorFusion:
     node: fx.Node  # the fused op's call (its auto_functionalized node, when mutating)

@@ -19,20 +19,22 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
+from typing import final
 
 import torch
 import torch.fx as fx
 
-from commfold.fx.nodes import arg, is_call, is_number, ndim, only_user, val
+from commfold.fx.nodes import arg, fake_tensor, is_call, is_number, ndim, only_user, operands, val
 
 from .allreduce import allreduce_candidates, match_allreduce
-from .common import AUTO_FUNCTIONALIZED, Miss, aten, prims, vocab_slice_end
+from .common import AUTO_FUNCTIONALIZED, Miss, Recognized, aten, prims, vocab_slice_end
 from .gather import VocabGather
 
 MAX_WINDOW = 1 << 23  # ids analysed densely per side (evaluated in 1M-id chunks)
 MAX_SEGMENTS = 8
 
 
+@final
 @dataclass(frozen=True)
 class IdRange:
     """ids in [lo, hi) read shard row ``id - lo + row_start`` (rank-local constants)."""
@@ -42,6 +44,7 @@ class IdRange:
     row_start: int
 
 
+@final
 @dataclass(frozen=True)
 class VocabParallelEmbedding:
     ids: fx.Node
@@ -53,6 +56,7 @@ class VocabParallelEmbedding:
     lookup: fx.Node  # the embedding node
 
 
+@final
 @dataclass(frozen=True)
 class VocabParallelLMHead:
     hidden: fx.Node  # [N, H] rows fed to the matmul
@@ -69,14 +73,14 @@ def embedding_candidates(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.nodes if is_call(n, aten.embedding.default)]
 
 
-def match_embedding(lookup: fx.Node) -> VocabParallelEmbedding | Miss | None:
+def match_embedding(lookup: fx.Node) -> Recognized[VocabParallelEmbedding]:
     """The vocab-parallel embedding around `lookup` (an aten.embedding), a Miss, or None
     when the lookup is not followed by a zeroing and an all-reduce (a plain embedding)."""
-    shard, idx = lookup.args[0], lookup.args[1]
+    shard, idx = operands(lookup)[:2]
     zero = only_user(lookup)
     if zero is None or not is_call(zero, aten.where.self):
         return None
-    cond, a, b = zero.args
+    cond, a, b = operands(zero)
     if a is lookup and _is_zero(b):
         keep_when = True
     elif b is lookup and _is_zero(a):
@@ -94,8 +98,9 @@ def match_embedding(lookup: fx.Node) -> VocabParallelEmbedding | Miss | None:
     output, comm, comm_nodes = ar.reduced, ar.comm, ar.comm_nodes
     if not isinstance(shard, fx.Node) or ndim(shard) != 2:
         return Miss("embedding weight is not a 2-D tensor", lookup)
-    unsqueezed = is_call(cond, aten.unsqueeze.default) and cond.args[1] in (-1, ndim(cond) - 1)
-    mask = cond.args[0] if unsqueezed else None
+    unsqueezed = is_call(cond, aten.unsqueeze.default) \
+        and cond.args[1] in (-1, fake_tensor(cond).dim() - 1)
+    mask = operands(cond)[0] if unsqueezed else None
     if mask is None:
         return Miss("rows are zeroed by something other than a per-id mask", zero)
     leaf_i, why_i = _leaf(idx)
@@ -104,7 +109,7 @@ def match_embedding(lookup: fx.Node) -> VocabParallelEmbedding | Miss | None:
         return Miss(why_i or why_m, lookup)
     if leaf_i is None or leaf_i is not leaf_m:
         return Miss("index and mask are not computed from the same ids", lookup)
-    ranges = _served_ranges(leaf_i, idx, mask, keep_when, int(val(shard).shape[0]))
+    ranges = _served_ranges(leaf_i, idx, mask, keep_when, int(fake_tensor(shard).shape[0]))
     if isinstance(ranges, str):
         return Miss(ranges, lookup)
     return VocabParallelEmbedding(leaf_i, shard, ranges, output, comm, comm_nodes, lookup)
@@ -126,17 +131,19 @@ _ALLOWED = _CMP | _ARITH | _CAST | {aten.full.default, aten.scalar_tensor.defaul
 def _is_zero(x) -> bool:
     if is_number(x):
         return x == 0
-    if is_call(x, aten.full.default) and list(x.args[0]) == []:
-        return x.args[1] == 0
+    if is_call(x, aten.full.default) and list(arg(x, "size")) == []:
+        return arg(x, "fill_value") == 0
     if is_call(x, aten.scalar_tensor.default):
-        return x.args[0] == 0
+        return arg(x, "s") == 0
     return False
 
 
 def _leaf(root: fx.Node):
     """(the one non-constant input the integer arithmetic of root reads, None) or
     (None, why not)."""
-    leaves, seen, stack = set(), set(), [root]
+    leaves: set[fx.Node] = set()
+    seen: set[fx.Node] = set()
+    stack = [root]
     while stack:
         n = stack.pop()
         if n in seen:
@@ -154,10 +161,10 @@ def _leaf(root: fx.Node):
             return None, "ids are cast to a non-integer type"
         for a in n.all_input_nodes:
             stack.append(a)
-    leaves = [n for n in leaves if not _is_const(n)]
-    if len(leaves) != 1:
+    inputs = [n for n in leaves if not _is_const(n)]
+    if len(inputs) != 1:
         return None, "index arithmetic reads more than the ids (not a range mask)"
-    return leaves[0], None
+    return inputs[0], None
 
 
 def _is_const(n) -> bool:
@@ -193,6 +200,8 @@ def _evaluate(root: fx.Node, leaf: fx.Node, x: torch.Tensor, memo: dict) -> torc
     kwargs = fx.node.map_arg(root.kwargs, lambda n: _evaluate(n, leaf, x, memo))
     if root.target in (aten.full.default, aten.scalar_tensor.default, aten._to_copy.default):
         kwargs = {k: v for k, v in kwargs.items() if k not in ("device", "pin_memory", "layout")}
+    if not callable(root.target):
+        raise TypeError(f"{root} calls no function")
     out = root.target(*args, **kwargs)
     memo[root] = out
     return out
@@ -200,7 +209,7 @@ def _evaluate(root: fx.Node, leaf: fx.Node, x: torch.Tensor, memo: dict) -> torc
 
 def _served_ranges(leaf, idx, mask, keep_when: bool, shard_rows: int):
     """This rank's served ids as IdRanges, or why they are not a range mask."""
-    dtype = val(leaf).dtype
+    dtype = fake_tensor(leaf).dtype
     if dtype not in (torch.int32, torch.int64):
         return "ids are not int32/int64"
     span = _constants(idx, leaf) + _constants(mask, leaf) + 2
@@ -272,8 +281,8 @@ def _through_pad_mm(node) -> tuple[fx.Node, fx.Node] | None:
     a, b = (_unpadded(x) for x in cur.args)
     if a is cur.args[0] and b is cur.args[1]:
         return None
-    if list(val(node).shape) != [val(a).shape[0], val(b).shape[1]] \
-            or val(a).shape[1] != val(b).shape[0]:
+    va, vb = fake_tensor(a), fake_tensor(b)
+    if list(fake_tensor(node).shape) != [va.shape[0], vb.shape[1]] or va.shape[1] != vb.shape[0]:
         return None  # not sliced back to the unpadded product
     return a, b
 
@@ -282,19 +291,19 @@ def _unpadded(x):
     """x's input when x is constant_pad_nd with zeros on the right only, else x."""
     if not is_call(x, aten.constant_pad_nd.default):
         return x
-    pad, value = list(x.args[1]), arg(x, "value")
+    pad, value = list(arg(x, "pad")), arg(x, "value")
     if value not in (0, 0.0, None) or any(p != 0 for p in pad[0::2]) \
             or any(p < 0 for p in pad[1::2]):
         return x
     return x.args[0]
 
 
-def match_lm_head(g: VocabGather) -> VocabParallelLMHead | Miss | None:
+def match_lm_head(g: VocabGather) -> Recognized[VocabParallelLMHead]:
     """The matmul whose vocab-sharded logits g gathers and the slice after it; a Miss
     for an LM head this pass cannot take; None when no matmul made the logits."""
     logits, reshape = g.shard, None
     if is_call(logits, aten.reshape.default, aten.view.default, aten._unsafe_view.default):
-        reshape, logits = logits, logits.args[0]
+        reshape, logits = logits, operands(logits)[0]
     if is_call(logits, aten.addmm.default):
         return Miss("vocab-parallel LM head with a bias", logits)
     if _packed_matmul(logits):
@@ -306,20 +315,20 @@ def match_lm_head(g: VocabGather) -> VocabParallelLMHead | Miss | None:
     elif not is_call(logits, aten.mm.default):
         return None  # logits made some other way: not an LM head, nothing to note
     else:
-        hidden, wt = logits.args
-    if not (is_call(wt, aten.permute.default) and list(wt.args[1]) == [1, 0]) \
+        hidden, wt = operands(logits)
+    if not (is_call(wt, aten.permute.default) and list(arg(wt, "dims")) == [1, 0]) \
             and not is_call(wt, aten.t.default):
         return Miss("LM head weight is not used transposed ([vocab, hidden] layout)", logits)
-    shard = wt.args[0]
-    if ndim(shard) != 2 or val(shard).dtype != val(hidden).dtype:
+    shard = operands(wt)[0]
+    if ndim(shard) != 2 or fake_tensor(shard).dtype != fake_tensor(hidden).dtype:
         return Miss("LM head weight is not a 2-D tensor of the hidden dtype", logits)
-    if reshape is not None and val(g.shard).shape[-1] != val(logits).shape[-1]:
+    if reshape is not None and fake_tensor(g.shard).shape[-1] != fake_tensor(logits).shape[-1]:
         return Miss("logits reshaped other than by their leading dims", logits)
     output, valid = g.gathered, 0
-    width = g.world_size * val(g.shard).shape[-1]
+    width = g.world_size * fake_tensor(g.shard).shape[-1]
     user = only_user(g.gathered)
     if is_call(user, aten.slice.Tensor):
-        cut = vocab_slice_end(user, ndim(user))
+        cut = vocab_slice_end(user, fake_tensor(user).dim())
         end = cut[0] if cut else None
         if isinstance(end, int) and not isinstance(end, bool) and end < width:
             output, valid = user, end

@@ -14,8 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 from functools import cache
+from typing import TYPE_CHECKING, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
 
 
 class CommKind(str, Enum):
@@ -120,7 +124,7 @@ def communicator(spec: str) -> Communicator:
 def _c10d_group(name: str):
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    return _resolve_process_group(name)
+    return _resolve_process_group(cast("GroupName", name))  # the graph's group name
 
 
 @cache

@@ -12,12 +12,15 @@ import torch.fx as fx
 from torch._higher_order_ops.auto_functionalize import auto_functionalized
 
 
+_MODE_ATTR = "_commfold_fake_mode"  # where a graph keeps its FakeTensorMode, once found
+
+
 def fake_mode_of(graph: fx.Graph):
     """The FakeTensorMode of graph's values (looked up once per graph: insert_call
     runs once per new node)."""
     from torch._guards import detect_fake_mode
 
-    cached = getattr(graph, "_commfold_fake_mode", None)
+    cached = getattr(graph, _MODE_ATTR, None)
     if cached is not None:
         return cached
     for n in graph.nodes:
@@ -25,7 +28,7 @@ def fake_mode_of(graph: fx.Graph):
         if n.op == "placeholder" and isinstance(v, torch.Tensor):
             mode = detect_fake_mode([v])
             if mode is not None:
-                graph._commfold_fake_mode = mode
+                setattr(graph, _MODE_ATTR, mode)
                 return mode
     return detect_fake_mode()
 

@@ -4,6 +4,7 @@ patterns/common.py's)."""
 from __future__ import annotations
 
 import operator
+from typing import Any, TypeGuard
 
 import torch
 import torch.fx as fx
@@ -18,6 +19,22 @@ def val(node) -> object:
 def tensor_val(node) -> torch.Tensor | None:
     v = val(node)
     return v if isinstance(v, torch.Tensor) else None
+
+
+def fake_tensor(node) -> torch.Tensor:
+    """The fake tensor of a node known to hold one (an op's tensor operand, or output,
+    in a traced graph, or a node a recognizer checked); a TypeError if it holds none."""
+    v = val(node)
+    if not isinstance(v, torch.Tensor):
+        raise TypeError(f"{node} holds no tensor value ({type(v).__name__})")
+    return v
+
+
+def operands(node: fx.Node) -> tuple[Any, ...]:
+    """node.args, to unpack once the op is known: what each holds (a node, an int, a
+    dtype, a list) is the op schema's to say, which the checker cannot read (its type
+    for an FX argument is a union of every kind one may be)."""
+    return node.args
 
 
 def dtype_of(node) -> torch.dtype | None:
@@ -92,7 +109,7 @@ def min_nbytes(t: torch.Tensor) -> int:
     return n
 
 
-def is_number(x) -> bool:
+def is_number(x) -> TypeGuard[int | float]:
     """A Python int or float (a bool is not a number here)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
@@ -117,11 +134,12 @@ def nbytes(t: torch.Tensor) -> int | str:
     return numel_times(t, t.element_size())
 
 
-def is_call(node, *targets) -> bool:
+def is_call(node, *targets) -> TypeGuard[fx.Node]:
+    """node is a call of one of targets (the checker then knows it is a Node)."""
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
 
 
-def is_getitem(node, index=None) -> bool:
+def is_getitem(node, index=None) -> TypeGuard[fx.Node]:
     return (is_call(node, operator.getitem)
             and (index is None or node.args[1] == index))
 
@@ -133,14 +151,16 @@ def only_user(node: fx.Node) -> fx.Node | None:
 _ARGS: dict = {}  # (op, argument name) -> (position or None if keyword-only, default)
 
 
-def arg(node: fx.Node, name: str):
+def arg(node: fx.Node, name: str) -> Any:
     """The argument `name` of an op call, passed by position or keyword, else the
     op schema's default (None when it has none): keepdim, dim, slice bounds, ...
     read the same way everywhere, with the op's own defaults."""
     key = (node.target, name)
     spec = _ARGS.get(key)
     if spec is None:
-        schema = node.target._schema
+        schema = getattr(node.target, "_schema", None)
+        if schema is None:
+            raise AttributeError(f"{node.target} has no op schema")
         found = [(None if a.kwarg_only else i, a.default_value if a.has_default_value()
                   else None) for i, a in enumerate(schema.arguments) if a.name == name]
         if not found:
