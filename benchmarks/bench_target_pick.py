@@ -30,6 +30,7 @@ collectives per step. Engine throughput is bench_vllm_engine.py's (helper
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 from types import SimpleNamespace
 
@@ -50,6 +51,7 @@ def measure(batches, modes, vocab, hidden, dtype, iters, shm, pick_only=False):
 
     current_platform.register_triton_kernel_overrides()
     init_vllm_tp(2, shm=shm)
+    os.environ["COMMFOLD_PICK_COST_RULE"] = "0"  # the pick timed, not the rule's choice
     dt = getattr(torch, dtype)
     model = vs.TinyLM(vocab, dt, seed=0, ties=False, hidden=hidden)
     runner = vs.runner(model, None)

@@ -53,6 +53,12 @@ REPLICATE_HEAD = "replicate_lm_head"  # an LM head on a replicated full weight, 
 REPLICATE_BEFORE_ARGMAX = "replicate_lm_head_before_argmax"
 # V2's batch-sharded sampling (an all-to-all of vocab shards) or commfold's local pick
 BATCH_SHARDED_PICK = "vllm_batch_sharded_pick"
+# vLLM's token picks, per engine step: commfold's local pick from the logits shard (one
+# (value, index) pair per row per rank: the target's greedy pick and greedy
+# verification, the drafter's pick) or vLLM's all-gather of the logits, then its own
+LOCAL_PICK = "vllm_local_pick"
+# the same with top-k logprobs: two small exchanges (local_logprobs) against the gather
+LOCAL_LOGPROBS = "vllm_local_logprobs"
 
 # Communicators (Site.comm): what moves the data in the rewritten code
 SHM = "vllm_shm"  # vLLM CPU's shared-memory all-reduce
@@ -72,7 +78,8 @@ class Site:
     device: str = "cpu"  # the tensors' torch device type
     comm: str = ""  # one of the communicators above, or a c10d backend's name
     dtype: torch.dtype | None = None
-    nbytes: int = 0  # the bytes the rule weighs: the least a symbolic size can be
+    nbytes: int = 0  # the bytes the rule weighs: the least a symbolic size can be,
+    # or for a pick what vLLM's gather sends per rank (rows x vocab shard x itemsize)
     rows: int = 0  # per-step choices: rows of logits,
     vocab: int = 0  # the full vocab,
     world: int = 0  # and the tensor-parallel world size
@@ -123,6 +130,9 @@ class Measured:
 _FUSE_SHM = "docs/performance.md, \"The fused norm's cost rule\" (shared memory)"
 _FUSE_GLOO = "docs/performance.md, \"The fused norm's cost rule\" (gloo)"
 _REPLICATE = "benchmarks/results/results.md, `replicate`"
+_PICK_CPU = "benchmarks/results/target_pick_rule.md"
+# not commfold's measurement: SGLang's (sgl-project/sglang#37106), until the GPU check
+_PICK_CUDA = "docs/performance.md, \"The target pick's cost rule\""
 
 TABLE: dict[Key, Limit] = {
     Key(FUSE, "cpu", SHM, 4): Limit(_FUSE_SHM, least=256 << 10),
@@ -136,6 +146,19 @@ TABLE: dict[Key, Limit] = {
     Key(REPLICATE_BEFORE_ARGMAX): Limit(
         "docs/performance.md, \"Replication limits\" (bench_replicate --layers head+argmax)",
         most=4 << 20),
+    # the greedy pick (one exchange) measured faster than vLLM's gather at every size on
+    # the CPU communicators: no CPU entry; top-k logprobs (two exchanges) lose at a row
+    # or two
+    Key(LOCAL_LOGPROBS, "cpu", SHM): Limit(_PICK_CPU, least=512 << 10,
+                                           figure="slower at 1-2 rows"),
+    Key(LOCAL_LOGPROBS, "cpu", GLOO): Limit(_PICK_CPU, least=256 << 10,
+                                            figure="even at 1 row"),
+    # assumed: a collective's fixed latency on GPUs (SGLang's draft local argmax: slower
+    # than the plain gather at 1-16 rows of V=151936)
+    Key(LOCAL_PICK, "cuda"): Limit(_PICK_CUDA, least=17 * 75968 * 2,
+                                   figure="assumed from SGLang's GPU measurement"),
+    Key(LOCAL_LOGPROBS, "cuda"): Limit(_PICK_CUDA, least=17 * 75968 * 2,
+                                       figure="assumed from SGLang's GPU measurement"),
 }
 
 # A replicated embedding was faster at every size measured: its limit is memory and
@@ -253,9 +276,28 @@ def _batch_sharded_pick(site: Site, limit: Limit | None, config: Config | None
     return None
 
 
+def pick_site(rule: str, device: str, comm: str, dtype: torch.dtype, rows: int, vocab: int,
+              world: int) -> Site:
+    """The Site of one engine step's pick: `rows` rows of logits over `vocab` tokens
+    sharded `world` ways (what vLLM's gather would send, per rank, is its nbytes)."""
+    shard = -(-vocab // world)
+    return Site(rule, device, comm, dtype, nbytes=rows * shard * dtype.itemsize, rows=rows,
+                vocab=vocab, world=world)
+
+
+def _local_pick(site: Site, limit: Limit | None, config: Config | None) -> str | None:
+    if limit is None or site.nbytes >= limit.least:
+        return None
+    return (f"cost rule: {site.rows} row(s) of logits ({site.nbytes} B per rank) are "
+            f"below {limit.least} B on {site.device} {site.comm or ''}, where vLLM's "
+            f"gather is faster ({limit.figure}: {limit.measured_in})")
+
+
 CHECKS: dict[str, Callable[[Site, Limit | None, Config | None], str | None]] = {
     FUSE: _fuse,
     REPLICATE_HEAD: _replicate_head,
     REPLICATE_BEFORE_ARGMAX: _replicate_before_argmax,
     BATCH_SHARDED_PICK: _batch_sharded_pick,
+    LOCAL_PICK: _local_pick,
+    LOCAL_LOGPROBS: _local_pick,
 }

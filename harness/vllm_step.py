@@ -10,6 +10,8 @@ from types import SimpleNamespace
 
 import torch
 
+from commfold.distributed.ranks import environment
+
 H = 48
 PAD_VALUE = 7.0  # padding rows: larger logits than any real row for an all-ones hidden
 
@@ -115,9 +117,10 @@ def spec_metadata(drafts: list[list[int]]):
         logits_indices=torch.arange(row, dtype=torch.int32))
 
 
-def step_both_ways(model, md, h, spec=None, logprobs_mode="raw_logprobs"):
-    """(commfold's SamplerOutput, vLLM's SamplerOutput, the mode the hook chose, the
-    collectives each way)."""
+def step_both_ways(model, md, h, spec=None, logprobs_mode="raw_logprobs", cost_rule=False):
+    """(commfold's SamplerOutput, vLLM's SamplerOutput, the mode the hook chose and
+    why, the collectives each way); cost_rule: the pick's cost rule as users get it
+    (off by default: these steps test the pick on tiny vocabularies)."""
     from commfold.distributed.comm_log import record_collectives
     from commfold.vllm.target_pick import Picker
 
@@ -128,7 +131,8 @@ def step_both_ways(model, md, h, spec=None, logprobs_mode="raw_logprobs"):
     picker.scheduler_output = SimpleNamespace(
         scheduled_spec_decode_tokens={"a": [0]} if spec is not None else {},
         has_structured_output_requests=False)
-    with record_collectives() as ours_log:
+    rule = {} if cost_rule else {"COMMFOLD_PICK_COST_RULE": "0"}
+    with record_collectives() as ours_log, environment(rule):
         picker.in_execute = True
         logits = model.compute_logits(h)
         pending = picker.pending

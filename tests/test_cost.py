@@ -85,3 +85,22 @@ def test_batch_sharded_pick_weighs_bytes_moved():
     assert cost.why_slower(site(4, 100, 2, torch.bfloat16)) is None  # 64 B < 200 B
     assert cost.why_slower(site(8, 8, 2, torch.float32)) == \
         "batch-sharded sampling moves less (64 B < 128 B)"
+
+
+def test_the_pick_rule_weighs_the_gathered_bytes():
+    """vLLM's token picks: one exchange (greedy, verify, the drafter's pick) is never
+    slower on the CPU communicators; two (top-k logprobs) are below a few rows'
+    logits; on CUDA the assumed limit is 17 rows of V=151936 at TP=2 in 16 bits."""
+    bf16 = torch.bfloat16
+
+    def site(rule, device, comm, rows, vocab=151936):
+        return cost.pick_site(rule, device, comm, bf16, rows, vocab, 2)
+
+    for comm in (cost.SHM, cost.GLOO):
+        assert cost.why_slower(site(cost.LOCAL_PICK, "cpu", comm, 1)) is None
+        assert cost.why_slower(site(cost.LOCAL_LOGPROBS, "cpu", comm, 1))
+        assert cost.why_slower(site(cost.LOCAL_LOGPROBS, "cpu", comm, 4)) is None
+    assert site(cost.LOCAL_PICK, "cpu", cost.SHM, 3, vocab=1001).nbytes == 3 * 501 * 2
+    why = cost.why_slower(site(cost.LOCAL_PICK, "cuda", cost.VLLM, 16))
+    assert why and "16 row(s)" in why and "SGLang" in why
+    assert cost.why_slower(site(cost.LOCAL_PICK, "cuda", cost.VLLM, 17)) is None

@@ -409,3 +409,36 @@ def _check_collectives_seen(results, shm, tmp_path):
             assert s.in_phase("logits").vocab_gathers(10) == s.of("all_gather")[:1]
             assert s.in_phase("drafting").vocab_gathers(10) == []  # the pair exchange
             assert s.in_phase("drafting").bytes() == 64
+
+
+def _by_cost_rule(shm):
+    """Steps of a tiny vocabulary with the pick's cost rule on, as users get it."""
+    from vllm.platforms import current_platform
+
+    from harness import vllm_step as tc
+    from harness.vllm_tp import init_vllm_tp
+
+    current_platform.register_triton_kernel_overrides()
+    init_vllm_tp(2, shm=shm, reuse=True)
+    out = {}
+    for k in (None, 5):
+        model = tc.TinyLM(V, torch.float32, 0, False)
+        h = tc.hidden(2, torch.float32, 1, False)
+        res = tc.step_both_ways(model, tc.metadata(2, k, V), h, cost_rule=True)
+        out[k] = (res["mode"], res["ours_log"].calls(), tuple(res["shard"]))
+    return out
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "gloo"])
+def test_cost_rule_leaves_small_logprobs_steps_to_vllm(vllm_ranks, shm):
+    """With the cost rule on, a 2-row logprobs=5 step over a tiny vocab (two exchanges
+    measured slower than vLLM's gather there) runs vLLM's path: the full row comes
+    back, one gather; the greedy step (one exchange, never measured slower on the CPU
+    communicators) is still picked locally."""
+    if shm and not shm_supported():
+        pytest.skip("no vLLM shared-memory communicator on this CPU")
+    for res in vllm_ranks.run(_by_cost_rule, shm):
+        mode, calls, shape = res[None]
+        assert mode == "greedy" and calls == 1 and shape[-1] < V, res
+        mode, calls, shape = res[5]
+        assert mode is None and calls == 1 and shape[-1] >= V, res

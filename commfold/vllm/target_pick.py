@@ -55,6 +55,7 @@ import torch
 
 from commfold.vllm import step_log
 from commfold.vllm import hook_points
+from commfold.vllm import pick_cost
 from commfold.vllm import runtime
 from commfold.vllm.logits_head import LogitsHead
 from commfold.ops import logprob_scan
@@ -164,6 +165,10 @@ class Picker:
         if self.in_execute and not args and not kwargs:
             self.in_execute = False
             mode, reason = self._decide()
+            if mode is not None:  # the cost table, from the step's shape (every rank alike)
+                why = pick_cost.slower(mode, hidden.shape[0], hidden.dtype, hidden.device.type,
+                                       self.comm, self.vocab, self.head.world)
+                mode, reason = (None, why) if why else (mode, reason)
             step_log.note("target_pick", mode or f"vLLM ({reason})")
             shard = self.local_logits(original, hidden) if mode is not None else None
             if shard is not None:

@@ -1,0 +1,40 @@
+"""The cost rule for vLLM's token picks, asked once per engine step: is commfold's
+local pick (from this rank's logits shard) measured slower than vLLM's all-gather of
+the logits for this step's rows, on this engine's communicator? (commfold.cost, the
+LOCAL_PICK and LOCAL_LOGPROBS rules.) The answer reads only the step's row count, the
+logits' dtype and vocab and the TP group's communicator: the same on every rank.
+COMMFOLD_PICK_COST_RULE=0 takes every step the decision allows, measured slower or
+not (tests of the pick's numerics on small vocabularies set it)."""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from commfold import cost
+
+
+ENV = "COMMFOLD_PICK_COST_RULE"
+
+
+def enabled(environ=os.environ) -> bool:
+    return environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+@functools.lru_cache(maxsize=16)
+def _comm(spec: str, device: str) -> str:
+    from commfold.distributed.collectives import communicator
+
+    return cost.comm_name(communicator(spec), device)
+
+
+def slower(mode: str, rows: int, dtype: torch.dtype, device: str, comm_spec: str,
+           vocab: int, world: int) -> str | None:
+    """Why this step's local pick in `mode` ("greedy", "verify", "draft", "logprobs")
+    would be slower than vLLM's gather, or None (take it)."""
+    if not enabled():
+        return None
+    rule = cost.LOCAL_LOGPROBS if mode == "logprobs" else cost.LOCAL_PICK
+    return cost.why_slower(cost.pick_site(rule, device, _comm(comm_spec, device), dtype,
+                                          rows, vocab, world))
