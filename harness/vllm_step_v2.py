@@ -151,6 +151,7 @@ def left_alone(world: int) -> list[dict]:
     from harness import triton_cpu
 
     triton_cpu.install()
+    import vllm.v1.worker.cpu.shm  # noqa: F401  (what vLLM's CPU worker imports first)
     from vllm.v1.worker.gpu.model_states.interface import ModelState
 
     from commfold.vllm import target_pick_state
@@ -214,13 +215,14 @@ def left_alone(world: int) -> list[dict]:
             handler.emit = lambda record, records=records: records.append(record.getMessage())
             logger = logging.getLogger("commfold")
             logger.addHandler(handler)
-            old_level, logger.level = logger.level, logging.INFO
+            old_level = logger.level
+            logger.setLevel(logging.INFO)  # setLevel: clears the loggers' level cache
             try:
                 state = cls(cfg, model, None, torch.device("cpu"))
                 custom = state.custom_sampler(sampler)
             finally:
                 logger.removeHandler(handler)
-                logger.level = old_level
+                logger.setLevel(old_level)
             out.append(dict(variant=name, state=cls.__name__, model=type(model).__name__,
                             lines=records, custom=None if custom is None else [
                                 type(x).__name__ for x in custom]))

@@ -1,9 +1,10 @@
 """Spec-decode verification methods (commfold.vllm.decision): commfold's greedy verify
 replaces vLLM's only under strict greedy verification; every other method vLLM
 defines, and any it does not know, runs vLLM's code. The methods are read from vLLM's
-sources - the installed vLLM's, and vLLM 0.33's and 0.34's where an unpacked copy is at
-hand (VLLM_033_SOURCES, VLLM_034_SOURCES) - and checked against the tables below, so a release that adds a
-method fails here until the table (and the decision) know it. Nothing imports vLLM."""
+sources - the installed vLLM's, and vLLM 0.33's and 0.34's where an unpacked copy is
+at hand (VLLM_033_SOURCES, VLLM_034_SOURCES) - and checked against the tables below,
+so a release that adds a method fails here until the table (and the decision) know
+it. Nothing imports vLLM."""
 from __future__ import annotations
 
 import ast

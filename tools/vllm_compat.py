@@ -14,8 +14,9 @@ classes), and the source text the hook relies on must be in it, as the plugin ch
 at load; a pinned point's whole source must hash to a pinned value. Then what the
 per-step decision and the runner choice read: the verification methods the release
 defines (each must be known to commfold.vllm.decision, or a new one is flagged) and
-how it picks Model Runner V2. Prints a markdown matrix; --out writes it with the date.
-Run it on each vLLM release before claiming it.
+how it picks Model Runner V2. Prints a markdown matrix; --out writes it with the date;
+--classes adds the column of a release tier's run (tools/vllm_release_tier.py: the
+release's own classes, on ranks). Run it on each vLLM release before claiming it.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import argparse
 import ast
 import datetime
 import importlib.util
+import json
 import re
 import sys
 from pathlib import Path
@@ -228,17 +230,47 @@ def _label(src: Sources) -> str:
     return f"{dist} {src.version()}"
 
 
-def report(trees: list[Sources]) -> list[str]:
+def _tier_cell(tier: dict, hook: str, trees: list[Sources]) -> str:
+    """What the release tier (tools/vllm_release_tier.py) ran for `hook`'s rows."""
+    version = tier["versions"]["vllm"]
+    tree = next((t for t in trees if t.version() == version), None)
+    if tree is not None and APPLIES.get(hook, lambda s: None)(tree):
+        return "-"
+    modules = [m for m, prefix in tier["covers"].items() if prefix and hook.startswith(prefix)]
+    ran = [c for c in tier["cases"] if c["module"] in modules and c["outcome"] != "skipped"]
+    if not ran:
+        return "not run"
+    bad = [c["test"] for c in ran if c["outcome"] != "passed"]
+    return f"FAILED: {', '.join(bad)}" if bad else f"passed ({len(ran)} tests)"
+
+
+def tier_notes(tier: dict) -> list[str]:
+    """What the release tier ran, under the table."""
+    v = tier["versions"]
+    lines = ["", f"Release tier, {tier['date']} (`python tools/vllm_release_tier.py`): vLLM "
+             f"{v['vllm']}'s own classes (torch {v['torch']}, Triton {v['triton']} in its "
+             "interpreter, CPU tensors, 2 gloo ranks), commfold through that release's hook "
+             f"set; {', '.join(f'{n} {k}' for k, n in tier['counts'].items() if n)}:", ""]
+    lines += [f"- `{c['module']}::{c['test']}`: {c['outcome']} ({c['seconds']} s)"
+              for c in tier["cases"]]
+    lines += ["", "`commfold doctor` there (COMMFOLD_VLLM=1):", "", "```", *tier["doctor"],
+              "```"]
+    return lines
+
+
+def report(trees: list[Sources], tier: dict | None = None) -> list[str]:
     labels = [_label(s) for s in trees]
-    lines = ["| hook | point | " + " | ".join(labels) + " |",
-             "|---|---|" + "---|" * len(trees)]
+    extra = [f"{tier['versions']['vllm']}: verified against its classes"] if tier else []
+    lines = ["| hook | point | " + " | ".join(labels + extra) + " |",
+             "|---|---|" + "---|" * (len(trees) + len(extra))]
     for hook, points in HOOKS.items():
         skip = [APPLIES.get(hook, lambda s: None)(s) for s in trees]
+        ran = [_tier_cell(tier, hook, trees)] if tier else []
         for where, text in points:
             what = f"`{where}`" + (f": `{describe(text)}`" if isinstance(text, str) else
                                    f": {describe(text)}" if text else "")
             lines.append(f"| {hook} | {what} | " + " | ".join(
-                cell or check(s, where, text) for s, cell in zip(trees, skip)) + " |")
+                [cell or check(s, where, text) for s, cell in zip(trees, skip)] + ran) + " |")
     known = set(STRICT_GREEDY) | set(LEFT_TO_VLLM)
     lines += ["", "Verification methods (commfold verifies locally only "
               f"{', '.join(STRICT_GREEDY)}; the others run vLLM's code):", ""]
@@ -255,9 +287,12 @@ def main(argv=None) -> int:
     p.add_argument("sources", nargs="*", default=["installed"],
                    help="vllm package directories, or 'installed' (default)")
     p.add_argument("--out", type=Path, help="also write the matrix here, with the date")
+    p.add_argument("--classes", type=Path, help="a release tier's result (JSON from "
+                   "tools/vllm_release_tier.py --out): a column of what it verified")
     args = p.parse_args(argv)
     trees = [Sources(_package(a)) for a in args.sources]
-    lines = report(trees)
+    tier = json.loads(args.classes.read_text()) if args.classes else None
+    lines = report(trees, tier)
     print("\n".join(lines))
     moved = sum("moved" in line for line in lines)
     if args.out:
@@ -276,7 +311,7 @@ def main(argv=None) -> int:
             "releases by source only. Each runtime hook has a V1 and a V2 row set: the "
             "plugin installs the one of the runner vLLM will build; the graph passes "
             "apply under both.\n\n"
-            + "\n".join(lines) + "\n")
+            + "\n".join(lines + (tier_notes(tier) if tier else [])) + "\n")
     return 1 if moved else 0
 
 

@@ -76,8 +76,8 @@ def untested(found: tuple[str, str] | None) -> str | None:
     name = " ".join(found) if found else "vLLM of unknown version"
     tested = ", ".join(" ".join(t) for t in TESTED)
     if found is not None and tuple(found) in CLASSES_VERIFIED:
-        return (f"{name} is outside the tested set ({tested}): verified against its "
-                "classes, not as an engine")
+        return (f"{name} is outside the tested set ({tested}): its classes are checked by "
+                "the release tier (tools/vllm_release_tier.py), not as an engine")
     return f"{name} is outside the tested set ({tested}); its hook points match by source"
 
 
@@ -119,7 +119,7 @@ def runner_choice(environ=os.environ, has_triton: bool | None = None,
         if value is not None and value != "1":  # vLLM's Platform.validate_environ
             return Runner(None, f"{ENV_V2}={value!r}: this vLLM has only Model Runner V2 "
                           f"and refuses any value but 1 at start; unset {ENV_V2}")
-        return Runner(2, "the only runner of this vLLM (V1 is gone)"
+        return Runner(2, "the only runner of this vLLM: V1 is gone"
                       + (f"; {ENV_V2}=1 is redundant" if value is not None else ""))
     if value is not None:
         try:

@@ -132,10 +132,14 @@ HOOK_SETS = (
 )
 
 
-def hook_set(release: tuple[int, ...] | None = None) -> HookSet:
-    """The set for `release` (the installed vLLM's by default; unknown: the newest)."""
-    release = release if release is not None else runtime.release()
+def hook_set_for(release: tuple[int, ...] | None) -> HookSet:
+    """The set for `release` (unknown, None: the newest)."""
     return next((s for s in HOOK_SETS if s.covers(release)), HOOK_SETS[-1])
+
+
+def hook_set() -> HookSet:
+    """The set of the installed vLLM's release."""
+    return hook_set_for(runtime.release())
 
 
 def hook_points_missing() -> list[str]:
