@@ -173,6 +173,8 @@ class StatePick:
         self.shard = None  # (tensor, step): compute_sample_logits -> the samplers
 
     def decide(self, input_batch) -> None:
+        if self.head is None:
+            return
         if target_pick.paused():
             mode, why = None, "paused"
         else:
@@ -185,7 +187,9 @@ class StatePick:
     def logits(self, hidden, vllms):
         """This rank's shard on a step decided for commfold, else vllms()."""
         step, self.decided, self.shard = self.decided, None, None
-        if step is None:
+        if self.head is None:
+            mode, why = None, "no target pick head for this model"
+        elif step is None:
             mode, why = None, "no decision for this step"
         elif hidden.shape[0] != step.batch.logits_indices.shape[0]:
             mode, why = None, "the rows sampled are not the batch's logits rows"
@@ -195,7 +199,9 @@ class StatePick:
         if mode is None:
             return vllms()
         shard = self.head.local_logits(hidden)
-        if shard is None:  # logged; every rank alike
+        if shard is None:  # logged; every rank alike, and for good
+            v2_pick.note_head(self.head.model, None)
+            self.head = None
             return vllms()
         self.shard = (shard, step)
         return shard
