@@ -51,6 +51,25 @@ def describe(text) -> str:
     return text.splitlines()[0].strip()
 
 
+def wrap(owner, name: str, make, mark: str) -> None:
+    """owner.name = make(original), once (the wrapper carries `mark` and the original
+    as __wrapped__, which ``missing`` and ``unwrap`` follow)."""
+    original = getattr(owner, name)
+    if getattr(original, mark, False):
+        return
+    wrapped = make(original)
+    wrapped.__wrapped__, wrapped.__name__ = original, name
+    setattr(wrapped, mark, True)
+    setattr(owner, name, wrapped)
+
+
+def unwrap(owner, name: str, mark: str) -> None:
+    """Undo ``wrap`` (tests)."""
+    current = getattr(owner, name)
+    if getattr(current, mark, False):
+        setattr(owner, name, current.__wrapped__)
+
+
 def resolve(where: str):
     """The object named 'module:Attr.path' (raises if it is not there)."""
     import importlib

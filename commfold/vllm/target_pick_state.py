@@ -101,13 +101,7 @@ def install() -> None:
 
     for name, make in (("__init__", _init), ("custom_sampler", _custom_sampler),
                        ("compute_sample_logits", _compute_sample_logits)):
-        original = ModelState.__dict__[name]
-        if not getattr(original, _MARK, False):
-            wrapped = make(original)
-            wrapped.__wrapped__, wrapped.__name__ = original, name
-            wrapped.__qualname__ = f"ModelState.{name}"
-            setattr(wrapped, _MARK, True)
-            setattr(ModelState, name, wrapped)
+        hook_points.wrap(ModelState, name, make, _MARK)
 
 
 def uninstall() -> None:
@@ -115,9 +109,7 @@ def uninstall() -> None:
     from vllm.v1.worker.gpu.model_states.interface import ModelState
 
     for name in ("__init__", "custom_sampler", "compute_sample_logits"):
-        current = ModelState.__dict__[name]
-        if getattr(current, _MARK, False):
-            setattr(ModelState, name, current.__wrapped__)
+        hook_points.unwrap(ModelState, name, _MARK)
 
 
 def _base(name: str):

@@ -178,12 +178,7 @@ def install(environ=os.environ, runner=None) -> bool:
     else:
         target_pick_state.install()
     for owner, name, make in wraps:
-        original = getattr(owner, name)
-        if not getattr(original, "_commfold_target_pick", False):
-            wrapped = make(original)
-            wrapped.__wrapped__, wrapped.__name__ = original, name
-            wrapped._commfold_target_pick = True
-            setattr(owner, name, wrapped)
+        hook_points.wrap(owner, name, make, "_commfold_target_pick")
     _installed = True
     return True
 
