@@ -108,6 +108,10 @@ CASES = [
          mode="verify", neg_inf_rows=(0, 3), gather_only=True),
     dict(vocab=V, dtype="bfloat16", seed=20, ties=True, rows=4, mode="greedy",
          gather_only=True),
+    # NaN under spec decoding: gathered and verified by V2's RejectionSampler, called
+    # with the arguments this release takes (0.34 dropped invalid_drafts)
+    dict(vocab=V, dtype="float32", seed=21, ties=True, drafts=[[1, 2], [3]], accept=True,
+         mode="NaN", nan_column=5),
 ]
 
 
