@@ -23,7 +23,7 @@ class TinyLM(torch.nn.Module):
 
     def __init__(self, vocab: int, dtype, seed: int, ties: bool, hidden: int = H,
                  nan_column: int | None = None, tied: bool = False,
-                 soft_cap: float | None = None):
+                 soft_cap: float | None = None, neg_inf_rows: tuple[int, ...] = ()):
         from vllm.model_executor.layers.logits_processor import LogitsProcessor
         from vllm.model_executor.layers.vocab_parallel_embedding import (
             ParallelLMHead, VocabParallelEmbedding)
@@ -37,6 +37,7 @@ class TinyLM(torch.nn.Module):
             self.lm_head = head = ParallelLMHead(vocab, hidden, params_dtype=dtype)
         self.head = [head]  # not a submodule: the one compute_logits uses
         self.logits_processor = LogitsProcessor(vocab, soft_cap=soft_cap)
+        self.neg_inf_rows = list(neg_inf_rows)  # rows whose every logit is -inf
         g = torch.Generator().manual_seed(seed)
         full = torch.randint(-1, 2, (vocab, hidden), generator=g).float() if ties else \
             torch.randn(vocab, hidden, generator=g) / hidden ** 0.5
@@ -50,7 +51,22 @@ class TinyLM(torch.nn.Module):
         head.quant_method.process_weights_after_loading(head)
 
     def compute_logits(self, hidden):
-        return self.logits_processor(self.head[0], hidden)
+        return self._masked(self.logits_processor(self.head[0], hidden))
+
+    def compute_logits_local(self, hidden):
+        """This rank's [rows, vocab shard] (Llama's: vLLM's batch-sharded sampling)."""
+        return self._masked(self.logits_processor(self.head[0], hidden, skip_gather=True))
+
+    def _masked(self, logits):
+        rows = [r for r in self.neg_inf_rows if r < logits.shape[0]]
+        if rows:
+            logits[rows] = float("-inf")
+        return logits
+
+
+class TinyLMGatherOnly(TinyLM):
+    """A model without compute_logits_local (most of vLLM's)."""
+    compute_logits_local = None
 
 
 def hidden(rows: int, dtype, seed: int, ties: bool, special: str | None = None,

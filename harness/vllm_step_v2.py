@@ -3,7 +3,10 @@ processes spawned for V2 (tests of commfold.vllm.target_pick_v2): vLLM's real
 ParallelLMHead + LogitsProcessor (harness.vllm_step.TinyLM), V2's real Sampler,
 RejectionSampler, RequestState and InputBatch, and V2's own
 ``GPUModelRunner.sample`` run on a stand-in runner holding what it reads - once as
-vLLM ships it, once wrapped by commfold's hook.
+vLLM ships it, once under the installed vLLM's hook set: up to vLLM 0.33 its
+``sample`` wrapped, from 0.34 its real ``DefaultModelState`` with commfold on the
+extension points, called as the runner calls them (``custom_sampler`` once,
+``preprocess_state`` before the step, then ``sample``).
 
 Nothing here imports vLLM at module level: ``step_cases`` installs the Triton CPU
 stand-in (harness.triton_cpu) first, so V2's Triton kernels run in the interpreter.
@@ -15,6 +18,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from harness.vllm_tp import default_config
+
 MAX_REQS = 16
 START = 40  # the position of each request's first scheduled token (past its prefill)
 
@@ -22,7 +27,6 @@ START = 40  # the position of each request's first scheduled token (past its pre
 def sampler_for(vocab: int, params: list, steps: int, logprobs_mode: str = "raw_logprobs"):
     """V2's Sampler (+ RejectionSampler when steps > 0) with `params` (SamplingParams)
     added as requests 0..n-1, as the runner adds them."""
-    from vllm.config import VllmConfig
     from vllm.v1.worker.gpu.sample.sampler import Sampler
     from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
     from vllm.v1.worker.gpu.states import RequestState
@@ -32,7 +36,7 @@ def sampler_for(vocab: int, params: list, steps: int, logprobs_mode: str = "raw_
     for i in range(len(params)):
         states.add_request(f"r{i}", START, list(range(START)), 0, 16)
     states.apply_staged_writes()
-    sampler = Sampler(VllmConfig(), MAX_REQS, vocab, cpu, states,
+    sampler = Sampler(default_config(), MAX_REQS, vocab, cpu, states,
                       logprobs_mode=logprobs_mode, num_speculative_tokens=steps + 1)
     for i, p in enumerate(params):
         sampler.add_request(i, p)
@@ -82,14 +86,149 @@ def input_batch(drafts: list[list[int]], placeholder: int | None = None):
         cu_num_logits_np=cu, has_structured_output_reqs=False, prompt_lens=None)
 
 
-def runner(model, vocab: int, params: list, steps: int, logprobs_mode: str = "raw_logprobs"):
-    """What V2's GPUModelRunner.sample (and commfold's hook) read of the runner."""
+def runner(model, vocab: int, params: list, steps: int, logprobs_mode: str = "raw_logprobs",
+           model_state: bool = False):
+    """What V2's GPUModelRunner.sample (and commfold's hook) read of the runner;
+    model_state: with V2's DefaultModelState for the model (vLLM 0.34's sample reads
+    its compute_sample_logits)."""
     sampler, rejection, spec = sampler_for(vocab, params, steps, logprobs_mode)
+    spec = spec if steps else None
     return SimpleNamespace(
         model=model, sampler=sampler, rejection_sampler=rejection, batch_sharder=None,
-        speculator=SimpleNamespace(draft_logits=None), speculative_config=spec if steps
-        else None, structured_outputs_worker=None, vocab_size=vocab, lora_config=None,
-        parallel_config=SimpleNamespace(pipeline_parallel_size=1))
+        speculator=SimpleNamespace(draft_logits=None), speculative_config=spec,
+        structured_outputs_worker=None, vocab_size=vocab, lora_config=None,
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1),
+        model_state=default_state(model, spec) if model_state else None)
+
+
+def default_state(model, spec):
+    """V2's DefaultModelState for `model` holding what its sampling methods and
+    commfold's hook read (the runner builds it from the engine's config: its __init__
+    needs a model config these tests have no use for)."""
+    from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+
+    state = DefaultModelState.__new__(DefaultModelState)
+    config = default_config()
+    state.model, state.device = model, torch.device("cpu")
+    state.vllm_config = SimpleNamespace(
+        speculative_config=spec, lora_config=None, watermark_config=None,
+        parallel_config=config.parallel_config)
+    return state
+
+
+def hooked_sample(original, r, hidden, batch, case: dict | None = None):
+    """V2's sample on runner `r` under the installed vLLM's hook set (its output).
+    case (model state set only): "structured" - the batch holds a structured-output
+    request; "rebatch" - sample() gets another batch object than the one decided on
+    (as a context-parallel batch restored for sampling)."""
+    import dataclasses
+
+    from commfold.vllm import target_pick_state, target_pick_v2
+
+    if target_pick_v2.hook_set() is target_pick_v2.HOOK_SETS[0]:
+        return target_pick_v2._sample(original)(r, hidden, batch, None)[0]
+    case = case or {}
+    if case.get("structured"):
+        batch = dataclasses.replace(batch, has_structured_output_reqs=True)
+    target_pick_state.install()
+    try:
+        state = r.model_state
+        r.sampler, r.rejection_sampler = state.custom_sampler(r.sampler)  # at load
+        decided = dataclasses.replace(batch) if case.get("rebatch") else batch
+        state.preprocess_state(decided, None, None, None)  # in execute_model
+        return original(r, hidden, batch, None)[0]
+    finally:
+        target_pick_state.uninstall()
+
+
+def left_alone(world: int) -> list[dict]:
+    """In a spawned rank (vLLM 0.34 on): model states commfold must leave alone - a
+    class overriding compute_sample_logits, one overriding custom_sampler, a model
+    with its own get_model_state_cls, batch-sharded sampling, watermarking - and the
+    default state: the line each gets at __init__ and what custom_sampler returns."""
+    import logging
+
+    from harness import triton_cpu
+
+    triton_cpu.install()
+    import vllm.v1.worker.cpu.shm  # noqa: F401  (what vLLM's CPU worker imports first)
+    from vllm.v1.worker.gpu.model_states.interface import ModelState
+
+    from commfold.vllm import target_pick_state
+    from harness import vllm_step
+    from harness.vllm_tp import init_vllm_tp
+
+    init_vllm_tp(world, shm=False, reuse=True)
+
+    class State(ModelState):  # the abstract per-step methods, unused here
+        def prepare_inputs_embeds(self, *a):
+            return None
+
+        def prepare_inputs(self, *a):
+            return {}
+
+        def prepare_dummy_inputs(self, *a):
+            return {}
+
+        def prepare_attn(self, *a, **kw):
+            return {}
+
+    class OwnLogits(State):
+        def compute_sample_logits(self, hidden_states):
+            return self.model.compute_logits(hidden_states)
+
+    class OwnSampler(State):
+        def custom_sampler(self, sampler):
+            return None
+
+    class OwnState(vllm_step.TinyLM):
+        @staticmethod
+        def get_model_state_cls():
+            return State
+
+    def config(sharded: bool = False):
+        return SimpleNamespace(
+            model_config=SimpleNamespace(get_inputs_embeds_size=lambda: vllm_step.H,
+                                         dtype=torch.float32),
+            scheduler_config=SimpleNamespace(max_num_seqs=MAX_REQS,
+                                             max_num_batched_tokens=256),
+            parallel_config=SimpleNamespace(pipeline_parallel_size=1,
+                                            enable_batch_sharded_sampling=sharded),
+            speculative_config=None, lora_config=None, watermark_config=None)
+
+    marked = config()
+    marked.watermark_config = SimpleNamespace()
+    variants = [("default", State, vllm_step.TinyLM, config()),
+                ("compute_sample_logits", OwnLogits, vllm_step.TinyLM, config()),
+                ("custom_sampler", OwnSampler, vllm_step.TinyLM, config()),
+                ("get_model_state_cls", State, OwnState, config()),
+                ("batch-sharded", State, vllm_step.TinyLM, config(sharded=True)),
+                ("watermarking", State, vllm_step.TinyLM, marked)]
+    sampler = sampler_for(1500, [], 0)[0]
+    out = []
+    target_pick_state.install()
+    try:
+        for name, cls, lm, cfg in variants:
+            model = lm(1500, torch.float32, 1, False)
+            records: list[str] = []
+            handler = logging.Handler()
+            handler.emit = lambda record, records=records: records.append(record.getMessage())
+            logger = logging.getLogger("commfold")
+            logger.addHandler(handler)
+            old_level = logger.level
+            logger.setLevel(logging.INFO)  # setLevel: clears the loggers' level cache
+            try:
+                state = cls(cfg, model, None, torch.device("cpu"))
+                custom = state.custom_sampler(sampler)
+            finally:
+                logger.removeHandler(handler)
+                logger.setLevel(old_level)
+            out.append(dict(variant=name, state=cls.__name__, model=type(model).__name__,
+                            lines=records, custom=None if custom is None else [
+                                type(x).__name__ for x in custom]))
+    finally:
+        target_pick_state.uninstall()
+    return out
 
 
 def valid(out) -> list[list[int]]:
@@ -115,14 +254,15 @@ def step_cases(world: int, cases: list[dict]) -> list[dict]:
 
     tp = init_vllm_tp(world, shm=False, reuse=True)
     original = GPUModelRunner.__dict__["sample"]
-    hooked = vllm_target_pick_v2._sample(original)
+    states = vllm_target_pick_v2.hook_set() is not vllm_target_pick_v2.HOOK_SETS[0]
     out = []
     for case in cases:
         dtype = getattr(torch, case["dtype"])
         # a NaN column, not a NaN row: Triton's interpreter fails on an all-NaN block
-        model = vllm_step.TinyLM(case["vocab"], dtype, case["seed"], case["ties"],
-                                 nan_column=case.get("nan_column"),
-                                 tied=case.get("tied", False), soft_cap=case.get("soft_cap"))
+        lm = vllm_step.TinyLMGatherOnly if case.get("gather_only") else vllm_step.TinyLM
+        model = lm(case["vocab"], dtype, case["seed"], case["ties"],
+                   nan_column=case.get("nan_column"), tied=case.get("tied", False),
+                   soft_cap=case.get("soft_cap"), neg_inf_rows=case.get("neg_inf_rows", ()))
         drafts = case.get("drafts") or [[] for _ in range(case["rows"])]
         params = [SamplingParams(**case.get("params", {}) or dict(temperature=0.0))
                   for _ in drafts]
@@ -138,8 +278,8 @@ def step_cases(world: int, cases: list[dict]) -> list[dict]:
                 for i in range(len(d)):
                     ids[lo + 1 + i] = int(full[lo + i]) if (r + i) % 3 != 2 else 0
         mode = case.get("logprobs_mode", "raw_logprobs")
-        theirs_runner = runner(model, case["vocab"], params, steps, mode)
-        ours_runner = runner(model, case["vocab"], params, steps, mode)
+        theirs_runner = runner(model, case["vocab"], params, steps, mode, states)
+        ours_runner = runner(model, case["vocab"], params, steps, mode, states)
         with record_collectives() as vllm_log:
             theirs = original(theirs_runner, h, batch, None)[0]
         notes: list[str] = []
@@ -147,7 +287,7 @@ def step_cases(world: int, cases: list[dict]) -> list[dict]:
         vllm_comm_log.note = lambda key, value, notes=notes: notes.append(value)
         try:
             with record_collectives() as ours_log:
-                ours = hooked(ours_runner, h, batch, None)[0]
+                ours = hooked_sample(original, ours_runner, h, batch, case)
         finally:
             vllm_comm_log.note = note
         shard = model.head[0].weight.shape[0]
@@ -228,14 +368,16 @@ def prompt_cases(world: int, cases: list[dict]) -> list[dict]:
     from vllm.v1.worker.gpu.sample import prompt_logprob
 
     from commfold.distributed.comm_log import record_collectives
-    from commfold.vllm import step_log, target_pick_v2
+    from commfold.vllm import step_log, target_pick_v2, v2_pick
+    from commfold.vllm.logits_head import LogitsHead
     from harness import vllm_step
     from harness.vllm_tp import init_vllm_tp
 
     tp = init_vllm_tp(world, shm=False, reuse=True)
     original = prompt_logprob.compute_prompt_logprobs_with_chunking
     original = getattr(original, "__wrapped__", original)
-    hooked = target_pick_v2._prompt_scores(original)
+    chosen = target_pick_v2.hook_set()
+    hooked = target_pick_v2._prompt_scores(original, chosen.prompt_ids)
     chunk_size = prompt_logprob.CHUNK_SIZE
     out = []
     for case in cases:
@@ -246,8 +388,11 @@ def prompt_cases(world: int, cases: list[dict]) -> list[dict]:
         targets = torch.randint(0, case["vocab"], (case["rows"],), generator=g)
         if case.get("targets_outside"):
             targets[-1] = case["vocab"] + 3
-        target_pick_v2._last_head = target_pick_v2._head(
-            runner(model, case["vocab"], [], 0))
+        if chosen is target_pick_v2.HOOK_SETS[0]:  # the head found at a sample() step
+            head = target_pick_v2._head(runner(model, case["vocab"], [], 0))
+        else:  # the head found at custom_sampler
+            head = LogitsHead.of(model, lora=False, pipeline=False, logits_local=True)[0]
+        v2_pick.note_head(model, head)
         prompt_logprob.CHUNK_SIZE = case.get("chunk", chunk_size)
         args = (targets, h, model.compute_logits, case["k"],
                 case.get("logprobs_mode", "raw_logprobs"))
@@ -262,7 +407,7 @@ def prompt_cases(world: int, cases: list[dict]) -> list[dict]:
         finally:
             step_log.note = note
             prompt_logprob.CHUNK_SIZE = chunk_size
-            target_pick_v2._last_head = None
+            v2_pick.note_head(model, None)
         logits = model.compute_logits(h)
         inside = targets < case["vocab"]
         want_ranks = (logits >= logits.gather(1, targets.clamp(max=case["vocab"] - 1)[:, None])
@@ -271,6 +416,7 @@ def prompt_cases(world: int, cases: list[dict]) -> list[dict]:
         out.append(dict(
             case=case, rank=tp.rank_in_group, notes=notes,
             ids=ours[0].tolist() == theirs[0].tolist(),
+            ids_dtype=(ours[0].dtype, theirs[0].dtype),
             ranks=bool((ours[2] == want_ranks)[inside].all()),
             vllm_ranks=ours[2].tolist() == theirs[2].tolist(),
             score_diff=_score_diff(*(SimpleNamespace(logprobs_tensors=SimpleNamespace(

@@ -59,7 +59,7 @@ def init_vllm_tp(world_size: int, shm: bool = True, reuse: bool = False):
     collective right after it can run two steps ahead of a slow peer, which then
     waits forever in the collective before. Put a barrier after such a gather."""
     import torch.distributed as dist
-    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.config import set_current_vllm_config
     from vllm.distributed import parallel_state as ps
 
     if not shm_supported() and shm:  # loads vLLM's kernels either way
@@ -76,7 +76,7 @@ def init_vllm_tp(world_size: int, shm: bool = True, reuse: bool = False):
     ident = f"commfold-test-{os.environ['MASTER_PORT']}"
     os.environ["VLLM_DIST_IDENT"] = ident if shm else f"{ident}-rank{rank}"
     if _config_ctx is None:
-        _config_ctx = set_current_vllm_config(VllmConfig())
+        _config_ctx = set_current_vllm_config(default_config())
         _config_ctx.__enter__()
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
@@ -84,6 +84,17 @@ def init_vllm_tp(world_size: int, shm: bool = True, reuse: bool = False):
                                     backend="gloo")
     ps.initialize_model_parallel(world_size)
     return ps.get_tp_group()
+
+
+def default_config():
+    """VllmConfig() - on CPU tensors where vLLM found no platform (a CUDA wheel with no
+    GPU: vLLM 0.34's classes in the release tier), whose device it cannot infer."""
+    from vllm.config import DeviceConfig, VllmConfig
+    from vllm.platforms import current_platform
+
+    if current_platform.device_type:
+        return VllmConfig()
+    return VllmConfig(device_config=DeviceConfig(device="cpu"))
 
 
 def _has_shm(tp) -> bool:

@@ -58,3 +58,50 @@ def test_a_tree_without_commfolds_hook_points_fails(compat, tree, tmp_path, caps
     assert compat.main([str(tree.parent), "--out", str(out)]) == 1
     assert "| vllm 9.1.0 |" in capsys.readouterr().out
     assert "moved" in out.read_text()
+
+
+METHOD = ('class Sampler:\n    @staticmethod\n    def pick(x):\n        """Doc."""\n'
+          '        y = x + 1\n\n        return y\n')
+
+
+def test_a_pinned_point_holds_the_same_hash_statically_and_imported(compat, tree):
+    """A pinned point: the whole function's source by hash, the same from the parsed
+    file (tools/vllm_compat.py) as from the imported function (at plugin load), and
+    any change to the function reads as moved."""
+    import importlib.util
+    import inspect
+    import sys
+
+    from commfold.vllm.hook_points import Pinned, missing, source_hash
+
+    path = tree / "sampler.py"
+    path.write_text(METHOD)
+    spec = importlib.util.spec_from_file_location("sampler_for_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    digest = source_hash(inspect.getsource(module.Sampler.pick))
+    pinned = Pinned((("9.1.0", digest),))
+    # at load: the imported function against its pin
+    sys.modules["sampler_for_test"] = module
+    try:
+        assert missing((("sampler_for_test:Sampler.pick", pinned),)) == []
+        other = Pinned((("9.1.0", "0" * 16),))
+        (line,) = missing((("sampler_for_test:Sampler.pick", other),))
+        assert line.startswith("sampler_for_test:Sampler.pick changed (source hash ")
+        assert "read for 9.1.0" in line
+    finally:
+        del sys.modules["sampler_for_test"]
+    # statically, as tools/vllm_compat.py reads a release: the same hash
+    assert compat.check(compat.Sources(tree), "vllm.sampler:Sampler.pick", pinned) == "present"
+    path.write_text(METHOD.replace("x + 1", "x + 2"))
+    moved = compat.check(compat.Sources(tree), "vllm.sampler:Sampler.pick", pinned)
+    assert moved.startswith("moved: source hash ") and digest not in moved
+
+
+def test_a_hook_for_other_releases_is_marked_not_moved(compat, tree):
+    """Rows of a V1 hook in a release without the V1 runner, and of a hook set that
+    covers other releases, say so instead of "moved" (the exit status counts moved)."""
+    assert compat._v1_runner(compat.Sources(tree)) == "- (no V1 runner)"
+    sets = compat.target_pick_v2.HOOK_SETS
+    src = compat.Sources(tree)  # vLLM 9.1.0: the newest set
+    assert [compat._in_range(s)(src) for s in sets] == ["- (another set)", None]

@@ -1,9 +1,10 @@
 """Spec-decode verification methods (commfold.vllm.decision): commfold's greedy verify
 replaces vLLM's only under strict greedy verification; every other method vLLM
 defines, and any it does not know, runs vLLM's code. The methods are read from vLLM's
-sources - the installed vLLM's, and vLLM 0.33's where an unpacked copy is at hand
-(VLLM_033_SOURCES) - and checked against the tables below, so a release that adds a
-method fails here until the table (and the decision) know it. Nothing imports vLLM."""
+sources - the installed vLLM's, and vLLM 0.33's and 0.34's where an unpacked copy is
+at hand (VLLM_033_SOURCES, VLLM_034_SOURCES) - and checked against the tables below,
+so a release that adds a method fails here until the table (and the decision) know
+it. Nothing imports vLLM."""
 from __future__ import annotations
 
 import ast
@@ -22,8 +23,10 @@ from commfold.vllm.decision import (LEFT_TO_VLLM, STRICT_GREEDY, V2Step, all_to_
 # rejection_sample_method values (SpeculativeConfig's RejectionSampleMethod), plus
 # "adaptive" (enable_adaptive_verification), as read from each release's sources
 METHODS = {"0.32": ("standard", "synthetic", "block", "adaptive"),
-           "0.33": ("standard", "synthetic", "block", "fly", "adaptive")}
+           "0.33": ("standard", "synthetic", "block", "fly", "adaptive"),
+           "0.34": ("standard", "synthetic", "block", "fly", "adaptive")}
 VLLM_033_SOURCES = Path(os.environ.get("VLLM_033_SOURCES", "/work/src033/src/vllm"))
+VLLM_034_SOURCES = Path(os.environ.get("VLLM_034_SOURCES", "/work/src034/src/vllm"))
 # where the samplers branch on a method: V1's and Model Runner V2's rejection samplers
 SAMPLERS = ("config/speculative.py", "v1/sample/rejection_sampler.py",
             "v1/worker/gpu/spec_decode/rejection_sampler.py")
@@ -39,14 +42,15 @@ def _release(root: Path) -> str | None:
 
 def _sources() -> dict[str, Path]:
     """release -> vLLM source root: the installed vLLM (found, not imported) and
-    vLLM 0.33's unpacked sources."""
+    vLLM 0.33's and 0.34's unpacked sources."""
     found = {}
     spec = importlib.util.find_spec("vllm")
     if spec is not None and spec.submodule_search_locations:
         root = Path(list(spec.submodule_search_locations)[0])
         found[_release(root)] = root
-    if (VLLM_033_SOURCES / "config" / "speculative.py").exists():
-        found[_release(VLLM_033_SOURCES)] = VLLM_033_SOURCES
+    for sources in (VLLM_033_SOURCES, VLLM_034_SOURCES):
+        if (sources / "config" / "speculative.py").exists():
+            found[_release(sources)] = sources
     return found
 
 

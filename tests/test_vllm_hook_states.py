@@ -234,3 +234,55 @@ def test_doctor_without_vllm(monkeypatch, capsys):
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert "vLLM: not usable here (ModuleNotFoundError" in out and "torch " in out
+
+
+# --- vLLM 0.34 on: no V1 runner ------------------------------------------------------
+
+@pytest.mark.parametrize("env,version", [
+    ({}, 2), ({"VLLM_USE_V2_MODEL_RUNNER": "1"}, 2),
+    ({"VLLM_USE_V2_MODEL_RUNNER": "0"}, None),  # vLLM refuses it at start
+    ({"VLLM_USE_V2_MODEL_RUNNER": "true"}, None),
+])
+def test_runner_choice_without_v1(env, version):
+    """Where V1 is gone, V2 runs whatever HAS_TRITON says; a value other than 1 is
+    named as what stops vLLM, and the advice is to unset it (never =0)."""
+    runner = runner_choice(env, has_triton=False, has_v1=False)
+    assert runner.version == version
+    if version is None:
+        assert "unset VLLM_USE_V2_MODEL_RUNNER" in runner.why
+    state = gate("h", runner=runner, found=("vllm", "0.34.0"), version=2)
+    assert state.on == (version == 2)
+    assert "VLLM_USE_V2_MODEL_RUNNER=0" not in state.reason
+
+
+def test_confirm_runner_without_use_v2_model_runner(monkeypatch, caplog):
+    """vLLM 0.34's config has no use_v2_model_runner: it runs V2, so hooks assumed
+    for V2 hear nothing, hooks assumed for V1 a warning."""
+    class Config:  # no use_v2_model_runner, as vLLM 0.34's VllmConfig
+        pass
+
+    with caplog.at_level(logging.WARNING, logger="commfold"):
+        monkeypatch.setattr(vllm_runtime, "_confirmed", False)
+        vllm_runtime.confirm_runner(Config(), Runner(2, "x"))
+        assert not caplog.records
+        monkeypatch.setattr(vllm_runtime, "_confirmed", False)
+        vllm_runtime.confirm_runner(Config(), Runner(1, "x"))
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "runs Model Runner V2, not V1" in line
+
+
+@pytest.mark.parametrize("version,release,hook_set", [
+    ("0.32.0", (0, 32, 0), "sample"), ("0.33.1", (0, 33, 1), "sample"),
+    ("0.34.0", (0, 34, 0), "model state"), ("0.34.1.dev3+g1a2b", (0, 34, 1), "model state"),
+    ("0.35.0rc1", (0, 35, 0), "model state"), ("unknown", None, "model state"),
+])
+def test_v2_target_pick_hook_set_by_release(version, release, hook_set):
+    from commfold.vllm import target_pick_v2
+
+    assert vllm_runtime.release(("vllm", version)) == release
+    assert target_pick_v2.hook_set_for(release).name == hook_set
+
+
+def test_0_34_is_verified_against_its_classes():
+    assert "checked by the release tier" in vllm_runtime.untested(("vllm", "0.34.0"))
+    assert "match by source" in vllm_runtime.untested(("vllm", "0.33.0"))

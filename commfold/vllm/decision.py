@@ -28,7 +28,7 @@ V2_LOGPROB_MODES = (*LOGPROB_MODES, "raw_logits", "processed_logits")
 
 # rejection_sample_method values whose greedy verification is commfold's pick
 STRICT_GREEDY = ("standard",)
-# the other verification methods vLLM 0.32 / 0.33 define, and why they stay vLLM's
+# the other verification methods vLLM 0.32 to 0.34 define, and why they stay vLLM's
 LEFT_TO_VLLM = {
     "synthetic": "accepts drafts at configured rates, not by the target's argmax",
     "block": "block verification judges the drafts jointly",

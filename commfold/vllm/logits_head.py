@@ -29,14 +29,27 @@ class LogitsHead:
     shard: int  # columns per rank
     layer: torch.nn.Module | None = None  # the vocab-parallel layer of the logits
     world: int = 2  # ranks of the TP group
+    logits_local: bool = False  # the shard from the model's compute_logits_local
 
     @staticmethod
     def find(runner) -> tuple[LogitsHead | None, str]:
-        """(head, "") or (None, why not): everything checked is the same on every rank."""
+        """(head, "") or (None, why not) for a runner's model: everything checked is
+        the same on every rank."""
+        pp = getattr(getattr(runner, "parallel_config", None), "pipeline_parallel_size", 1)
+        return LogitsHead.of(getattr(runner, "model", None),
+                             lora=bool(getattr(runner, "lora_config", None)),
+                             pipeline=pp > 1 or bool(getattr(runner, "broadcast_pp_output",
+                                                             False)))
+
+    @staticmethod
+    def of(model, *, lora: bool, pipeline: bool,
+           logits_local: bool = False) -> tuple[LogitsHead | None, str]:
+        """(head, "") or (None, why not) for `model`; logits_local: take the shard from
+        the model's own ``compute_logits_local`` where it has one (vLLM's contract for
+        batch-sharded sampling: this rank's [rows, vocab shard] of compute_logits)."""
         from vllm.distributed import get_tp_group
         from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
-        model = getattr(runner, "model", None)
         tp = get_tp_group()
         processors = [m for m in model.modules() if isinstance(m, LogitsProcessor)] \
             if isinstance(model, torch.nn.Module) else []
@@ -52,22 +65,34 @@ class LogitsHead:
                 "vocab-parallel head"
         if processors[0].logits_as_input or not processors[0].use_all_gather:
             return None, "logits processor without all-gather"
-        if getattr(runner, "lora_config", None) or idx.num_added_elements:
+        if lora or idx.num_added_elements:
             return None, "LoRA / added vocab"
-        pp = getattr(getattr(runner, "parallel_config", None), "pipeline_parallel_size", 1)
-        if pp > 1 or getattr(runner, "broadcast_pp_output", False):
+        if pipeline:
             return None, "pipeline parallel"
         shard = head.weight.shape[0]
         vocab = processors[0].org_vocab_size
         if idx.org_vocab_start_index != tp.rank_in_group * shard or shard > vocab:
             return None, f"vocab layout (shard {shard}, vocab {vocab})"
-        return LogitsHead(model, processors[0], _comm_spec(tp), vocab, shard, head,
-                          tp.world_size), ""
+        found = LogitsHead(model, processors[0], _comm_spec(tp), vocab, shard, head,
+                           tp.world_size)
+        found.logits_local = logits_local and callable(
+            getattr(model, "compute_logits_local", None))
+        return found, ""
 
     def local_logits(self, hidden, compute=None):
         """`compute` (the model's compute_logits, by default) with the processor's
         gather as the identity: this rank's [rows, shard], or None (logged: the model's
-        code gives something else; the same on every rank)."""
+        code gives something else; the same on every rank). With logits_local, the
+        model's compute_logits_local stands for its compute_logits."""
+        if self.logits_local and compute in (None, self.model.compute_logits):
+            out = self.model.compute_logits_local(hidden)
+            if isinstance(out, torch.Tensor) and tuple(out.shape) == (hidden.shape[0],
+                                                                      self.shard):
+                return out
+            log.warning("commfold: target pick off: %s.compute_logits_local gave %s, not "
+                        "this rank's [rows, %d] shard", type(self.model).__name__,
+                        getattr(out, "shape", type(out).__name__), self.shard)
+            return None
         compute = compute or self.model.compute_logits
         processor, seen = self.processor, []
         forward = processor.forward

