@@ -76,20 +76,9 @@ HOOK_POINTS = (
      "return tl.max(logits, axis=0, return_indices=True)"),
     ("vllm.v1.worker.gpu.sample.gumbel:_gumbel_combine_kernel",
      "tl.where(mask & (values == maximum), block, PADDED_NUM_BLOCKS), axis=0"),
-    ("vllm.v1.worker.gpu.sample.states:SamplingStates.add_request",
-     "return temperature != 0.0 and ("),
-    ("vllm.v1.worker.gpu.sample.logprob:compute_topk_scores",
-     "topk_indices = torch.topk(logits, num_logprobs, dim=-1).indices"),
-    ("vllm.v1.worker.gpu.sample.logprob:_topk_log_softmax_kernel",
-     "o = logits - max_val - lse"),
-    ("vllm.v1.worker.gpu.sample.logprob:_ranks_kernel",
-     "n += tl.sum((logits >= x).to(tl.int32))"),
-    (f"{_REJECT}:RejectionSampler.__call__", "draft_sampled, pos = gather_draft_sampled("),
-    ("vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils:",  # in _rejection_kernel
-     "accepted = target_argmax == draft_sampled"),
     ("vllm.model_executor.layers.logits_processor:LogitsProcessor._get_logits",
      "if skip_gather:\n            return logits"),
-)
+) + v2_pick.PICK_POINTS
 
 _MARK = "_commfold_target_pick"
 
@@ -246,15 +235,10 @@ class TargetSampler(_Proxy):
             logits, input_batch, lambda full: inner(full, input_batch, *args, **kwargs))
 
 
-class TargetRejectionSampler(_Proxy):
+class TargetRejectionSampler(TargetSampler):
     """V2's RejectionSampler, commfold's strict greedy verify on the steps it takes
-    (called with whatever arguments this release's runner passes)."""
+    (called with whatever arguments this release's runner passes: the same call)."""
     __slots__ = ()
-
-    def __call__(self, logits, input_batch, *args, **kwargs):
-        inner = self._commfold_inner
-        return self._commfold_pick.sample(
-            logits, input_batch, lambda full: inner(full, input_batch, *args, **kwargs))
 
 
 def _custom_sampler(original):

@@ -67,21 +67,10 @@ SAMPLE_POINTS = (
     (f"{_RUNNER}.sample", "self.speculator.draft_logits"),
     (f"{_SAMPLER}.__call__",
      "logits_mode=self.logprobs_mode in (\"raw_logits\", \"processed_logits\")"),
-    ("vllm.v1.worker.gpu.sample.logprob:compute_topk_scores",
-     "topk_indices = torch.topk(logits, num_logprobs, dim=-1).indices"),
-    ("vllm.v1.worker.gpu.sample.logprob:_topk_log_softmax_kernel",
-     "o = logits - max_val - lse"),
-    ("vllm.v1.worker.gpu.sample.logprob:_ranks_kernel",
-     "n += tl.sum((logits >= x).to(tl.int32))"),
     (f"{_RUNNER}.sample",
      "return sampler_output, sampler_output.num_sampled, sampler_output.num_rejected"),
     (f"{_SAMPLER}.__call__", "input_batch.seq_lens.new_ones(input_batch.num_reqs)"),
     (f"{_SAMPLER}.sample", "self.sampling_states.get_top_k_top_p("),
-    ("vllm.v1.worker.gpu.sample.states:SamplingStates.add_request",
-     "return temperature != 0.0 and ("),
-    (f"{_REJECT}:RejectionSampler.__call__", "draft_sampled, pos = gather_draft_sampled("),
-    ("vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils:",  # in _rejection_kernel
-     "accepted = target_argmax == draft_sampled"),
     ("vllm.model_executor.layers.logits_processor:LogitsProcessor._get_logits",
      "logits = self._gather_logits(logits)"),
     # the functions whose result the hook returns in their place: read whole
@@ -127,7 +116,8 @@ class HookSet:
 
 
 HOOK_SETS = (
-    HookSet("sample", None, (0, 34), SAMPLE_POINTS + PROMPT_POINTS, torch.int64),
+    HookSet("sample", None, (0, 34), SAMPLE_POINTS + v2_pick.PICK_POINTS + PROMPT_POINTS,
+            torch.int64),
     HookSet("model state", (0, 34), None, target_pick_state.HOOK_POINTS + PROMPT_POINTS,
             torch.int32),
 )

@@ -27,6 +27,23 @@ from commfold.vllm import step_log
 from commfold.vllm.decision import V2Step, decide_v2, verify_method
 from commfold.vllm.logits_head import LogitsHead
 
+_REJECT = "vllm.v1.worker.gpu.spec_decode.rejection_sampler"
+# what the pick's exactness rests on inside V2's kernels and helpers, whichever hook
+# set hands it the step (hook_points: (module:Attr.path, text))
+PICK_POINTS = (
+    ("vllm.v1.worker.gpu.sample.states:SamplingStates.add_request",
+     "return temperature != 0.0 and ("),
+    ("vllm.v1.worker.gpu.sample.logprob:compute_topk_scores",
+     "topk_indices = torch.topk(logits, num_logprobs, dim=-1).indices"),
+    ("vllm.v1.worker.gpu.sample.logprob:_topk_log_softmax_kernel",
+     "o = logits - max_val - lse"),
+    ("vllm.v1.worker.gpu.sample.logprob:_ranks_kernel",
+     "n += tl.sum((logits >= x).to(tl.int32))"),
+    (f"{_REJECT}:RejectionSampler.__call__", "draft_sampled, pos = gather_draft_sampled("),
+    ("vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils:",  # in _rejection_kernel
+     "accepted = target_argmax == draft_sampled"),
+)
+
 # model -> the head a V2 hook found for it (prompt logprobs are computed with the
 # model's compute_logits, outside the sampler the hooks see)
 _heads: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
