@@ -152,6 +152,11 @@ def _bytes_per_step(steps, method) -> dict:
             "calls_per_step": calls, "target_picks": picks}
 
 
+# commfold as users get it: the fused norm's cost rule on (harness.vllm_engine's
+# BASE_ENV turns it off to show every rewrite; --no-fuse-cost-rule does that here)
+FUSE_COST_RULE = {"on": True}
+
+
 def _setup(models, method, variant, log_dir):
     from harness.vllm_spec import engine_env, speculative_config
 
@@ -162,6 +167,7 @@ def _setup(models, method, variant, log_dir):
                       cache=Path(tempfile.gettempdir()) / "commfold-bench-vllm-cache")
     full.update({k: v for k, v in env.items() if k != "COMMFOLD_VLLM"})
     full["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc(logits_gather_ms)
+    full["COMMFOLD_FUSE_COST_RULE"] = "1" if FUSE_COST_RULE["on"] else "0"
     return full, spec
 
 
@@ -308,6 +314,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=32, help="new tokens per prompt")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-comm-log", action="store_true", help="skip the logged run")
+    ap.add_argument("--no-fuse-cost-rule", action="store_true",
+                    help="fuse every all-reduce + RMSNorm site, measured slower or not")
     ap.add_argument("--models", type=Path,
                     default=Path(tempfile.gettempdir()) / "commfold-bench-models")
     ap.add_argument("--out", type=Path, default=OUT)
@@ -320,6 +328,7 @@ def main(argv=None) -> int:
     from harness.vllm_engine import BASE_ENV
 
     os.environ.update(BASE_ENV)
+    FUSE_COST_RULE["on"] = not a.no_fuse_cost_rule
     models = write_models(a.models)
     results["meta"] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -327,7 +336,8 @@ def main(argv=None) -> int:
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
         "models": f"target Llama {TARGET}, V=151936; draft_model 1 layer {DRAFT}; "
                   f"eagle3 1 layer, hidden {TARGET['hidden_size']}, draft vocab 32000; "
-                  f"k={K}; {a.tokens} new tokens per prompt, {PROMPT_LEN}-token prompts"}
+                  f"k={K}; {a.tokens} new tokens per prompt, {PROMPT_LEN}-token prompts; "
+                  f"the fused norm's cost rule {'off' if a.no_fuse_cost_rule else 'on'}"}
     for method, variant in plan(a.methods, a.variants):
         key = f"{method}/{variant}"
         print(f"[vllm_engine] {key} ...", flush=True)
