@@ -33,6 +33,8 @@ code it relies on.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import os
 
@@ -76,9 +78,10 @@ def pick_config(config: Config) -> Config | None:
     return config.replace(passes=passes) if passes else None
 
 
-def choose_pick(proposer, config: Config | None):
-    """commfold's draft pick for `proposer` (a vLLM SpecDecodeBaseProposer), or None
-    where vLLM's own pick runs (see the module docstring)."""
+def choose_pick(proposer, config: Config | None, build=None):
+    """commfold's draft pick for `proposer` (a vLLM SpecDecodeBaseProposer or V2
+    speculator), or None where vLLM's own pick runs (see the module docstring).
+    `build(model, config)` makes it (draft_top_tokens by default)."""
     from commfold.vllm.top_tokens import draft_top_tokens
 
     model = getattr(proposer, "model", None)
@@ -86,9 +89,9 @@ def choose_pick(proposer, config: Config | None):
             or getattr(proposer, "use_local_argmax_reduction", False)
             or not callable(getattr(model, "compute_logits", None))):
         return None
-    log.info("commfold: draft tokens of %s picked without a full-vocab gather (%s)",
-             type(model).__name__, "+".join(config.passes))
-    return draft_top_tokens(model, config)
+    log.info("commfold: draft tokens of %s (%s) picked without a full-vocab gather (%s)",
+             type(model).__name__, type(proposer).__name__, "+".join(config.passes))
+    return (build or draft_top_tokens)(model, config)
 
 
 def states(config: Config, environ=os.environ, runner=None) -> list:
@@ -148,6 +151,80 @@ def hook_proposers(config: Config, environ=os.environ, runner=None) -> list:
 _UNSET = object()
 
 
+# how a speculator's compute_draft_logits computes its logits, by the class that
+# defines it: the keyword arguments it passes model.compute_logits (from the draft step
+# index), and the line of vLLM's it relies on (checked at first use)
+_MMTP = "vllm.v1.worker.gpu.spec_decode.multi_module_mtp.speculator:MultiModuleMTPSpeculator"
+LOGITS_ROUTES = {
+    _SPEC: ("return self.model.compute_logits(hidden_states)", False),
+    _MMTP: ("return self.model.compute_logits(hidden_states, spec_step_idx=spec_step_idx)",
+            True),
+}
+
+
+@functools.cache
+def logits_route(cls) -> bool | str:
+    """Whether `cls`'s compute_draft_logits passes the draft step index to the
+    drafter's compute_logits (a multi-module MTP speculator: each step's module has its
+    own head), or why commfold cannot pick for it (a str)."""
+    defined = cls.compute_draft_logits
+    for where, (line, by_step) in LOGITS_ROUTES.items():
+        try:
+            known = hook_points.resolve(where).__dict__.get("compute_draft_logits")
+        except (ImportError, AttributeError):
+            continue
+        if known is not None and inspect.unwrap(defined) is inspect.unwrap(known):
+            gone = hook_points.missing(((f"{where}.compute_draft_logits", line),))
+            return f"vLLM changed {gone[0]}" if gone else by_step
+    owner = defined.__qualname__.split(".")[0]
+    return f"its compute_draft_logits ({owner}'s) is not one commfold knows"
+
+
+def why_vllm_pick(spec, draft_logits) -> str | None:
+    """Why the speculator `spec`'s greedy draft pick stays vLLM's this call, or None."""
+    if draft_logits is not None:
+        return "probabilistic drafting: vLLM's Gumbel sampler reads the full draft logits"
+    if getattr(spec, "acceptance_estimator", None) is not None:
+        return "adaptive verification's acceptance estimator reads the full draft logits"
+    model = getattr(spec, "model", None)
+    if not callable(getattr(model, "compute_logits", None)):
+        return f"its drafter {type(model).__name__} has no compute_logits"
+    route = logits_route(type(spec))
+    return route if isinstance(route, str) else None
+
+
+_logged: set = set()
+
+
+def log_vllm_pick(spec, why: str) -> None:
+    """One line per speculator class and reason, naming the class."""
+    key = (type(spec).__name__, why)
+    if key not in _logged:
+        _logged.add(key)
+        log.info("commfold: %s's draft tokens are vLLM's pick, with its full-vocab gather: %s",
+                 key[0], why)
+
+
+def _v2_tokens(spec, chosen: Config | None, hidden, draft_logits, spec_step_idx: int):
+    """commfold's greedy draft tokens for this sample_draft call, or None where vLLM's
+    pick runs (logged once per class and reason; use_local_argmax_reduction: vLLM's
+    get_draft_top_tokens, a local pick already)."""
+    if getattr(spec, "use_local_argmax_reduction", False):
+        return None
+    why = why_vllm_pick(spec, draft_logits)
+    if why is not None:
+        log_vllm_pick(spec, why)
+        return None
+    picks = spec.__dict__.get("_commfold_pick")
+    if picks is None:
+        from commfold.vllm.top_tokens import StepPicks
+
+        picks = spec._commfold_pick = choose_pick(spec, chosen, StepPicks)
+    if logits_route(type(spec)) is True:
+        return picks(hidden, spec_step_idx=spec_step_idx)
+    return picks(hidden)
+
+
 def _hook_v2_speculator(chosen: Config | None, pick: bool, top_tokens: bool) -> None:
     """Model Runner V2's DraftModelSpeculator: the greedy draft pick in sample_draft,
     and get_top_tokens installed before its use_local_argmax_reduction check."""
@@ -156,19 +233,14 @@ def _hook_v2_speculator(chosen: Config | None, pick: bool, top_tokens: bool) -> 
     from commfold.vllm.top_tokens import install_get_top_tokens
 
     original_sample = spec.__dict__.get("sample_draft")
-    base_logits = spec.__dict__.get("compute_draft_logits")
     if pick and original_sample is not None and not getattr(original_sample, "_commfold", False):
         def sample_draft(self, hidden_states, *args, _original=original_sample, **kwargs):
             draft_logits = args[5] if len(args) > 5 else kwargs.get("draft_logits")
-            pick = None
-            if (draft_logits is None and getattr(self, "acceptance_estimator", None) is None
-                    and type(self).compute_draft_logits is base_logits):
-                pick = self.__dict__.get("_commfold_pick", _UNSET)
-                if pick is _UNSET:
-                    pick = self._commfold_pick = choose_pick(self, chosen)
-            if pick is None:
+            step = args[6] if len(args) > 6 else kwargs.get("spec_step_idx", 0)
+            tokens = _v2_tokens(self, chosen, hidden_states, draft_logits, step)
+            if tokens is None:
                 return _original(self, hidden_states, *args, **kwargs)
-            return pick(hidden_states)
+            return tokens
 
         sample_draft._commfold, sample_draft.__wrapped__ = True, original_sample
         spec.sample_draft = sample_draft

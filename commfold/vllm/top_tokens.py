@@ -140,27 +140,56 @@ class RemappedPick:
         return torch.where(value == float("-inf"), torch.zeros_like(token), token)
 
 
-def draft_top_tokens(model, config: Config | None = None) -> Callable:
+def draft_top_tokens(model, config: Config | None = None, **logits_kwargs) -> Callable:
     """The greedy draft pick of a vLLM drafter, as target-vocab ids: ``compute_logits
     -> argmax`` compiled with commfold, or for a drafter with a smaller draft vocab
-    (``draft_id_to_target_id``) the local pick over its own logits plus the remap."""
+    (``draft_id_to_target_id``) the local pick over its own logits plus the remap.
+    `logits_kwargs` go to every ``compute_logits`` call (a multi-module MTP drafter's
+    ``spec_step_idx``: the head of that step's module)."""
     d2t = getattr(model, "draft_id_to_target_id", None)
+
+    def compute_logits(h):
+        return model.compute_logits(h, **logits_kwargs)
+
     if soft_capped(getattr(model, "logits_processor", None), f"the drafter {type(model).__name__}"):
-        return lambda h: model.compute_logits(h).argmax(dim=-1)
+        return lambda h: compute_logits(h).argmax(dim=-1)
     if d2t is None:
-        return top_tokens_fn(model.compute_logits, config)
+        return top_tokens_fn(compute_logits, config)
     lp, head = model.logits_processor, model.lm_head
     pick = top_tokens_fn(lambda h: lp(head, h), config, values=True)
-    return RemappedPick(d2t, int(model.config.vocab_size), pick, model.compute_logits)
+    return RemappedPick(d2t, int(model.config.vocab_size), pick, compute_logits)
+
+
+class StepPicks:
+    """A drafter's ``get_top_tokens(hidden_states, spec_step_idx=None)`` with vLLM's
+    signature: one ``draft_top_tokens`` per draft step index it is called with (a
+    multi-module MTP drafter picks with that step's module's head; the speculator
+    passes the index, ``model.compute_logits`` takes it), built on first use. Without
+    an index, the pick of ``compute_logits(hidden)``."""
+
+    _commfold = True
+
+    def __init__(self, model, config: Config | None = None):
+        self.model, self.config = model, config
+        self.picks: dict[int | None, Callable] = {}
+
+    def __call__(self, hidden_states: torch.Tensor, spec_step_idx: int | None = None):
+        pick = self.picks.get(spec_step_idx)
+        if pick is None:
+            kwargs = {} if spec_step_idx is None else {"spec_step_idx": spec_step_idx}
+            pick = self.picks[spec_step_idx] = draft_top_tokens(self.model, self.config,
+                                                                **kwargs)
+        return pick(hidden_states)
 
 
 def install_get_top_tokens(model, config: Config | None = None) -> bool:
-    """Give `model` a ``get_top_tokens(hidden)`` (``draft_top_tokens``) if it has none;
-    True when one was installed. The model's class is not modified."""
+    """Give `model` a ``get_top_tokens(hidden_states, spec_step_idx=None)``
+    (``StepPicks``) if it has none; True when one was installed. The model's class is
+    not modified."""
     if callable(getattr(model, "get_top_tokens", None)):
         return False
     if not callable(getattr(model, "compute_logits", None)):
         raise TypeError(f"commfold: {type(model).__name__} has no compute_logits() "
                         "to build get_top_tokens from")
-    model.get_top_tokens = draft_top_tokens(model, config)
+    model.get_top_tokens = StepPicks(model, config)
     return True
