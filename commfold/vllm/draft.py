@@ -41,6 +41,7 @@ import os
 from commfold.vllm import hook_points
 from commfold.vllm import runtime
 from commfold.config import Config
+from commfold.vllm.speculators import pick_note
 
 log = logging.getLogger("commfold")
 
@@ -225,6 +226,19 @@ def _v2_tokens(spec, chosen: Config | None, hidden, draft_logits, spec_step_idx:
     return picks(hidden)
 
 
+def load_note(cls, local: bool, installed: bool) -> str:
+    """The line a V2 speculator's load logs: whose pick its draft tokens are."""
+    ours, note = pick_note(cls)
+    if ours and local:
+        whose = " (commfold's: it had none)" if installed else ""
+        return (f"{cls.__name__} drafts with use_local_argmax_reduction: vLLM's "
+                f"get_draft_top_tokens picks, with the drafter's get_top_tokens{whose}")
+    route = logits_route(cls) if ours else None
+    if isinstance(route, str):
+        return f"{cls.__name__}'s draft tokens are vLLM's pick: {route}"
+    return note
+
+
 def _hook_v2_speculator(chosen: Config | None, pick: bool, top_tokens: bool) -> None:
     """Model Runner V2's DraftModelSpeculator: the greedy draft pick in sample_draft,
     and get_top_tokens installed before its use_local_argmax_reduction check."""
@@ -246,12 +260,14 @@ def _hook_v2_speculator(chosen: Config | None, pick: bool, top_tokens: bool) -> 
         spec.sample_draft = sample_draft
 
     original_check = spec.__dict__.get("_validate_local_argmax_reduction")
-    if top_tokens and original_check is not None and \
+    if (pick or top_tokens) and original_check is not None and \
             not getattr(original_check, "_commfold", False):
         def _validate_local_argmax_reduction(self, _original=original_check):
-            if getattr(self, "use_local_argmax_reduction", False) and getattr(
-                    self.speculative_config, "draft_sample_method", None) != "probabilistic":
-                install_get_top_tokens(self.model, chosen)
+            local = getattr(self, "use_local_argmax_reduction", False) and getattr(
+                self.speculative_config, "draft_sample_method", None) != "probabilistic"
+            installed = top_tokens and local and install_get_top_tokens(self.model, chosen)
+            if pick:
+                log.info("commfold: %s", load_note(type(self), local, installed))
             return _original(self)
 
         _validate_local_argmax_reduction._commfold = True
