@@ -15,12 +15,13 @@ from pathlib import Path
 
 TOKENS_MARK = "COMMFOLD_TOKENS "
 K, VOCAB = 2, 1000  # draft steps (one per MTP layer), vocab (padded: 1024 at TP=2)
-# a small DeepSeek-V3: MLA, one dense layer then a MoE layer, two MTP layers
+# a small DeepSeek-V3: MLA (kv_lora_rank + qk_rope_head_dim = 320, a head size vLLM's
+# MLA takes), one dense layer then a MoE layer, two MTP layers
 CONFIG = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
               num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4,
               num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
               n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=1.0,
-              kv_lora_rank=64, q_lora_rank=None, qk_rope_head_dim=32, qk_nope_head_dim=32,
+              kv_lora_rank=256, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=32,
               v_head_dim=32, max_position_embeddings=512, num_nextn_predict_layers=K,
               rope_scaling=None, tie_word_embeddings=False)
 

@@ -29,7 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from commfold.vllm import draft, plugin, step_log, target_pick, target_pick_v2  # noqa: E402
+from commfold.vllm import (draft, hook_points, plugin, step_log, target_pick,  # noqa: E402
+                           target_pick_v2)
 from commfold.vllm.decision import LEFT_TO_VLLM, STRICT_GREEDY  # noqa: E402
 from commfold.vllm.runtime import TESTED  # noqa: E402
 
@@ -142,13 +143,18 @@ def _defines(node, name: str) -> bool:
     return False
 
 
+def _first_lines(text) -> str:
+    """A point's text (or its alternatives), first lines only."""
+    return " / ".join(t.splitlines()[0].strip() for t in hook_points.texts(text))
+
+
 def check(src: Sources, where: str, text: str | None) -> str:
     try:
         source = src.find(where)
     except (LookupError, SyntaxError) as e:
         return f"moved ({e})"
-    if text is not None and text not in source:
-        return f"moved: `{text.splitlines()[0].strip()}` not in it"
+    if text is not None and not any(t in source for t in hook_points.texts(text)):
+        return f"moved: `{_first_lines(text)}` not in it"
     return "present"
 
 
@@ -193,7 +199,7 @@ def report(trees: list[Sources]) -> list[str]:
              "|---|---|" + "---|" * len(trees)]
     for hook, points in HOOKS.items():
         for where, text in points:
-            what = f"`{where}`" + (f": `{text.splitlines()[0].strip()}`" if text else "")
+            what = f"`{where}`" + (f": `{_first_lines(text)}`" if text else "")
             lines.append(f"| {hook} | {what} | "
                          + " | ".join(check(s, where, text) for s in trees) + " |")
     known = set(STRICT_GREEDY) | set(LEFT_TO_VLLM)

@@ -60,10 +60,14 @@ HOOK_POINTS = {
 
 
 _SPEC = "vllm.v1.worker.gpu.spec_decode.speculator:DraftModelSpeculator"
+# sample_draft's greedy pick by release -> whether NaN logits count as -inf: 0.32 and
+# 0.33 take argmax (NaN wins), 0.34 greedy_argmax (NaN as -inf, ties to the first)
+V2_PICK_LINES = {"sampled = logits.argmax(dim=-1)": False,
+                 "sampled = greedy_argmax(logits)": True}
 HOOK_POINTS_V2 = {
     PICK: ((f"{_SPEC}.sample_draft",
             "logits = self.compute_draft_logits(hidden_states, spec_step_idx)"),
-           (f"{_SPEC}.sample_draft", "sampled = logits.argmax(dim=-1)"),
+           (f"{_SPEC}.sample_draft", tuple(V2_PICK_LINES)),
            (f"{_SPEC}.compute_draft_logits", "return self.model.compute_logits(hidden_states)")),
     TOP_TOKENS: ((f"{_SPEC}.load_model", "self._validate_local_argmax_reduction()"),
                  (f"{_SPEC}._validate_local_argmax_reduction",
@@ -71,6 +75,15 @@ HOOK_POINTS_V2 = {
                  (f"{_SPEC}.get_draft_top_tokens",
                   "return self.model.get_top_tokens(hidden_states)")),
 }
+
+
+def v2_nan_as_neginf() -> bool:
+    """Whether this vLLM's V2 draft pick counts NaN logits as -inf (its sample_draft's
+    line; the hook is off when it has neither)."""
+    from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
+
+    source = inspect.getsource(inspect.unwrap(DraftModelSpeculator.sample_draft))
+    return any(nan for line, nan in V2_PICK_LINES.items() if line in source)
 
 
 def pick_config(config: Config) -> Config | None:
@@ -220,7 +233,9 @@ def _v2_tokens(spec, chosen: Config | None, hidden, draft_logits, spec_step_idx:
     if picks is None:
         from commfold.vllm.top_tokens import StepPicks
 
-        picks = spec._commfold_pick = choose_pick(spec, chosen, StepPicks)
+        nan = v2_nan_as_neginf()
+        picks = spec._commfold_pick = choose_pick(
+            spec, chosen, lambda model, config: StepPicks(model, config, nan))
     if logits_route(type(spec)) is True:
         return picks(hidden, spec_step_idx=spec_step_idx)
     return picks(hidden)
@@ -265,7 +280,8 @@ def _hook_v2_speculator(chosen: Config | None, pick: bool, top_tokens: bool) -> 
         def _validate_local_argmax_reduction(self, _original=original_check):
             local = getattr(self, "use_local_argmax_reduction", False) and getattr(
                 self.speculative_config, "draft_sample_method", None) != "probabilistic"
-            installed = top_tokens and local and install_get_top_tokens(self.model, chosen)
+            installed = top_tokens and local and install_get_top_tokens(
+                self.model, chosen, v2_nan_as_neginf())
             if pick:
                 log.info("commfold: %s", load_note(type(self), local, installed))
             return _original(self)

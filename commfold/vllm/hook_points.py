@@ -4,7 +4,8 @@ A hook wraps vLLM methods and counts on a few lines inside them (the call whose
 result it replaces, the bookkeeping it repeats). A vLLM release that moves one of
 them must leave the hook off with a line saying so, never run it on code it does not
 know: every hook module lists its points here as ``(module:Attr.path, text)``, text
-None for "the attribute exists", and checks them at install (``missing``);
+None for "the attribute exists" or a tuple of texts any one of which will do (a line
+that differs by release: ``texts``), and checks them at install (``missing``);
 ``commfold doctor`` and tools/vllm_compat.py read the same lists.
 """
 from __future__ import annotations
@@ -23,6 +24,11 @@ def resolve(where: str):
     return obj
 
 
+def texts(text) -> tuple[str, ...]:
+    """A point's text as its alternatives."""
+    return (text,) if isinstance(text, str) else tuple(text)
+
+
 def missing(points) -> list[str]:
     """The points this vLLM no longer has, as 'where: text' or 'where (Error)'."""
     return [m for where, text in points if (m := _missing(where, text)) is not None]
@@ -37,8 +43,8 @@ def _missing(where: str, text: str | None) -> str | None:
         source = inspect.getsource(inspect.unwrap(obj)) if text is not None else ""
     except Exception as e:  # moved, renamed, no source
         return f"{where} ({type(e).__name__})"
-    if text is not None and text not in source:
-        return f"{where}: {text.splitlines()[0].strip()}"
+    if text is not None and not any(t in source for t in texts(text)):
+        return f"{where}: {' / '.join(t.splitlines()[0].strip() for t in texts(text))}"
     return None
 
 
