@@ -20,12 +20,17 @@ local_argmax; neither: vLLM's pick).
 
 Model Runner V2 drafts with its own speculator
 (``vllm.v1.worker.gpu.spec_decode.speculator.DraftModelSpeculator``): its greedy draft
-pick is ``sample_draft``'s ``compute_draft_logits(...).argmax(-1)`` (draft_logits None:
+pick is ``sample_draft``'s pick over ``compute_draft_logits(...)`` (draft_logits None:
 no probabilistic drafting), replaced by the same ``draft_top_tokens`` where no
-acceptance estimator reads the full logits (adaptive verification) and the speculator
-keeps the base ``compute_draft_logits`` (multi-module MTP picks a module per step:
-vLLM's pick); its ``use_local_argmax_reduction`` check gets a ``get_top_tokens``
-installed on a drafter without one just before it runs.
+acceptance estimator reads the full logits and the speculator's compute_draft_logits
+is one commfold knows (``LOGITS_ROUTES``: the base one, or multi-module MTP's, which
+passes ``spec_step_idx`` so each step picks with its module's head). The pick's NaN
+rule follows the release's line (``V2_PICK_LINES``: ``argmax`` on 0.32/0.33, NaN
+wins; ``greedy_argmax`` on 0.34, NaN as -inf). A call that keeps vLLM's pick says
+why once per class and reason, and every speculator's load says whose pick it runs
+(commfold.vllm.speculators). Its ``use_local_argmax_reduction`` check gets a
+``get_top_tokens(hidden_states, spec_step_idx=None)`` installed on a drafter without
+one just before it runs.
 
 Both hooks patch the proposers of the runner vLLM will build and log one line each at
 install, on or off and why (commfold.vllm.runtime); each checks the lines of vLLM's
