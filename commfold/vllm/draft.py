@@ -195,7 +195,7 @@ def logits_route(cls) -> bool | str:
         if known is not None and inspect.unwrap(defined) is inspect.unwrap(known):
             gone = hook_points.missing(((f"{where}.compute_draft_logits", line),))
             return f"vLLM changed {gone[0]}" if gone else by_step
-    owner = defined.__qualname__.split(".")[0]
+    owner = defined.__qualname__.rpartition(".")[0] or defined.__qualname__
     return f"its compute_draft_logits ({owner}'s) is not one commfold knows"
 
 
