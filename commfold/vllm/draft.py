@@ -181,6 +181,11 @@ LOGITS_ROUTES = {
 }
 
 
+# the same as hook points (tools/vllm_compat.py lists them)
+ROUTE_POINTS = tuple((f"{where}.compute_draft_logits", line)
+                     for where, (line, _) in LOGITS_ROUTES.items())
+
+
 @functools.cache
 def logits_route(cls) -> bool | str:
     """Whether `cls`'s compute_draft_logits passes the draft step index to the
