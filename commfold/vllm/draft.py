@@ -46,7 +46,7 @@ import os
 from commfold.vllm import hook_points
 from commfold.vllm import runtime
 from commfold.config import Config
-from commfold.vllm.speculators import pick_note
+from commfold.vllm.speculators import V1_PROPOSERS, pick_note
 
 log = logging.getLogger("commfold")
 
@@ -89,6 +89,18 @@ def v2_nan_as_neginf() -> bool:
 
     source = inspect.getsource(inspect.unwrap(DraftModelSpeculator.sample_draft))
     return any(nan for line, nan in V2_PICK_LINES.items() if line in source)
+
+
+def v1_pick_note(proposer, local: bool) -> str:
+    """The line a V1 proposer's load logs: whose pick its draft tokens are."""
+    name = type(proposer).__name__
+    if local:
+        return (f"{name} drafts with use_local_argmax_reduction: the drafter's "
+                "get_top_tokens picks")
+    if getattr(proposer, "use_heterogeneous_vocab", False):
+        return (f"{name}'s draft tokens are vLLM's pick: its drafter's logits are "
+                "constrained to another tokenizer's vocab (use_heterogeneous_vocab)")
+    return pick_note(type(proposer), V1_PROPOSERS)[1]
 
 
 def pick_config(config: Config) -> Config | None:
@@ -151,15 +163,19 @@ def hook_proposers(config: Config, environ=os.environ, runner=None) -> list:
         _greedy_sample._commfold, _greedy_sample.__wrapped__ = True, original_sample
         base._greedy_sample = _greedy_sample
 
-    for cls in (base, draft_model.DraftModelProposer) if top_tokens.on else ():
+    for cls in (base, draft_model.DraftModelProposer) if top_tokens.on or pick.on else ():
         original = cls.__dict__.get("_get_model")
         if original is None or getattr(original, "_commfold", False):
             continue
 
-        def _get_model(self, _original=original):
+        def _get_model(self, _original=original, pick=pick.on, top_tokens=top_tokens.on):
             model = _original(self)
-            if getattr(self, "use_local_argmax_reduction", False):
+            local = getattr(self, "use_local_argmax_reduction", False)
+            if top_tokens and local:
                 install_get_top_tokens(model, chosen)
+            if pick and not self.__dict__.get("_commfold_noted"):
+                self._commfold_noted = True
+                log.info("commfold: %s", v1_pick_note(self, local))
             return model
 
         _get_model._commfold, _get_model.__wrapped__ = True, original

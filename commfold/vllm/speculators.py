@@ -38,9 +38,23 @@ SPECULATORS = {
 }
 
 
-def pick_note(cls) -> tuple[bool, str]:
-    """(commfold picks in sample_draft, the line's text) for a speculator class."""
-    how = SPECULATORS.get(cls.__name__)
+# V1's proposers (0.32, 0.33): commfold's pick is in SpecDecodeBaseProposer._greedy_sample
+V1_PROPOSERS = {
+    "EagleProposer": SAMPLE_DRAFT,  # EAGLE, EAGLE-3, MTP
+    "DraftModelProposer": SAMPLE_DRAFT,
+    "DFlashProposer": SAMPLE_DRAFT,
+    "Gemma4Proposer": (
+        "it replays its own centroid pick (a masked embedding, no full-vocab gather) "
+        "where it captured one, else commfold's"),
+    "Step3p5MTPProposer": (
+        "it picks per MTP step in its own method (_sample_draft_tokens_for_step)"),
+}
+
+
+def pick_note(cls, table: dict | None = None) -> tuple[bool, str]:
+    """(commfold picks in sample_draft / _greedy_sample, the line's text) for a
+    speculator (or, with V1_PROPOSERS, a V1 proposer) class."""
+    how = (SPECULATORS if table is None else table).get(cls.__name__)
     if how == SAMPLE_DRAFT:
         return True, f"{cls.__name__}'s greedy draft tokens are commfold's pick"
     if how is None:
