@@ -34,15 +34,20 @@ def _run(shm: bool, cases: list[dict]) -> list[dict]:
     from harness import vllm_step
 
     class TwoModuleMTP(torch.nn.Module):
-        """DeepSeek's MTP drafter's logits end: module i % 2's head per step."""
+        """DeepSeek's MTP drafter's logits end: module i % 2's head per step, named as
+        DeepSeek names its layers (str of an int: a graph break if that int were
+        symbolic in the compiled pick)."""
 
         def __init__(self, dtype, seed, ties):
             super().__init__()
-            self.heads = torch.nn.ModuleList(
-                [vllm_step.TinyLM(V, dtype, seed + i, ties) for i in range(2)])
+            self.start, self.num_layers = 2, 2
+            self.layers = torch.nn.ModuleDict(
+                {str(self.start + i): vllm_step.TinyLM(V, dtype, seed + i, ties)
+                 for i in range(2)})
 
         def compute_logits(self, hidden, spec_step_idx: int = 0):
-            return self.heads[spec_step_idx % 2].compute_logits(hidden)
+            layer = self.layers[str(self.start + spec_step_idx % self.num_layers)]
+            return layer.compute_logits(hidden)
 
     class Speculator(MultiModuleMTPSpeculator):  # what sample_draft reads, nothing built
         pass
@@ -79,7 +84,7 @@ def _run(shm: bool, cases: list[dict]) -> list[dict]:
             except ValueError as e:
                 out.append(dict(case=case, refused=str(e)))
                 continue
-        shard = model.heads[0].lm_head.weight.shape[0]
+        shard = model.layers["2"].lm_head.weight.shape[0]
         steps = []
         for step in range(1 if case.get("unknown") else 2):
             h = vllm_step.hidden(case["rows"], dtype, case["seed"] + 10 + step, case["ties"])

@@ -76,12 +76,16 @@ def top_tokens_fn(compute_logits: Callable[[torch.Tensor], torch.Tensor],
         # Float attributes (logit scale, soft cap) as constants, not graph inputs: the
         # pass must see their sign to know the ops keep the argmax. Set directly, not
         # with config.patch (~140 us a call, this pick's largest fixed cost).
-        was = dynamo_config.specialize_float
-        dynamo_config.specialize_float = True
+        # Ints too: under dynamic=True an int reaching the graph through a closure
+        # (a multi-module MTP drafter's spec_step_idx) would be symbolic, and a drafter
+        # that names its module with str() of it (DeepSeek's MTP) would break the graph
+        # between the gather and the argmax
+        was = dynamo_config.specialize_float, dynamo_config.specialize_int
+        dynamo_config.specialize_float = dynamo_config.specialize_int = True
         try:
             return compiled(hidden)
         finally:
-            dynamo_config.specialize_float = was
+            dynamo_config.specialize_float, dynamo_config.specialize_int = was
 
     def top_tokens_nan(hidden: torch.Tensor) -> torch.Tensor:
         pre = inductor_config.post_grad_custom_pre_pass  # what a compile in it runs
