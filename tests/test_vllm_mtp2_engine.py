@@ -57,7 +57,8 @@ def mtp2_runs(tmp_path_factory):
     printed = (proc.stdout + proc.stderr).splitlines()
     return dict(out=dict(zip(RUNS, json.loads(line[len(TOKENS_MARK):]))),
                 lines=[(x.split(" ", 1)[0], x.split("commfold: ", 1)[1]) for x in printed
-                       if "commfold: MultiModuleMTPSpeculator" in x],
+                       if "commfold: MultiModuleMTPSpeculator" in x
+                       and x.startswith("(Worker_TP")],  # through vLLM's handlers
                 stderr=proc.stderr,
                 steps={n: read_step_logs(tmp / f"log-{n}") for n in RUNS})
 
