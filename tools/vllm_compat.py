@@ -104,7 +104,7 @@ class Sources:
         node, mod = self._lookup(module, parts[0], depth=0)
         for part in parts[1:]:
             node, mod = self._member(node, mod, part, depth=0)
-        return ast.get_source_segment(self.module(mod)[1], node) or ""
+        return ast.get_source_segment(self.module(mod)[1], node, padded=True) or ""
 
     def _lookup(self, module: str, name: str, depth: int):
         if depth > 8:
@@ -211,6 +211,18 @@ def report(trees: list[Sources]) -> list[str]:
         new = [m for m in found if m not in known and not m.startswith("none found")]
         lines.append(f"- {label}: {', '.join(found)}"
                      + (f" - NEW, unknown to commfold: {', '.join(new)}" if new else ""))
+    where = f"{draft._SPEC}.sample_draft"
+    lines += ["", f"`{where}`, whose whole source the V2 draft pick pins "
+              "(draft.SAMPLE_DRAFT_SOURCES):", ""]
+    for label, s in zip(labels, trees):
+        try:
+            digest = draft.source_digest(s.find(where))
+        except (LookupError, SyntaxError) as e:
+            lines.append(f"- {label}: moved ({e})")
+            continue
+        known = draft.SAMPLE_DRAFT_SOURCES.get(digest)
+        lines.append(f"- {label}: " + (f"pinned ({known})" if known else
+                                       f"moved: sha256 {digest} is not pinned"))
     return lines
 
 
