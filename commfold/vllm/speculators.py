@@ -22,8 +22,8 @@ SPECULATORS = {
     "DFlashSpeculator": SAMPLE_DRAFT,
     "DSparkSpeculator": (
         "its base draft logits are gathered once per block (compute_draft_logits) and "
-        "its Markov head's bias is added per position before the argmax; commfold "
-        "replicates a sharded Markov head (its per-position collectives)"),
+        "a Markov bias is added per position before the argmax (commfold replicates "
+        "the bias layers where vLLM built them sharded: commfold.vllm.eager_heads)"),
     "XPressSpeculator": (
         "its Jacobi refinement reads the full base draft logits in its own kernels"),
     "DFlash2Speculator": (
