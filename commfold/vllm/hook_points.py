@@ -4,7 +4,8 @@ A hook wraps vLLM methods and counts on a few lines inside them (the call whose
 result it replaces, the bookkeeping it repeats). A vLLM release that moves one of
 them must leave the hook off with a line saying so, never run it on code it does not
 know: every hook module lists its points here as ``(module:Attr.path, text)``, text
-None for "the attribute exists", and checks them at install (``missing``);
+None for "the attribute exists" or a tuple of texts any one of which will do (a line
+that differs by release: ``texts``), and checks them at install (``missing``);
 ``commfold doctor`` and tools/vllm_compat.py read the same lists.
 
 A text point catches a line that moved, not one vLLM added. Where a hook stands in
@@ -48,7 +49,7 @@ def describe(text) -> str:
     """How a point's text reads in a line or a table."""
     if isinstance(text, Pinned):
         return f"whole source pinned ({text.releases()})"
-    return text.splitlines()[0].strip()
+    return " / ".join(t.splitlines()[0].strip() for t in texts(text))
 
 
 def wrap(owner, name: str, make, mark: str) -> None:
@@ -81,6 +82,11 @@ def resolve(where: str):
     return obj
 
 
+def texts(text) -> tuple[str, ...]:
+    """A point's text as its alternatives."""
+    return (text,) if isinstance(text, str) else tuple(text)
+
+
 def missing(points) -> list[str]:
     """The points this vLLM no longer has, as 'where: text' or 'where (Error)'."""
     return [m for where, text in points if (m := _missing(where, text)) is not None]
@@ -100,7 +106,7 @@ def _missing(where: str, text) -> str | None:
             return (f"{where} changed (source hash {source_hash(source)}; read for "
                     f"{text.releases()})")
         return None
-    if text is not None and text not in source:
+    if text is not None and not any(t in source for t in texts(text)):
         return f"{where}: {describe(text)}"
     return None
 

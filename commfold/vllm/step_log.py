@@ -70,6 +70,21 @@ DEVICE_METHODS = {"all_reduce": "all_reduce", "all_gather": "all_gather",
                   "reduce_scatterv": "reduce_scatter", "broadcast": "broadcast",
                   "send": "send"}
 
+# PyNccl itself: vLLM 0.34 calls it directly (batch-sharded sampling's
+# all_to_all_single, DSpark's sharded Markov all_gather), not through the communicator;
+# method -> (kind, the parameter holding what this rank sends). A call the communicator
+# makes is inside its marked span and counted once (comm_log.collective_events)
+PYNCCL = "vllm.distributed.device_communicators.pynccl:PyNcclCommunicator"
+PYNCCL_METHODS = {"all_reduce": ("all_reduce", "in_tensor"),
+                  "all_gather": ("all_gather", "input_tensor"),
+                  "all_gatherv": ("all_gather", "input_tensor"),
+                  "reduce_scatter": ("reduce_scatter", "input_tensor"),
+                  "reduce_scatterv": ("reduce_scatter", "input_tensor"),
+                  "reduce": ("reduce", "input_tensor"),
+                  "scatter": ("scatter", "input_tensor"),
+                  "all_to_all_single": ("all_to_all", "input_tensor"),
+                  "broadcast": ("broadcast", "tensor"), "send": ("send", "tensor")}
+
 HOOK = "step log"
 # what must exist in vLLM for every phase to be seen (see hook_points)
 _RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner."
@@ -215,11 +230,12 @@ def install(environ=os.environ, runner=None) -> bool:
             _wrap(PromptLogprobsWorker, method, _in_phase("prompt_logprobs"))
     for method in _LOGITS:
         _wrap(LogitsProcessor, method, _in_phase("logits"))
-    module, _, name = DEVICE_COMMUNICATOR.partition(":")
-    try:
-        wrap_device_communicator(getattr(importlib.import_module(module), name))
-    except (ImportError, AttributeError) as e:  # a vLLM build without it: nothing to count
-        log.info("commfold: step log: %s not wrapped (%s)", DEVICE_COMMUNICATOR, e)
+    for where, wrap in ((DEVICE_COMMUNICATOR, wrap_device_communicator), (PYNCCL, wrap_pynccl)):
+        module, _, name = where.partition(":")
+        try:
+            wrap(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError) as e:  # a build without it: nothing to count
+            log.info("commfold: step log: %s not wrapped (%s)", where, e)
     return True
 
 
@@ -230,15 +246,50 @@ def wrap_device_communicator(cls) -> None:
         _wrap(cls, method, _marked(kind))
 
 
-def _marked(kind: str):
+def pynccl_sent(cls) -> dict[str, tuple[str, int, str] | str]:
+    """method -> (kind, position, name) of the tensor it sends, by its signature, or
+    why it is not counted (absent, or its parameters are not the ones expected)."""
+    import inspect
+
+    out = {}
+    for method, (kind, sent) in PYNCCL_METHODS.items():
+        fn = cls.__dict__.get(method)
+        if fn is None:
+            out[method] = "absent"
+            continue
+        params = list(inspect.signature(inspect.unwrap(fn)).parameters)
+        out[method] = (kind, params.index(sent) - 1, sent) if sent in params[1:] else \
+            f"no parameter {sent} ({', '.join(params[1:])})"
+    return out
+
+
+def wrap_pynccl(cls) -> None:
+    """Mark PyNccl's collective methods for the step log (those whose signature names
+    what they send; one line names any other), skipping a disabled communicator's
+    calls (they send nothing)."""
+    skipped = []
+    for method, sent in pynccl_sent(cls).items():
+        if isinstance(sent, str):
+            if sent != "absent":
+                skipped.append(f"{method}: {sent}")
+            continue
+        _wrap(cls, method, _marked(sent[0], sent[1], sent[2]))
+    if skipped:
+        log.info("commfold: step log: PyNccl methods not counted: %s", "; ".join(skipped))
+
+
+def _marked(kind: str, position: int = 0, name: str | None = None):
+    """A wrapper marking each call as a collective of `kind` sending the argument at
+    `position` (or keyword `name`)."""
     def make(original):
-        def run(self, tensor, *args, **kwargs):
-            if _recorder is None or _recorder.prof is None:
-                return original(self, tensor, *args, **kwargs)
+        def run(self, *args, **kwargs):
+            if _recorder is None or _recorder.prof is None or getattr(self, "disabled", False):
+                return original(self, *args, **kwargs)
             from commfold.distributed.comm_log import marked
 
+            tensor = args[position] if len(args) > position else kwargs.get(name)
             with marked(kind, tensor if isinstance(tensor, (list, tuple)) else [tensor]):
-                return original(self, tensor, *args, **kwargs)
+                return original(self, *args, **kwargs)
         return run
     return make
 

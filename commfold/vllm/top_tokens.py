@@ -28,6 +28,7 @@ import torch
 
 from commfold.backend import backend
 from commfold.config import Config
+from commfold.vllm.nan_pick import MaskBeforeGather, nan_as_neg_inf
 
 log = logging.getLogger("commfold")
 
@@ -36,16 +37,21 @@ _picks = 0  # picks built in this process
 
 
 def top_tokens_fn(compute_logits: Callable[[torch.Tensor], torch.Tensor],
-                  config: Config | None = None, values: bool = False) -> Callable:
+                  config: Config | None = None, values: bool = False,
+                  nan_as_neginf: bool = False) -> Callable:
     """hidden states [T, H] -> greedy token ids [T] (int64): ``argmax`` of
     ``compute_logits(hidden)`` over the vocab, compiled with commfold (dynamic T);
-    with ``values`` the pair (max value, argmax) of ``max(dim=-1)``. A compute_logits
+    with ``values`` the pair (max value, argmax) of ``max(dim=-1)``; with
+    ``nan_as_neginf`` over the logits with NaN as -inf (vLLM 0.34's greedy_argmax;
+    commfold.vllm.nan_pick keeps it local). A compute_logits
     commfold cannot rewrite still runs correctly, with the gather (the report says
     why). The compiled pick does not re-check the modules' attributes (soft cap,
     scale, weight shapes) on each call: build a new one after changing them."""
 
     def greedy(hidden: torch.Tensor):
         logits = compute_logits(hidden)
+        if nan_as_neginf:
+            logits = nan_as_neg_inf(logits)
         return tuple(logits.max(dim=-1)) if values else logits.argmax(dim=-1)
 
     # Dynamo keeps compiled code per code object and stops compiling one after its
@@ -64,18 +70,33 @@ def top_tokens_fn(compute_logits: Callable[[torch.Tensor], torch.Tensor],
     compiled = torch.compile(greedy, backend=backend(config=config or LOCAL_ARGMAX), dynamic=True,
                              options={"guard_filter_fn":
                                       torch.compiler.skip_guard_on_all_nn_modules_unsafe})
-    dynamo_config = torch._dynamo.config
+    dynamo_config, inductor_config = torch._dynamo.config, torch._inductor.config
 
     def top_tokens(hidden: torch.Tensor) -> torch.Tensor:
         # Float attributes (logit scale, soft cap) as constants, not graph inputs: the
         # pass must see their sign to know the ops keep the argmax. Set directly, not
         # with config.patch (~140 us a call, this pick's largest fixed cost).
-        was = dynamo_config.specialize_float
-        dynamo_config.specialize_float = True
+        # Ints too: under dynamic=True an int reaching the graph through a closure
+        # (a multi-module MTP drafter's spec_step_idx) would be symbolic, and a drafter
+        # that names its module with str() of it (DeepSeek's MTP) would break the graph
+        # between the gather and the argmax
+        was = dynamo_config.specialize_float, dynamo_config.specialize_int
+        dynamo_config.specialize_float = dynamo_config.specialize_int = True
         try:
             return compiled(hidden)
         finally:
-            dynamo_config.specialize_float = was
+            dynamo_config.specialize_float, dynamo_config.specialize_int = was
+
+    def top_tokens_nan(hidden: torch.Tensor) -> torch.Tensor:
+        pre = inductor_config.post_grad_custom_pre_pass  # what a compile in it runs
+        inductor_config.post_grad_custom_pre_pass = MaskBeforeGather(pre)
+        try:
+            return top_tokens(hidden)
+        finally:
+            inductor_config.post_grad_custom_pre_pass = pre
+
+    if nan_as_neginf:
+        return top_tokens_nan
 
     return top_tokens
 
@@ -116,9 +137,9 @@ class RemappedPick:
     ``compute_logits(hidden).argmax(-1)``), logged once."""
 
     def __init__(self, d2t: torch.Tensor, target_vocab: int, pick: Callable,
-                 fallback: Callable[[torch.Tensor], torch.Tensor]):
+                 fallback: Callable[[torch.Tensor], torch.Tensor], nan_as_neginf: bool = False):
         self.d2t, self.target_vocab = d2t, target_vocab
-        self.pick, self.fallback = pick, fallback
+        self.pick, self.fallback, self.nan_as_neginf = pick, fallback, nan_as_neginf
         self._warned = False
 
     def targets(self) -> torch.Tensor | None:
@@ -134,33 +155,70 @@ class RemappedPick:
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         targets = self.targets()
         if targets is None:
-            return self.fallback(hidden).argmax(dim=-1)
+            logits = self.fallback(hidden)
+            return (nan_as_neg_inf(logits) if self.nan_as_neginf else logits).argmax(dim=-1)
         value, index = self.pick(hidden)
         token = targets[index]
         return torch.where(value == float("-inf"), torch.zeros_like(token), token)
 
 
-def draft_top_tokens(model, config: Config | None = None) -> Callable:
+def draft_top_tokens(model, config: Config | None = None, nan_as_neginf: bool = False,
+                     **logits_kwargs) -> Callable:
     """The greedy draft pick of a vLLM drafter, as target-vocab ids: ``compute_logits
     -> argmax`` compiled with commfold, or for a drafter with a smaller draft vocab
-    (``draft_id_to_target_id``) the local pick over its own logits plus the remap."""
+    (``draft_id_to_target_id``) the local pick over its own logits plus the remap.
+    `logits_kwargs` go to every ``compute_logits`` call (a multi-module MTP drafter's
+    ``spec_step_idx``: the head of that step's module); `nan_as_neginf`: NaN logits
+    count as -inf (vLLM 0.34's greedy_argmax), else they win (``argmax``)."""
     d2t = getattr(model, "draft_id_to_target_id", None)
+
+    def compute_logits(h):
+        return model.compute_logits(h, **logits_kwargs)
+
     if soft_capped(getattr(model, "logits_processor", None), f"the drafter {type(model).__name__}"):
-        return lambda h: model.compute_logits(h).argmax(dim=-1)
+        if nan_as_neginf:
+            return lambda h: nan_as_neg_inf(compute_logits(h)).argmax(dim=-1)
+        return lambda h: compute_logits(h).argmax(dim=-1)
     if d2t is None:
-        return top_tokens_fn(model.compute_logits, config)
+        return top_tokens_fn(compute_logits, config, nan_as_neginf=nan_as_neginf)
     lp, head = model.logits_processor, model.lm_head
-    pick = top_tokens_fn(lambda h: lp(head, h), config, values=True)
-    return RemappedPick(d2t, int(model.config.vocab_size), pick, model.compute_logits)
+    pick = top_tokens_fn(lambda h: lp(head, h), config, values=True,
+                         nan_as_neginf=nan_as_neginf)
+    return RemappedPick(d2t, int(model.config.vocab_size), pick, compute_logits,
+                        nan_as_neginf)
 
 
-def install_get_top_tokens(model, config: Config | None = None) -> bool:
-    """Give `model` a ``get_top_tokens(hidden)`` (``draft_top_tokens``) if it has none;
-    True when one was installed. The model's class is not modified."""
+class StepPicks:
+    """A drafter's ``get_top_tokens(hidden_states, spec_step_idx=None)`` with vLLM's
+    signature: one ``draft_top_tokens`` per draft step index it is called with (a
+    multi-module MTP drafter picks with that step's module's head; the speculator
+    passes the index, ``model.compute_logits`` takes it), built on first use. Without
+    an index, the pick of ``compute_logits(hidden)``."""
+
+    _commfold = True
+
+    def __init__(self, model, config: Config | None = None, nan_as_neginf: bool = False):
+        self.model, self.config, self.nan_as_neginf = model, config, nan_as_neginf
+        self.picks: dict[int | None, Callable] = {}
+
+    def __call__(self, hidden_states: torch.Tensor, spec_step_idx: int | None = None):
+        pick = self.picks.get(spec_step_idx)
+        if pick is None:
+            kwargs = {} if spec_step_idx is None else {"spec_step_idx": spec_step_idx}
+            pick = self.picks[spec_step_idx] = draft_top_tokens(
+                self.model, self.config, self.nan_as_neginf, **kwargs)
+        return pick(hidden_states)
+
+
+def install_get_top_tokens(model, config: Config | None = None,
+                           nan_as_neginf: bool = False) -> bool:
+    """Give `model` a ``get_top_tokens(hidden_states, spec_step_idx=None)``
+    (``StepPicks``) if it has none; True when one was installed. The model's class is
+    not modified."""
     if callable(getattr(model, "get_top_tokens", None)):
         return False
     if not callable(getattr(model, "compute_logits", None)):
         raise TypeError(f"commfold: {type(model).__name__} has no compute_logits() "
                         "to build get_top_tokens from")
-    model.get_top_tokens = draft_top_tokens(model, config)
+    model.get_top_tokens = StepPicks(model, config, nan_as_neginf)
     return True
