@@ -104,3 +104,17 @@ def test_the_pick_rule_weighs_the_gathered_bytes():
     why = cost.why_slower(site(cost.LOCAL_PICK, "cuda", cost.VLLM, 16))
     assert why and "16 row(s)" in why and "SGLang" in why
     assert cost.why_slower(site(cost.LOCAL_PICK, "cuda", cost.VLLM, 17)) is None
+
+
+def test_the_pick_rule_per_engine_step_and_its_switch(monkeypatch):
+    """commfold.vllm.pick_cost asks the table with a step's rows and the TP group's
+    communicator spec (vLLM's custom ops on CUDA here); COMMFOLD_PICK_COST_RULE=0
+    takes every step."""
+    from commfold.vllm import pick_cost
+
+    args = (torch.bfloat16, "cuda", "vllm:tp:0", 151936, 2)
+    assert "cost rule: 16 row(s)" in pick_cost.slower("draft", 16, *args)
+    assert pick_cost.slower("greedy", 17, *args) is None
+    assert pick_cost.slower("logprobs", 1, torch.bfloat16, "cpu", "vllm_shm:0", 151936, 2)
+    monkeypatch.setenv(pick_cost.ENV, "0")
+    assert pick_cost.slower("draft", 16, *args) is None

@@ -189,6 +189,8 @@ def hook_proposers(config: Config, environ=os.environ, runner=None) -> list:
             pick = self.__dict__.get("_commfold_pick", _UNSET)
             if pick is _UNSET:
                 pick = self._commfold_pick = choose_pick(self, chosen)
+            if pick is not None and _slower(self, hidden_states):
+                pick = None
             return _original(self, hidden_states) if pick is None else pick(hidden_states)
 
         _greedy_sample._commfold, _greedy_sample.__wrapped__ = True, original_sample
@@ -267,6 +269,19 @@ def why_vllm_pick(spec, draft_logits) -> str | None:
 _logged: set = set()
 
 
+def _slower(proposer, hidden) -> bool:
+    """The cost table leaves this call's pick to vLLM (commfold.vllm.pick_cost: its rows
+    and the drafter's vocab and TP communicator, the same on every rank); noted in the
+    step log as ``draft_pick``."""
+    from commfold.vllm import pick_cost, step_log
+
+    model = getattr(proposer, "model", None)
+    why = pick_cost.slower_for_model("draft", hidden, model) if model is not None else None
+    if why:
+        step_log.note("draft_pick", f"vLLM ({why})")
+    return bool(why)
+
+
 def log_vllm_pick(spec, why: str) -> None:
     """One line per speculator class and reason, naming the class."""
     key = (type(spec).__name__, why)
@@ -285,6 +300,8 @@ def _v2_tokens(spec, chosen: Config | None, hidden, draft_logits, spec_step_idx:
     why = why_vllm_pick(spec, draft_logits)
     if why is not None:
         log_vllm_pick(spec, why)
+        return None
+    if _slower(spec, hidden):
         return None
     picks = spec.__dict__.get("_commfold_pick")
     if picks is None:

@@ -55,7 +55,7 @@ class LogitsHead:
             if isinstance(model, torch.nn.Module) else []
         if tp.world_size < 2:
             return None, "TP=1 (nothing to gather)"
-        head, why = _head_layer(model)
+        head, why = head_layer(model)
         idx = getattr(head, "shard_indices", None)
         if head is None:
             return None, f"{type(model).__name__}: {why}"
@@ -73,7 +73,7 @@ class LogitsHead:
         vocab = processors[0].org_vocab_size
         if idx.org_vocab_start_index != tp.rank_in_group * shard or shard > vocab:
             return None, f"vocab layout (shard {shard}, vocab {vocab})"
-        found = LogitsHead(model, processors[0], _comm_spec(tp), vocab, shard, head,
+        found = LogitsHead(model, processors[0], comm_spec(tp), vocab, shard, head,
                            tp.world_size)
         found.logits_local = logits_local and callable(
             getattr(model, "compute_logits_local", None))
@@ -122,7 +122,7 @@ class LogitsHead:
         return tensor_model_parallel_all_gather(shard)[..., :self.vocab]
 
 
-def _head_layer(model):
+def head_layer(model):
     """(the vocab-parallel layer the model's logits come from, "") or (None, why)."""
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
@@ -142,7 +142,7 @@ def _identity(logits):
     return logits
 
 
-def _comm_spec(tp) -> str:
+def comm_spec(tp) -> str:
     """commfold's name for the communicator vLLM's TP group gathers logits with: its
     CPU shared-memory one, torch.distributed on a CPU group, else vLLM's custom ops."""
     shm = getattr(getattr(tp, "device_communicator", None), "dist_module", None)

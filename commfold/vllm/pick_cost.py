@@ -38,3 +38,31 @@ def slower(mode: str, rows: int, dtype: torch.dtype, device: str, comm_spec: str
     rule = cost.LOCAL_LOGPROBS if mode == "logprobs" else cost.LOCAL_PICK
     return cost.why_slower(cost.pick_site(rule, device, _comm(comm_spec, device), dtype,
                                           rows, vocab, world))
+
+
+def slower_for_model(mode: str, hidden: torch.Tensor, model) -> str | None:
+    """slower() for a pick over `model`'s logits (a drafter's): its vocab-parallel head
+    and vLLM's TP group, found once per model; None where no head is found (the pick
+    runs as before the rule)."""
+    if not enabled():
+        return None
+    layout = model.__dict__.get("_commfold_pick_layout", False)
+    if layout is False:
+        layout = model.__dict__["_commfold_pick_layout"] = _layout(model)
+    if layout is None:
+        return None
+    comm, vocab, world = layout
+    return slower(mode, hidden.shape[0], hidden.dtype, hidden.device.type, comm, vocab, world)
+
+
+def _layout(model) -> tuple[str, int, int] | None:
+    from vllm.distributed import get_tp_group
+
+    from commfold.vllm.logits_head import comm_spec, head_layer
+
+    layer, _ = head_layer(model)
+    tp = get_tp_group()
+    vocab = getattr(layer, "org_vocab_size", None)
+    if layer is None or vocab is None or tp.world_size < 2:
+        return None
+    return comm_spec(tp), int(vocab), tp.world_size
