@@ -118,6 +118,8 @@ def measure(models, method, variant, concurrency, tokens, repeats, log_tokens) -
                 generate(llm, prompts, tokens)  # warm-up (the draft pick compiles here)
                 runs = [generate(llm, prompts, tokens) for _ in range(repeats)]
                 out["rows"].append(_row(c, runs))
+                if env.get("COMMFOLD_VLLM") == "1" and env.get("COMMFOLD_TARGET_PICK") != "0":
+                    out["rows"][-1]["pick_ab"] = _pick_ab(llm, prompts, tokens, repeats)
                 out["rows"][-1]["collectives"] = llm.collective_rpc(
                     logits_gather_ms, args=(c,))[0]
             if log_tokens:
@@ -126,6 +128,23 @@ def measure(models, method, variant, concurrency, tokens, repeats, log_tokens) -
         if log_tokens:
             out["comm"] = _bytes_per_step(read_step_logs(log_dir).get(0, []), method)
     return out
+
+
+def _pick_ab(llm, prompts, tokens, repeats) -> dict:
+    """The target pick's own effect, drift cancelled: in this one engine, runs with the
+    pick paused (vLLM's gather and sampler) and on, interleaved; ratio = the paused
+    run's time / the pick's, median over pairs (> 1: the pick is faster)."""
+    from harness.vllm_engine import pause_target_pick
+    from harness.vllm_spec import generate
+
+    times = {"vllm": [], "commfold": []}
+    for _ in range(repeats):
+        for name, paused in (("vllm", True), ("commfold", False)):
+            llm.collective_rpc(pause_target_pick, args=(paused,))
+            times[name].append(generate(llm, prompts, tokens)["seconds"])
+    llm.collective_rpc(pause_target_pick, args=(False,))
+    return times | {"ratio": statistics.median(a / b for a, b in zip(times["vllm"],
+                                                                      times["commfold"]))}
 
 
 def _row(c, runs) -> dict:
@@ -218,6 +237,7 @@ def table_rows(results: dict) -> list[dict]:
                          "spread": row.get("spread"),
                          "gather_ms": row.get("collectives", {}).get("logits_ms"),
                          "pair_ms": row.get("collectives", {}).get("pair_ms"),
+                         "pick_ab": row.get("pick_ab", {}).get("ratio"),
                          "date": r.get("date", ""),
                          "bytes_per_step": r.get("comm", {}).get("bytes_per_step"),
                          "drafting_bytes": _phase(r, "drafting"),
@@ -247,11 +267,14 @@ def markdown(results: dict) -> str:
              "the target's logits + pick, the drafting loop; the machine's collective speed, "
              "measured in the same engine after its timed runs: vLLM's all-gather of one "
              "step's logits ([C, vocab / 2], bf16) and of one (value, index) pair per row, "
-             "median ms; the date of the engine's run.", "",
+             "median ms; pick A/B: in the commfold engine itself, runs with the target "
+             "pick paused and on, interleaved (paused time / on time, median: > 1 means the "
+             "pick is faster, engine-to-engine drift cancelled); the date of the engine's run.",
+             "",
              "| method | variant | C | tok/s | spread | vs vLLM | vs vLLM local argmax "
              "| acceptance | same tokens | B/step | target pick B/step | drafting B/step "
-             "| logits gather ms | pair gather ms | run |",
-             "|" + "---|" * 15]
+             "| logits gather ms | pair gather ms | pick A/B | run |",
+             "|" + "---|" * 16]
     for r in sorted(table_rows(results), key=lambda r: (METHODS.index(r["method"]),
                                                         r["concurrency"], r["variant"])):
         lines.append(f"| {r['method']} | {r['variant']} | {r['concurrency']} | "
@@ -261,7 +284,7 @@ def markdown(results: dict) -> str:
                      f"{'' if r['same_tokens'] is None else 'yes' if r['same_tokens'] else 'NO'} | "
                      f"{f(r['bytes_per_step'], ',.0f')} | {f(r['pick_bytes'], ',.0f')} | "
                      f"{f(r['drafting_bytes'], ',.0f')} | {f(r['gather_ms'], '.3f')} | "
-                     f"{f(r['pair_ms'], '.3f')} | {r['date'][:10]} |")
+                     f"{f(r['pair_ms'], '.3f')} | {f(r['pick_ab'], '.3f')} | {r['date'][:10]} |")
     meta = results.get("meta", {})
     lines += ["", f"Models: {meta.get('models', '')}", f"Machine: {meta.get('machine', '')}",
               f"Command: `{meta.get('command', '')}`"]
