@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 from harness.spec_models import SpecModels, _save
@@ -65,25 +64,16 @@ def write_models(out: Path) -> tuple[Path, Path, list[list[int]]]:
 
 
 def run(target: Path, draft: Path, prompts: list[list[int]], max_tokens: int = 12) -> dict:
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
-    t0 = time.perf_counter()
-    llm = LLM(model=str(target), tensor_parallel_size=2, dtype="bfloat16",
-              distributed_executor_backend="mp", max_model_len=128, max_num_seqs=4,
-              max_num_batched_tokens=128, seed=0, disable_log_stats=False,
-              speculative_config={"method": "dspark", "model": str(draft),
-                                  "num_speculative_tokens": K})
-    start = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-    seconds = time.perf_counter() - t0
-    spec = {m.name.removeprefix("vllm:spec_decode_"): getattr(m, "value", None) or
-            list(getattr(m, "values", [])) for m in llm.get_metrics()
-            if m.name.startswith("vllm:spec_decode_num_")}
-    del llm
-    return dict(tokens=[list(o.outputs[0].token_ids) for o in outs], spec=spec,
-                start_s=round(start, 1), generate_s=round(seconds, 2))
+    from harness.vllm_engine import greedy_run
+
+    return greedy_run(lambda: LLM(
+        model=str(target), tensor_parallel_size=2, dtype="bfloat16",
+        distributed_executor_backend="mp", max_model_len=128, max_num_seqs=4,
+        max_num_batched_tokens=128, seed=0, disable_log_stats=False,
+        speculative_config={"method": "dspark", "model": str(draft),
+                            "num_speculative_tokens": K}), prompts, max_tokens)
 
 
 if __name__ == "__main__":

@@ -141,3 +141,27 @@ def logits_gather_ms(worker, rows: int, iters: int = 50) -> dict[str, float]:
 
     return {"logits_ms": median_ms(full), "pair_ms": median_ms(pair),
             "logits_bytes": full.numel() * full.element_size()}
+
+
+def greedy_run(make_llm, prompts: list[list[int]], max_tokens: int, **params) -> dict:
+    """One engine started (``make_llm()``), greedy generation (ignore_eos; `params`:
+    more SamplingParams) of the prompts, the engine dropped: tokens, vLLM's
+    spec-decode counters, start and generate seconds."""
+    import time
+
+    from vllm import SamplingParams
+
+    t0 = time.perf_counter()
+    llm = make_llm()
+    start = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                       ignore_eos=True, **params))
+    seconds = time.perf_counter() - t0
+    spec = {m.name.removeprefix("vllm:spec_decode_"): getattr(m, "value", None) or
+            list(getattr(m, "values", [])) for m in llm.get_metrics()
+            if m.name.startswith("vllm:spec_decode_num_")}
+    del llm
+    return dict(tokens=[list(o.outputs[0].token_ids) for o in outs], spec=spec,
+                start_s=round(start, 1), generate_s=round(seconds, 2))

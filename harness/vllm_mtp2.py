@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 TOKENS_MARK = "COMMFOLD_TOKENS "
@@ -47,28 +46,19 @@ def prompts(n: int = 3, length: int = 6) -> list[list[int]]:
 
 
 def run(model: Path, local_argmax: bool, max_tokens: int = 10) -> dict:
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
+
+    from harness.vllm_engine import greedy_run
 
     spec = {"method": "mtp", "num_speculative_tokens": K}
     if local_argmax:
         spec["use_local_argmax_reduction"] = True
-    t0 = time.perf_counter()
-    llm = LLM(model=str(model), tensor_parallel_size=2, dtype="bfloat16",
-              distributed_executor_backend="mp", max_model_len=128, max_num_seqs=4,
-              max_num_batched_tokens=128, seed=0, disable_log_stats=False,
-              load_format="dummy", skip_tokenizer_init=True, speculative_config=spec)
-    start = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()],
-                        SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                       ignore_eos=True, detokenize=False))
-    seconds = time.perf_counter() - t0
-    spec = {m.name.removeprefix("vllm:spec_decode_"): getattr(m, "value", None) or
-            list(getattr(m, "values", [])) for m in llm.get_metrics()
-            if m.name.startswith("vllm:spec_decode_num_")}
-    del llm
-    return dict(tokens=[list(o.outputs[0].token_ids) for o in outs], spec=spec,
-                start_s=round(start, 1), generate_s=round(seconds, 2))
+    return greedy_run(lambda: LLM(
+        model=str(model), tensor_parallel_size=2, dtype="bfloat16",
+        distributed_executor_backend="mp", max_model_len=128, max_num_seqs=4,
+        max_num_batched_tokens=128, seed=0, disable_log_stats=False, load_format="dummy",
+        skip_tokenizer_init=True, speculative_config=spec), prompts(), max_tokens,
+        detokenize=False)
 
 
 if __name__ == "__main__":
