@@ -222,26 +222,25 @@ def _fuse(site: Site, limit: Limit | None, config: Config | None) -> str | None:
             f"{site.dtype} {FUSE_RULE_OFF}")
 
 
-def head_limit(config: Config, device_type: str) -> tuple[int, str]:
+def head_limit(config: Config | None, device_type: str) -> tuple[int, str]:
     """The largest LM head replicated on `device_type`, and what sets it (for the
     report): the config's replicate_head_max_bytes when set, else the measured limit
-    for the device, within replicate_max_bytes either way."""
-    if config.replicate_head_max_bytes is not None:
-        if config.replicate_head_max_bytes < config.replicate_max_bytes:
-            return config.replicate_head_max_bytes, "replicate_head_max_bytes"
-        return config.replicate_max_bytes, "replicate_max_bytes"
+    for the device, within replicate_max_bytes either way (None: Config's defaults,
+    which are this table's; commfold.config imports this module, not the reverse)."""
+    head_max = config.replicate_head_max_bytes if config is not None else None
+    most = config.replicate_max_bytes if config is not None \
+        else DEFAULT_REPLICATE_MAX_BYTES.value
+    if head_max is not None:
+        if head_max < most:
+            return head_max, "replicate_head_max_bytes"
+        return most, "replicate_max_bytes"
     measured = limit_for(Site(REPLICATE_HEAD, device_type))
-    if measured is not None and measured.most is not None \
-            and measured.most < config.replicate_max_bytes:
+    if measured is not None and measured.most is not None and measured.most < most:
         return measured.most, f"the measured {device_type} head limit (replicate_head_max_bytes)"
-    return config.replicate_max_bytes, "replicate_max_bytes"
+    return most, "replicate_max_bytes"
 
 
 def _replicate_head(site: Site, limit: Limit | None, config: Config | None) -> str | None:
-    if config is None:
-        from commfold.config import Config
-
-        config = Config()
     most, name = head_limit(config, site.device)
     return f"full weight {site.nbytes} B > {name} {most} B" if site.nbytes > most else None
 
