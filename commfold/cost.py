@@ -149,10 +149,10 @@ TABLE: dict[Key, Limit] = {
     # the greedy pick (one exchange) measured faster than vLLM's gather at every size on
     # the CPU communicators: no CPU entry; top-k logprobs (two exchanges) lose at a row
     # or two
-    Key(LOCAL_LOGPROBS, "cpu", SHM): Limit(_PICK_CPU, least=512 << 10,
-                                           figure="slower at 1-2 rows"),
-    Key(LOCAL_LOGPROBS, "cpu", GLOO): Limit(_PICK_CPU, least=256 << 10,
-                                            figure="even at 1 row"),
+    Key(LOCAL_LOGPROBS, "cpu", SHM): Limit(_PICK_CPU, least=1 << 20,
+                                           figure="slower or even up to 4 rows"),
+    Key(LOCAL_LOGPROBS, "cpu", GLOO): Limit(_PICK_CPU, least=512 << 10,
+                                            figure="slower or even up to 2 rows"),
     # assumed: a collective's fixed latency on GPUs (SGLang's draft local argmax: slower
     # than the plain gather at 1-16 rows of V=151936)
     Key(LOCAL_PICK, "cuda"): Limit(_PICK_CUDA, least=17 * 75968 * 2,
