@@ -40,6 +40,18 @@ def slower(mode: str, rows: int, dtype: torch.dtype, device: str, comm_spec: str
                                           rows, vocab, world))
 
 
+def gate(mode: str | None, why: str, rows: int, like: torch.Tensor, head
+         ) -> tuple[str | None, str]:
+    """The target pick's decision (mode, why) after the cost table: (None, the rule's
+    reason) where the local pick of `rows` rows of `like`'s dtype over `head` (a
+    LogitsHead: communicator, vocab, world) is slower, else unchanged."""
+    if mode is None:
+        return mode, why
+    reason = slower(mode, rows, like.dtype, like.device.type, head.comm, head.vocab,
+                    head.world)
+    return (None, reason) if reason else (mode, why)
+
+
 def slower_for_model(mode: str, hidden: torch.Tensor, model) -> str | None:
     """slower() for a pick over `model`'s logits (a drafter's): its vocab-parallel head
     and vLLM's TP group, found once per model; None where no head is found (the pick

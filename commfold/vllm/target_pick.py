@@ -170,10 +170,8 @@ class Picker:
         if self.in_execute and not args and not kwargs:
             self.in_execute = False
             mode, reason = self._decide()
-            if mode is not None:  # the cost table, from the step's shape (every rank alike)
-                why = pick_cost.slower(mode, hidden.shape[0], hidden.dtype, hidden.device.type,
-                                       self.comm, self.vocab, self.head.world)
-                mode, reason = (None, why) if why else (mode, reason)
+            # the cost table, from the step's shape (every rank alike)
+            mode, reason = pick_cost.gate(mode, reason, hidden.shape[0], hidden, self.head)
             step_log.note("target_pick", mode or f"vLLM ({reason})")
             shard = self.local_logits(original, hidden) if mode is not None else None
             if shard is not None:

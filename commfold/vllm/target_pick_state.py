@@ -176,10 +176,8 @@ class StatePick:
             mode, why = None, "the rows sampled are not the batch's logits rows"
         else:
             mode, why = step.mode, step.why
-        if mode is not None:  # the cost table, from the step's shape (every rank alike)
-            slower = pick_cost.slower(mode, hidden.shape[0], hidden.dtype, hidden.device.type,
-                                      self.head.comm, self.head.vocab, self.head.world)
-            mode, why = (None, slower) if slower else (mode, why)
+        # the cost table, from the step's shape (every rank alike)
+        mode, why = pick_cost.gate(mode, why, hidden.shape[0], hidden, self.head)
         step_log.note("target_pick", mode or f"vLLM ({why})")
         if mode is None:
             return vllms()

@@ -246,11 +246,8 @@ def _sample(original):
             slower = cost.why_slower(site)
             if slower:
                 mode, why = None, slower
-        if mode is not None:  # the cost table, from the step's shape (every rank alike)
-            slower = pick_cost.slower(mode, rows, hidden_states.dtype,
-                                      hidden_states.device.type, head.comm, head.vocab,
-                                      head.world)
-            mode, why = (None, slower) if slower else (mode, why)
+        # the cost table, from the step's shape (every rank alike)
+        mode, why = pick_cost.gate(mode, why, rows, hidden_states, head)
         step_log.note("target_pick", mode or f"vLLM ({why})")
         if mode is None:
             return original(self, hidden_states, input_batch, grammar_output)
