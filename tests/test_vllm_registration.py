@@ -47,6 +47,7 @@ _ROUTES = """
     from vllm.compilation.passes.inductor_pass import CallableInductorPass
     from vllm.plugins import load_general_plugins
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+    from commfold.vllm.hook_points import wrapped_by
     KEY = "post_grad_custom_post_pass"
     # route 1: the pass named in compilation_config
     cc = CompilationConfig(inductor_passes={{KEY: "commfold.vllm_pass"}})
@@ -69,8 +70,8 @@ _ROUTES = """
         "plugin": [type(plain).__name__, type(u).__name__,
                    getattr(getattr(getattr(u, "then", None), "callable", None), "__name__", None),
                    list(getattr(getattr(u, "config", None), "passes", []))],
-        "drafter_hook": [getattr(SpecDecodeBaseProposer._get_model, "_commfold", False),
-                         getattr(SpecDecodeBaseProposer._greedy_sample, "_commfold", False)],
+        "drafter_hook": [wrapped_by(SpecDecodeBaseProposer._get_model),
+                         wrapped_by(SpecDecodeBaseProposer._greedy_sample)],
         "ray_copies": ray_copies}}))
 """
 
@@ -102,7 +103,7 @@ def test_named_pass_in_either_import_order_and_plugin_off(routes):
     assert routes["vllm_first"] == {
         "named": ["VllmCommfoldPass", "VllmCommfoldPass", True, list(commfold.ALL_PASSES)],
         "plugin": ["NoneType", "CallableInductorPass", None, []],
-        "drafter_hook": [False, False], "ray_copies": []}
+        "drafter_hook": [[], []], "ray_copies": []}
 
 
 def test_commfold_imported_first_and_plugin_on(routes):
@@ -114,7 +115,8 @@ def test_commfold_imported_first_and_plugin_on(routes):
     assert routes["commfold_first"] == {
         "named": ["CallableInductorPass", "VllmCommfoldPass", True, ["local_argmax"]],
         "plugin": ["VllmCommfoldPass", "VllmCommfoldPass", "user_pass", ["local_argmax"]],
-        "drafter_hook": [True, True], "ray_copies": ["COMMFOLD_PASSES", "COMMFOLD_VLLM"]}
+        "drafter_hook": [["draft get_top_tokens", "draft pick"], ["draft pick"]],
+        "ray_copies": ["COMMFOLD_PASSES", "COMMFOLD_VLLM"]}
 
 
 def _vllm_keys(pass_):

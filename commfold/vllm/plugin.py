@@ -8,9 +8,9 @@
    (composed with a post-grad pass already there) and hooks the speculative drafter
    (commfold.vllm.draft): its greedy pick without a full-vocab gather, and a
    ``get_top_tokens`` for drafters that lack one; and the target's pick
-   (commfold.vllm.target_pick on the V1 runner, target_pick_v2 on V2). Every hook
-   logs one line at load, on or off and why
-   (the table `commfold doctor` prints; commfold.vllm.runtime).
+   (commfold.vllm.target_pick on the V1 runner, target_pick_v2 on V2): the hooks of
+   commfold.vllm.hooks.HOOKS, in order. Every hook logs one line at load, on or off
+   and why (the table `commfold doctor` prints; commfold.vllm.runtime).
 
 Options come from the environment, read when the pass is first used (its uuid() or a
 run; vLLM asks for the uuid when it builds its config, before it pickles the pass into
@@ -38,11 +38,8 @@ import os
 import sys
 
 from commfold.vllm import hook_points
-from commfold.vllm import step_log
-from commfold.vllm import draft
+from commfold.vllm import hooks
 from commfold.vllm import runtime
-from commfold.vllm import target_pick
-from commfold.vllm import target_pick_v2
 from commfold.config import ALL_PASSES, Config, unknown_passes
 from commfold.manager import CommfoldPass
 from commfold.vllm.runtime import HookState
@@ -187,16 +184,8 @@ def register() -> None:
     carry_to_ray_workers()
     importlib.import_module(_INDUCTOR_PASS_MODULE)
     register_inductor_pass()
-    _hook_vllm_config()
     _runner = runtime.runner_choice()
-    passes_state().log()
-    step_log.install(runner=_runner)  # only with COMMFOLD_COMM_LOG_DIR set
-    if enabled():
-        draft.hook_proposers(config_from_env(), runner=_runner)
-        target_pick_hook(_runner).install(runner=_runner)  # COMMFOLD_TARGET_PICK=0: off
-    else:
-        for state in _unwanted():
-            state.log()
+    hooks.install(enabled(), os.environ, _runner)  # commfold.vllm.hooks.HOOKS, in order
 
 
 class _ThroughVllm(logging.Handler):
@@ -231,39 +220,33 @@ def passes_state(environ=os.environ) -> HookState:
                      "commfold.vllm_pass still runs them)")
 
 
-def _unwanted() -> list[HookState]:
-    return [HookState(hook, False, f"{ENV_ON} unset")
-            for hook in (*draft.HOOK_POINTS, target_pick.HOOK)]
-
-
 def hook_states(environ=os.environ, runner=None) -> list[HookState]:
     """Every hook's state in `environ`, installing nothing: what register() logs."""
-    runner = runner or runtime.runner_choice(environ)
-    states = [passes_state(environ), step_log.state(environ, runner)]
-    if not enabled(environ):
-        return states + _unwanted()
-    return states + draft.states(config_from_env(environ), environ, runner) \
-        + [target_pick_hook(runner).state(environ, runner)]
+    return hooks.states(enabled(environ), environ, runner)
 
 
-def target_pick_hook(runner: runtime.Runner):
-    """The target-pick hook of the runner vLLM will build (one row either way)."""
-    return target_pick_v2 if runner.version == 2 else target_pick
+def install_passes(environ=os.environ) -> bool:
+    """The graph passes' hook: every VllmConfig through ``configure``; logs its line."""
+    _hook_vllm_config()
+    return passes_state(environ).log().on
 
 
 def _hook_vllm_config() -> None:
+    """Every VllmConfig configured by ``configure`` once vLLM has built it."""
     from vllm.config import VllmConfig
 
-    original = VllmConfig.__post_init__
-    if getattr(original, "_commfold", False):
-        return
+    def make(original):
+        def __post_init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            configure(self)
+        return __post_init__
 
-    def __post_init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        configure(self)
+    hook_points.wrap(VllmConfig, "__post_init__", make, PASSES_HOOK)
 
-    __post_init__._commfold = True
-    VllmConfig.__post_init__ = __post_init__
+
+def uninstall_passes() -> None:
+    """Undo the VllmConfig hook (tests)."""
+    hook_points.unwrap_hook(PASSES_HOOK)
 
 
 # The pass vLLM's compilation config names as "commfold.vllm_pass" (re-exported by
