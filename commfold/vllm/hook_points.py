@@ -6,12 +6,18 @@ them must leave the hook off with a line saying so, never run it on code it does
 know: every hook module lists its points here as ``(module:Attr.path, text)``, text
 None for "the attribute exists" or a tuple of texts any one of which will do (a line
 that differs by release: ``texts``), and checks them at install (``missing``);
-``commfold doctor`` and tools/vllm_compat.py read the same lists.
+``commfold doctor`` and tools/vllm_compat.py read the same lists (through the registry,
+commfold.vllm.hooks).
 
 A text point catches a line that moved, not one vLLM added. Where a hook stands in
 for a function's whole body (it returns what that function would), the point is
 ``Pinned``: the hash of the function's whole source, one per release it was checked
 against, so any change to that function turns the hook off until it is read again.
+
+Every hook changes vLLM's code one way, ``wrap``: a wrapper that calls the original,
+marked with the hook's name (MARK) and holding the original as ``__wrapped__``; a
+class's or module's wraps are recorded, so ``unwrap_hook`` (each hook's uninstall)
+puts vLLM's own functions back.
 """
 from __future__ import annotations
 
