@@ -86,13 +86,14 @@ def fresh_plugin(monkeypatch, clean_env):
     from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from commfold.vllm import hooks
+    from commfold.vllm import graph_passes, hooks
     from commfold.vllm import plugin as vllm_plugin
 
     classes = (GPUModelRunner, V2Runner, LogitsProcessor, VllmConfig, DraftModelSpeculator,
                draft_model.DraftModelProposer, llm_base_proposer.SpecDecodeBaseProposer)
+    hooks.uninstall()  # whatever an earlier test left
     before = [dict(vars(cls)) for cls in classes]
-    monkeypatch.setattr(vllm_plugin, "_runner", None)
+    monkeypatch.setattr(graph_passes, "assumed_runner", None)
     yield vllm_plugin
     hooks.uninstall()
     assert [dict(vars(cls)) for cls in classes] == before

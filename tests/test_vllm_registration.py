@@ -182,13 +182,18 @@ def test_a_plain_commfold_pass_is_adopted_with_its_state():
     from vllm.compilation.passes.inductor_pass import InductorPass
     from vllm.config import CompilationConfig, VllmConfig
 
+    from commfold.vllm import hooks
     from commfold.vllm.plugin import register
 
     register()
-    seen = []
-    mine = commfold.CommfoldPass(Config(passes=("local_argmax",)), on_report=seen.append)
-    vc = VllmConfig(compilation_config=CompilationConfig(inductor_compile_config={PASS_KEY: mine}))
-    adopted = vc.compilation_config.inductor_compile_config[PASS_KEY]
+    try:
+        seen = []
+        mine = commfold.CommfoldPass(Config(passes=("local_argmax",)), on_report=seen.append)
+        vc = VllmConfig(compilation_config=CompilationConfig(
+            inductor_compile_config={PASS_KEY: mine}))
+        adopted = vc.compilation_config.inductor_compile_config[PASS_KEY]
+    finally:
+        hooks.uninstall()
     assert isinstance(adopted, VllmCommfoldPass) and isinstance(adopted, InductorPass)
     assert adopted.config == mine.config and adopted.on_report == seen.append
     assert adopted.uuid() == mine.uuid() and adopted.is_applicable_for_range(None)

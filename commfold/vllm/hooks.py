@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 
-from commfold.vllm import draft, step_log, target_pick, target_pick_v2
+from commfold.vllm import draft, graph_passes, step_log, target_pick, target_pick_v2
 from commfold.vllm.runtime import HookState, Runner, release
 
 Environ = Mapping[str, str]
@@ -46,22 +46,15 @@ class Hook:
         return f"{self.name} (V{self.runner}" + (f": {self.detail})" if self.detail else ")")
 
 
-def _plugin():
-    from commfold.vllm import plugin  # it iterates HOOKS: imported when first used
-
-    return plugin
-
-
 def _draft(what: str, hook: str, environ: Environ, runner: Runner):
-    return getattr(draft, what)(hook, _plugin().config_from_env(environ), environ, runner)
+    return getattr(draft, what)(hook, graph_passes.config_from_env(environ), environ, runner)
 
 
 HOOKS: tuple[Hook, ...] = (
-    Hook("graph passes", None, (("vllm.config:VllmConfig.__post_init__", None),
-                                ("vllm.compilation.passes.inductor_pass:InductorPass", None)),
-         lambda environ, runner: _plugin().passes_state(environ),
-         lambda environ, runner: _plugin().install_passes(environ),
-         lambda: _plugin().uninstall_passes(), plugin=False),
+    Hook(graph_passes.PASSES_HOOK, None, graph_passes.HOOK_POINTS,
+         lambda environ, runner: graph_passes.passes_state(environ),
+         lambda environ, runner: graph_passes.install(environ), graph_passes.uninstall,
+         plugin=False),
     *(Hook(step_log.HOOK, v, points, step_log.state, step_log.install, step_log.uninstall,
            plugin=False)
       for v, points in ((1, step_log.HOOK_POINTS), (2, step_log.HOOK_POINTS_V2))),
@@ -96,7 +89,7 @@ def states(enabled: bool, environ: Environ = os.environ, runner: Runner | None =
 
 
 def unasked(hook: Hook) -> HookState:
-    return HookState(hook.name, False, f"{_plugin().ENV_ON} unset")
+    return HookState(hook.name, False, f"{graph_passes.ENV_ON} unset")
 
 
 def install(enabled: bool, environ: Environ = os.environ, runner: Runner | None = None
