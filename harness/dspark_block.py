@@ -6,6 +6,8 @@ own methods, in a vLLM TP group of rank-pool processes. ``run_block`` returns th
 block's draft tokens and the collectives it ran."""
 from __future__ import annotations
 
+import logging
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import torch
@@ -93,3 +95,21 @@ def run_block(spec, hidden: torch.Tensor, sample_sequential) -> tuple[torch.Tens
     with record_collectives() as log:
         sample_sequential(spec, spec.draft_tokens.shape[0], hidden)
     return spec.draft_tokens.clone(), [(e.name, e.shapes) for e in log.events]
+
+
+@contextmanager
+def commfold_lines():
+    """The commfold log lines of this rank while inside (a list, filled as logged)."""
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    logger, keep = logging.getLogger("commfold"), Keep()
+    logger.setLevel(logging.INFO)
+    logger.addHandler(keep)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(keep)

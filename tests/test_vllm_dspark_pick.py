@@ -22,64 +22,50 @@ H, R = 32, 8
 
 
 def _blocks(shm: bool, cases: list[dict], cost_rule: bool = False) -> list[dict]:
-    import logging
-    import os
-
-    import torch
     from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
 
     from commfold.config import Config
+    from commfold.distributed.ranks import environment
     from commfold.vllm import dspark_pick
-    from harness import dspark_block as db
+    from harness.dspark_block import commfold_lines
 
     init_vllm_tp(2, shm=shm, reuse=True)
     original = DSparkSpeculator.__dict__["_sample_sequential"]
     original = getattr(original, "__wrapped__", original)
     assert dspark_pick.hook(Config(passes=("local_argmax",)))
-    lines: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            lines.append(record.getMessage())
-
-    logger = logging.getLogger("commfold")
-    logger.setLevel(logging.INFO)
-    keep = Keep()
-    logger.addHandler(keep)
-    was = os.environ.get("COMMFOLD_PICK_COST_RULE")
-    os.environ["COMMFOLD_PICK_COST_RULE"] = "1" if cost_rule else "0"
-    out = []
-    try:
-        for case in cases:
-            dtype = getattr(torch, case["dtype"])
-            model = db.drafter(case["vocab"], H, R, dtype, case["seed"], case["ties"],
-                               case.get("scale", 1.0), case.get("nan_column"),
-                               case.get("d2t", False))
-            spec = db.speculator(model, case["reqs"], case["positions"], case["seed"])
-            if case.get("estimator"):
-                spec.acceptance_estimator = object()  # never reached: vLLM's block runs
-                spec._maybe_predict_acceptance = lambda *a: None
-            g = torch.Generator().manual_seed(case["seed"] + 1)
-            n = case["reqs"] * case["positions"]
-            h = torch.randint(-1, 2, (n, H), generator=g).float() if case["ties"] else \
-                torch.randn(n, H, generator=g)
-            if case.get("special") == "nan":
-                h[-1, 3] = float("nan")
-            if case.get("special") == "inf":
-                h[0] = float("inf")
-            h = h.to(dtype)
-            theirs, vllm_events = db.run_block(spec, h, original)
-            ours, our_events = db.run_block(spec, h, DSparkSpeculator._sample_sequential)
-            out.append(dict(case=case, equal=torch.equal(ours, theirs), tokens=ours.tolist(),
-                            vllm=vllm_events, ours=our_events,
-                            shard=model.lm_head.weight.shape[0]))
-    finally:
-        logger.removeHandler(keep)
-        if was is None:
-            os.environ.pop("COMMFOLD_PICK_COST_RULE")
-        else:
-            os.environ["COMMFOLD_PICK_COST_RULE"] = was
+    with environment({"COMMFOLD_PICK_COST_RULE": "1" if cost_rule else "0"}), \
+            commfold_lines() as lines:
+        out = [_block(case, original, DSparkSpeculator._sample_sequential)
+               for case in cases]
     return [dict(r, lines=lines) for r in out]
+
+
+def _block(case: dict, original, hooked) -> dict:
+    """One case's block, vLLM's own _sample_sequential and the hooked one."""
+    import torch
+
+    from harness import dspark_block as db
+
+    dtype = getattr(torch, case["dtype"])
+    model = db.drafter(case["vocab"], H, R, dtype, case["seed"], case["ties"],
+                       case.get("scale", 1.0), case.get("nan_column"), case.get("d2t", False))
+    spec = db.speculator(model, case["reqs"], case["positions"], case["seed"])
+    if case.get("estimator"):
+        spec.acceptance_estimator = object()  # never reached: vLLM's block runs
+        spec._maybe_predict_acceptance = lambda *a: None
+    g = torch.Generator().manual_seed(case["seed"] + 1)
+    n = case["reqs"] * case["positions"]
+    h = torch.randint(-1, 2, (n, H), generator=g).float() if case["ties"] else \
+        torch.randn(n, H, generator=g)
+    if case.get("special") == "nan":
+        h[-1, 3] = float("nan")  # a NaN row of base logits
+    if case.get("special") == "inf":
+        h[0] = float("inf")  # +-inf and NaN (inf * 0) base logits
+    h = h.to(dtype)
+    theirs, vllm_events = db.run_block(spec, h, original)
+    ours, our_events = db.run_block(spec, h, hooked)
+    return dict(case=case, equal=torch.equal(ours, theirs), tokens=ours.tolist(),
+                vllm=vllm_events, ours=our_events, shard=model.lm_head.weight.shape[0])
 
 
 def _check(results: list[list[dict]], local: bool = True) -> None:
