@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from commfold.vllm import draft, hook_points, hooks, plugin  # noqa: E402
+from commfold.vllm import draft, dspark_pick, hook_points, hooks, plugin  # noqa: E402
 from commfold.vllm.hook_points import Pinned, describe, source_hash  # noqa: E402
 from commfold.vllm.decision import LEFT_TO_VLLM, STRICT_GREEDY  # noqa: E402
 from commfold.vllm.runtime import CLASSES_VERIFIED, TESTED, release  # noqa: E402
@@ -58,6 +58,7 @@ READS_V2_ONLY = (("vllm.platforms.interface:Platform.validate_environ",
 # every hook of commfold.vllm.hooks.HOOKS (its label: its row), then what is only read
 HOOKS = {**{h.label(): h.points for h in hooks.HOOKS},
          "draft pick's logits routes (V2)": draft.ROUTE_POINTS,
+         "DSpark block pick (V2)": dspark_pick.HOOK_POINTS,
          "Ray workers' settings (read)": plugin.RAY_POINTS,
          "runner choice, verification method (read)": READS,
          "runner choice (read, V1)": READS_V1,
