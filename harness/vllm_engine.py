@@ -106,9 +106,9 @@ environ = environment
 def pause_target_pick(worker, paused: bool) -> bool:
     """For ``LLM.collective_rpc``: commfold's target pick paused (vLLM's path) or
     resumed in each worker (needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 to send it)."""
-    from commfold.vllm import target_pick as vllm_target_pick
+    from commfold.vllm.pause import pause
 
-    return vllm_target_pick.pause(paused)
+    return pause(paused)
 
 
 def logits_gather_ms(worker, rows: int, iters: int = 50) -> dict[str, float]:

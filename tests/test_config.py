@@ -45,7 +45,7 @@ def test_vllm_pass_reads_the_environment_at_first_use(monkeypatch):
                           text=True, timeout=300)
     assert proc.stdout.strip() == "imported" and proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("commfold.vllm.plugin.EnvError: commfold: COMMFOLD_PASSES=")
+    assert last.startswith("commfold.vllm.graph_passes.EnvError: commfold: COMMFOLD_PASSES=")
     assert "['bogus']" in last and "local_argmax" in last
 
     monkeypatch.setenv("COMMFOLD_PASSES", "local_argmax")

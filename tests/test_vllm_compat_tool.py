@@ -102,6 +102,16 @@ def test_a_hook_for_other_releases_is_marked_not_moved(compat, tree):
     """Rows of a V1 hook in a release without the V1 runner, and of a hook set that
     covers other releases, say so instead of "moved" (the exit status counts moved)."""
     assert compat._v1_runner(compat.Sources(tree)) == "- (no V1 runner)"
-    sets = compat.target_pick_v2.HOOK_SETS
+    sets = [h for h in compat.hooks.HOOKS if h.since or h.until]  # the V2 target pick's
     src = compat.Sources(tree)  # vLLM 9.1.0: the newest set
     assert [compat._in_range(s)(src) for s in sets] == ["- (another set)", None]
+
+
+def test_rows_are_the_registrys_points(compat, tree):
+    """One row per point of every hook in commfold.vllm.hooks.HOOKS, under its label."""
+    from commfold.vllm import hooks
+
+    rows = compat.report([compat.Sources(tree)])
+    for hook in hooks.HOOKS:
+        assert compat.HOOKS[hook.label()] == hook.points
+        assert sum(row.startswith(f"| {hook.label()} | ") for row in rows) == len(hook.points)

@@ -32,7 +32,7 @@ def _blocks(shm: bool, cases: list[dict], cost_rule: bool = False) -> list[dict]
     init_vllm_tp(2, shm=shm, reuse=True)
     original = DSparkSpeculator.__dict__["_sample_sequential"]
     original = getattr(original, "__wrapped__", original)
-    assert dspark_pick.hook(Config(passes=("local_argmax",)))
+    assert dspark_pick.hook(Config(passes=("local_argmax",)), "draft pick")
     with environment({"COMMFOLD_PICK_COST_RULE": "1" if cost_rule else "0"}), \
             commfold_lines() as lines:
         out = [_block(case, original, DSparkSpeculator._sample_sequential)

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from commfold.vllm import runtime as vllm_runtime
+from commfold.vllm.hook_points import wrapped_by
 from commfold.vllm.runtime import Runner, gate, runner_choice
 from harness.vllm_models import require_vllm_installed
 
@@ -76,7 +77,8 @@ def clean_env(monkeypatch):
 
 @pytest.fixture
 def fresh_plugin(monkeypatch, clean_env):
-    """register() as in a new process, every vLLM class it patches restored after."""
+    """register() as in a new process; every hook uninstalled after (the registry's
+    uninstall), which must leave the vLLM classes it patched as they were."""
     from vllm.config import VllmConfig
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
     from vllm.v1.spec_decode import draft_model, llm_base_proposer
@@ -84,21 +86,17 @@ def fresh_plugin(monkeypatch, clean_env):
     from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from commfold.vllm import step_log as vllm_comm_log
+    from commfold.vllm import graph_passes, hooks
     from commfold.vllm import plugin as vllm_plugin
-    from commfold.vllm import target_pick as vllm_target_pick
-    from commfold.vllm import target_pick_v2 as vllm_target_pick_v2
 
-    for cls in (GPUModelRunner, V2Runner, LogitsProcessor, VllmConfig, DraftModelSpeculator,
-                draft_model.DraftModelProposer, llm_base_proposer.SpecDecodeBaseProposer):
-        for name, value in list(vars(cls).items()):
-            if callable(value):
-                monkeypatch.setattr(cls, name, value)  # undone at teardown
-    monkeypatch.setattr(vllm_target_pick, "_installed", False)
-    monkeypatch.setattr(vllm_target_pick_v2, "_installed", False)
-    monkeypatch.setattr(vllm_comm_log, "_recorder", None)
-    monkeypatch.setattr(vllm_plugin, "_runner", None)
-    return vllm_plugin
+    classes = (GPUModelRunner, V2Runner, LogitsProcessor, VllmConfig, DraftModelSpeculator,
+               draft_model.DraftModelProposer, llm_base_proposer.SpecDecodeBaseProposer)
+    hooks.uninstall()  # whatever an earlier test left
+    before = [dict(vars(cls)) for cls in classes]
+    monkeypatch.setattr(graph_passes, "assumed_runner", None)
+    yield vllm_plugin
+    hooks.uninstall()
+    assert [dict(vars(cls)) for cls in classes] == before
 
 
 def _lines(caplog) -> dict[str, list[logging.LogRecord]]:
@@ -127,7 +125,7 @@ def test_one_line_per_hook_at_load_v1(fresh_plugin, caplog, monkeypatch, tmp_pat
     for hook, r in lines.items():
         assert r.getMessage().startswith(f"commfold: {hook} on: "), r.getMessage()
         assert r.levelno == logging.INFO
-    assert getattr(GPUModelRunner.execute_model, "_commfold_target_pick", False)
+    assert "target pick (V1)" in wrapped_by(GPUModelRunner.execute_model)
     # the doctor's table holds the same states
     states = fresh_plugin.hook_states()
     assert [(s.hook, s.on) for s in states] == [(h, True) for h in HOOKS]
@@ -150,9 +148,10 @@ def test_one_line_per_hook_at_load_v2(fresh_plugin, caplog, monkeypatch, tmp_pat
     assert (GPUModelRunner.execute_model, SpecDecodeBaseProposer._greedy_sample) == before
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
     from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
-    assert getattr(V2Runner.sample, "_commfold_target_pick", False)
-    assert getattr(DraftModelSpeculator.sample_draft, "_commfold", False)
-    assert getattr(DraftModelSpeculator._validate_local_argmax_reduction, "_commfold", False)
+    assert "target pick (V2)" in wrapped_by(V2Runner.sample)
+    assert wrapped_by(DraftModelSpeculator.sample_draft) == ["draft pick"]
+    assert wrapped_by(DraftModelSpeculator._validate_local_argmax_reduction) == [
+        "draft get_top_tokens", "draft pick"]
 
 
 def test_one_line_per_hook_at_load_when_unasked(fresh_plugin, caplog):

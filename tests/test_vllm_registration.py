@@ -47,6 +47,7 @@ _ROUTES = """
     from vllm.compilation.passes.inductor_pass import CallableInductorPass
     from vllm.plugins import load_general_plugins
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+    from commfold.vllm.hook_points import wrapped_by
     KEY = "post_grad_custom_post_pass"
     # route 1: the pass named in compilation_config
     cc = CompilationConfig(inductor_passes={{KEY: "commfold.vllm_pass"}})
@@ -69,8 +70,8 @@ _ROUTES = """
         "plugin": [type(plain).__name__, type(u).__name__,
                    getattr(getattr(getattr(u, "then", None), "callable", None), "__name__", None),
                    list(getattr(getattr(u, "config", None), "passes", []))],
-        "drafter_hook": [getattr(SpecDecodeBaseProposer._get_model, "_commfold", False),
-                         getattr(SpecDecodeBaseProposer._greedy_sample, "_commfold", False)],
+        "drafter_hook": [wrapped_by(SpecDecodeBaseProposer._get_model),
+                         wrapped_by(SpecDecodeBaseProposer._greedy_sample)],
         "ray_copies": ray_copies}}))
 """
 
@@ -102,7 +103,7 @@ def test_named_pass_in_either_import_order_and_plugin_off(routes):
     assert routes["vllm_first"] == {
         "named": ["VllmCommfoldPass", "VllmCommfoldPass", True, list(commfold.ALL_PASSES)],
         "plugin": ["NoneType", "CallableInductorPass", None, []],
-        "drafter_hook": [False, False], "ray_copies": []}
+        "drafter_hook": [[], []], "ray_copies": []}
 
 
 def test_commfold_imported_first_and_plugin_on(routes):
@@ -114,7 +115,8 @@ def test_commfold_imported_first_and_plugin_on(routes):
     assert routes["commfold_first"] == {
         "named": ["CallableInductorPass", "VllmCommfoldPass", True, ["local_argmax"]],
         "plugin": ["VllmCommfoldPass", "VllmCommfoldPass", "user_pass", ["local_argmax"]],
-        "drafter_hook": [True, True], "ray_copies": ["COMMFOLD_PASSES", "COMMFOLD_VLLM"]}
+        "drafter_hook": [["draft get_top_tokens", "draft pick"], ["draft pick"]],
+        "ray_copies": ["COMMFOLD_PASSES", "COMMFOLD_VLLM"]}
 
 
 def _vllm_keys(pass_):
@@ -180,13 +182,18 @@ def test_a_plain_commfold_pass_is_adopted_with_its_state():
     from vllm.compilation.passes.inductor_pass import InductorPass
     from vllm.config import CompilationConfig, VllmConfig
 
+    from commfold.vllm import hooks
     from commfold.vllm.plugin import register
 
     register()
-    seen = []
-    mine = commfold.CommfoldPass(Config(passes=("local_argmax",)), on_report=seen.append)
-    vc = VllmConfig(compilation_config=CompilationConfig(inductor_compile_config={PASS_KEY: mine}))
-    adopted = vc.compilation_config.inductor_compile_config[PASS_KEY]
+    try:
+        seen = []
+        mine = commfold.CommfoldPass(Config(passes=("local_argmax",)), on_report=seen.append)
+        vc = VllmConfig(compilation_config=CompilationConfig(
+            inductor_compile_config={PASS_KEY: mine}))
+        adopted = vc.compilation_config.inductor_compile_config[PASS_KEY]
+    finally:
+        hooks.uninstall()
     assert isinstance(adopted, VllmCommfoldPass) and isinstance(adopted, InductorPass)
     assert adopted.config == mine.config and adopted.on_report == seen.append
     assert adopted.uuid() == mine.uuid() and adopted.is_applicable_for_range(None)

@@ -301,20 +301,22 @@ def test_moved_hook_point_leaves_the_hook_off(monkeypatch, caplog):
     moved = vtp.HOOK_POINTS + (("vllm.v1.sample.sampler:Sampler.forward", "not in vLLM"),
                                ("vllm.v1.sample.sampler:NoSuchClass", "x"))
     monkeypatch.setattr(vtp, "HOOK_POINTS", moved)
-    monkeypatch.setattr(vtp, "_installed", False)
+    vtp.uninstall()
     with caplog.at_level("WARNING", logger="commfold"):
         assert vtp.install(runner=V1) is False
     (line,) = [r.getMessage() for r in caplog.records if "target pick off" in r.getMessage()]
     assert "Sampler.forward: not in vLLM" in line and "NoSuchClass (AttributeError)" in line
     assert "moved what it hooks" in line
-    assert not getattr(__import__("vllm.v1.worker.gpu_model_runner", fromlist=["x"])
-                       .GPUModelRunner.execute_model, "_commfold_target_pick", False)
+    from commfold.vllm.hook_points import wrapped_by
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert wrapped_by(GPUModelRunner.execute_model) == []
 
 
 def test_off_switch(monkeypatch):
     from commfold.vllm import target_pick as vtp
 
-    monkeypatch.setattr(vtp, "_installed", False)
+    vtp.uninstall()
     assert vtp.install({"COMMFOLD_TARGET_PICK": "0"}, runner=V1) is False
     assert vtp.enabled({}) and not vtp.enabled({"COMMFOLD_TARGET_PICK": "0"})
 

@@ -7,8 +7,8 @@ sources, without installing or importing that release.
 
 A source argument is a `vllm` package directory (or the directory holding one);
 "installed" is the vLLM this Python would import (found, not imported). For each
-hook (commfold's own lists: target_pick.HOOK_POINTS, each of target_pick_v2.HOOK_SETS,
-draft.HOOK_POINTS, step_log.HOOK_POINTS, and the plugin's two) every point
+hook (commfold.vllm.hooks.HOOKS: one row set per hook, runner and release range, and
+what the plugin only reads) every point
 `module:Attr.path` is found by parsing the sources (following re-exports and base
 classes), and the source text the hook relies on must be in it, as the plugin checks
 at load; a pinned point's whole source must hash to a pinned value. Then what the
@@ -32,14 +32,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from commfold.vllm import (draft, dspark_pick, hook_points, plugin, step_log,  # noqa: E402
-                           target_pick, target_pick_v2)
+from commfold.vllm import draft, dspark_pick, hook_points, hooks, plugin  # noqa: E402
 from commfold.vllm.hook_points import Pinned, describe, source_hash  # noqa: E402
 from commfold.vllm.decision import LEFT_TO_VLLM, STRICT_GREEDY  # noqa: E402
 from commfold.vllm.runtime import CLASSES_VERIFIED, TESTED, release  # noqa: E402
 
-PLUGIN_POINTS = (("vllm.config:VllmConfig.__post_init__", None),
-                 ("vllm.compilation.passes.inductor_pass:InductorPass", None))
 # what the runner choice (commfold.vllm.runtime) and the decision read
 READS = (("vllm.triton_utils.importing:HAS_TRITON", None),
          ("vllm.config.speculative:SpeculativeConfig.rejection_sample_method", None),
@@ -58,14 +55,10 @@ READS_V1 = (("vllm.config.vllm:VllmConfig.use_v2_model_runner",
 # where it is gone (0.34 on): vLLM refuses the variable unless it is 1
 READS_V2_ONLY = (("vllm.platforms.interface:Platform.validate_environ",
                   'if env == "VLLM_USE_V2_MODEL_RUNNER":\n                if value != "1":'),)
-HOOKS = {"graph passes": PLUGIN_POINTS, "step log (V1)": step_log.HOOK_POINTS,
-         "step log (V2)": step_log.HOOK_POINTS_V2,
-         **{f"{h} (V1)": p for h, p in draft.HOOK_POINTS.items()},
-         **{f"{h} (V2)": p for h, p in draft.HOOK_POINTS_V2.items()},
+# every hook of commfold.vllm.hooks.HOOKS (its label: its row), then what is only read
+HOOKS = {**{h.label(): h.points for h in hooks.HOOKS},
          "draft pick's logits routes (V2)": draft.ROUTE_POINTS,
          "DSpark block pick (V2)": dspark_pick.HOOK_POINTS,
-         "target pick (V1)": target_pick.HOOK_POINTS,
-         **{f"target pick (V2: {s.label()})": s.points for s in target_pick_v2.HOOK_SETS},
          "Ray workers' settings (read)": plugin.RAY_POINTS,
          "runner choice, verification method (read)": READS,
          "runner choice (read, V1)": READS_V1,
@@ -94,10 +87,10 @@ def _in_range(hook_set):
 
 
 # hooks that apply to some releases only: the cell they get elsewhere (never "moved")
-APPLIES = {**{h: _v1_runner for h in HOOKS if h.endswith("V1)")},
+APPLIES = {**{h.label(): _v1_runner for h in hooks.HOOKS if h.runner == 1},
+           "runner choice (read, V1)": _v1_runner,
            "runner choice (read, V2 only)": _v2_only,
-           **{f"target pick (V2: {s.label()})": _in_range(s)
-              for s in target_pick_v2.HOOK_SETS}}
+           **{h.label(): _in_range(h) for h in hooks.HOOKS if h.since or h.until}}
 
 
 class Sources:

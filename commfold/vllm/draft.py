@@ -168,52 +168,73 @@ def sample_draft_unpinned() -> list[str]:
             f"({', '.join(SAMPLE_DRAFT_SOURCES.values())})"]
 
 
-def hook_proposers(config: Config, environ=os.environ, runner=None) -> list:
-    """Patch vLLM's draft proposers (idempotent): the greedy draft pick, and a
-    get_top_tokens for drafters without one under use_local_argmax_reduction; each
-    hook logs its line. Returns their states."""
-    from commfold.vllm.top_tokens import install_get_top_tokens
+def state(hook: str, config: Config, environ=os.environ, runner=None):
+    """One of the two hooks' state (PICK, TOP_TOKENS), installing nothing."""
+    return dict(zip((PICK, TOP_TOKENS), states(config, environ, runner)))[hook]
 
+
+def install(hook: str, config: Config, environ=os.environ, runner=None) -> bool:
+    """One of the two hooks (PICK: the greedy draft pick; TOP_TOKENS: a get_top_tokens
+    for drafters without one under use_local_argmax_reduction) on the proposers of the
+    runner vLLM will build, logging its line; True when on. Idempotent."""
     runner = runner or runtime.runner_choice(environ)
-    pick, top_tokens = found = [s.log() for s in states(config, environ, runner)]
-    chosen = pick_config(config)
-    if runner.version == 2:
-        _hook_v2_speculator(chosen, pick.on, top_tokens.on)
-        return found
+    if not state(hook, config, environ, runner).log().on:
+        return False
+    hook_v = _hook_v2_speculator if runner.version == 2 else _hook_v1_proposers
+    hook_v(pick_config(config), hook == PICK, hook == TOP_TOKENS)
+    return True
+
+
+def uninstall(hook: str) -> None:
+    """Undo install(hook) (tests: vLLM's own methods back)."""
+    hook_points.unwrap_hook(hook)
+
+
+def _hook_v1_proposers(chosen: Config | None, pick: bool, top_tokens: bool) -> None:
+    """V1's proposers: the greedy draft pick in _greedy_sample (and whose pick a
+    proposer runs, said at its drafter's load), get_top_tokens given to a drafter
+    without one at its load."""
     from vllm.v1.spec_decode import draft_model, llm_base_proposer
 
+    from commfold.vllm.top_tokens import install_get_top_tokens
+
     base = llm_base_proposer.SpecDecodeBaseProposer
-    original_sample = base.__dict__.get("_greedy_sample")
-    if pick.on and not getattr(original_sample, "_commfold", False):
-        def _greedy_sample(self, hidden_states, _original=original_sample):
-            pick = self.__dict__.get("_commfold_pick", _UNSET)
-            if pick is _UNSET:
-                pick = self._commfold_pick = choose_pick(self, chosen)
-            if pick is not None and _slower(self, hidden_states):
-                pick = None
-            return _original(self, hidden_states) if pick is None else pick(hidden_states)
+    loaders = [c for c in (base, draft_model.DraftModelProposer) if "_get_model" in vars(c)]
+    if pick:
+        def greedy(original):
+            def _greedy_sample(self, hidden_states):
+                pick = self.__dict__.get("_commfold_pick", _UNSET)
+                if pick is _UNSET:
+                    pick = self._commfold_pick = choose_pick(self, chosen)
+                if pick is not None and _slower(self, hidden_states):
+                    pick = None
+                return original(self, hidden_states) if pick is None else pick(hidden_states)
+            return _greedy_sample
 
-        _greedy_sample._commfold, _greedy_sample.__wrapped__ = True, original_sample
-        base._greedy_sample = _greedy_sample
+        def noted(original):
+            def _get_model(self):
+                model = original(self)
+                if not self.__dict__.get("_commfold_noted"):
+                    self._commfold_noted = True
+                    local = getattr(self, "use_local_argmax_reduction", False)
+                    log.info("commfold: %s", v1_pick_note(self, local))
+                return model
+            return _get_model
 
-    for cls in (base, draft_model.DraftModelProposer) if top_tokens.on or pick.on else ():
-        original = cls.__dict__.get("_get_model")
-        if original is None or getattr(original, "_commfold", False):
-            continue
+        hook_points.wrap(base, "_greedy_sample", greedy, PICK)
+        for cls in loaders:
+            hook_points.wrap(cls, "_get_model", noted, PICK)
+    if top_tokens:
+        def supplied(original):
+            def _get_model(self):
+                model = original(self)
+                if getattr(self, "use_local_argmax_reduction", False):
+                    install_get_top_tokens(model, chosen)
+                return model
+            return _get_model
 
-        def _get_model(self, _original=original, pick=pick.on, top_tokens=top_tokens.on):
-            model = _original(self)
-            local = getattr(self, "use_local_argmax_reduction", False)
-            if top_tokens and local:
-                install_get_top_tokens(model, chosen)
-            if pick and not self.__dict__.get("_commfold_noted"):
-                self._commfold_noted = True
-                log.info("commfold: %s", v1_pick_note(self, local))
-            return model
-
-        _get_model._commfold, _get_model.__wrapped__ = True, original
-        cls._get_model = _get_model
-    return found
+        for cls in loaders:
+            hook_points.wrap(cls, "_get_model", supplied, TOP_TOKENS)
 
 
 _UNSET = object()
@@ -333,38 +354,45 @@ def _hook_v2_speculator(chosen: Config | None, pick: bool, top_tokens: bool) -> 
     and get_top_tokens installed before its use_local_argmax_reduction check."""
     from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator as spec
 
-    from commfold.vllm.top_tokens import install_get_top_tokens
+    from commfold.vllm.top_tokens import StepPicks, install_get_top_tokens
 
-    original_sample = spec.__dict__.get("sample_draft")
-    if pick and original_sample is not None and not getattr(original_sample, "_commfold", False):
-        def sample_draft(self, hidden_states, *args, _original=original_sample, **kwargs):
-            draft_logits = args[5] if len(args) > 5 else kwargs.get("draft_logits")
-            step = args[6] if len(args) > 6 else kwargs.get("spec_step_idx", 0)
-            tokens = _v2_tokens(self, chosen, hidden_states, draft_logits, step)
-            if tokens is None:
-                return _original(self, hidden_states, *args, **kwargs)
-            return tokens
-
-        sample_draft._commfold, sample_draft.__wrapped__ = True, original_sample
-        spec.sample_draft = sample_draft
-
-    original_check = spec.__dict__.get("_validate_local_argmax_reduction")
-    if (pick or top_tokens) and original_check is not None and \
-            not getattr(original_check, "_commfold", False):
-        def _validate_local_argmax_reduction(self, _original=original_check):
-            local = getattr(self, "use_local_argmax_reduction", False) and getattr(
-                self.speculative_config, "draft_sample_method", None) != "probabilistic"
-            installed = top_tokens and local and install_get_top_tokens(
-                self.model, chosen, v2_nan_as_neginf())
-            if pick:
-                log.info("commfold: %s", load_note(type(self), local, installed))
-            return _original(self)
-
-        _validate_local_argmax_reduction._commfold = True
-        _validate_local_argmax_reduction.__wrapped__ = original_check
-        spec._validate_local_argmax_reduction = _validate_local_argmax_reduction
     if pick:
+        def sampled(original):
+            def sample_draft(self, hidden_states, *args, **kwargs):
+                draft_logits = args[5] if len(args) > 5 else kwargs.get("draft_logits")
+                step = args[6] if len(args) > 6 else kwargs.get("spec_step_idx", 0)
+                tokens = _v2_tokens(self, chosen, hidden_states, draft_logits, step)
+                if tokens is None:
+                    return original(self, hidden_states, *args, **kwargs)
+                return tokens
+            return sample_draft
+
+        def noted(original):  # under get_top_tokens' wrapper: says whether it supplied one
+            def _validate_local_argmax_reduction(self):
+                supplied = isinstance(getattr(self.model, "__dict__", {}).get("get_top_tokens"),
+                                      StepPicks)
+                log.info("commfold: %s", load_note(type(self), _v2_local(self), supplied))
+                return original(self)
+            return _validate_local_argmax_reduction
+
+        hook_points.wrap(spec, "sample_draft", sampled, PICK)
+        hook_points.wrap(spec, "_validate_local_argmax_reduction", noted, PICK)
         _hook_dspark(chosen)
+    if top_tokens:
+        def supplied(original):
+            def _validate_local_argmax_reduction(self):
+                if _v2_local(self):
+                    install_get_top_tokens(self.model, chosen, v2_nan_as_neginf())
+                return original(self)
+            return _validate_local_argmax_reduction
+
+        hook_points.wrap(spec, "_validate_local_argmax_reduction", supplied, TOP_TOKENS)
+
+
+def _v2_local(spec) -> bool:
+    """Whether a V2 speculator drafts greedily with use_local_argmax_reduction."""
+    return getattr(spec, "use_local_argmax_reduction", False) and getattr(
+        spec.speculative_config, "draft_sample_method", None) != "probabilistic"
 
 
 def _hook_dspark(chosen: Config | None) -> None:
@@ -377,15 +405,15 @@ def _hook_dspark(chosen: Config | None) -> None:
     from .dspark_pick import hook as hook_block
     from .eager_heads import hook_markov_head
 
-    hook_block(chosen)  # the greedy block's pick from the base logits' shards
-    original = DSparkSpeculator.__dict__.get("load_draft_model")
-    if original is None or getattr(original, "_commfold", False) or chosen is None:
+    hook_block(chosen, PICK)  # the greedy block's pick from the base logits' shards
+    if chosen is None or "load_draft_model" not in vars(DSparkSpeculator):
         return
 
-    def load_draft_model(self, *args, _original=original, **kwargs):
-        model = _original(self, *args, **kwargs)
-        hook_markov_head(model, chosen)
-        return model
+    def loaded(original):
+        def load_draft_model(self, *args, **kwargs):
+            model = original(self, *args, **kwargs)
+            hook_markov_head(model, chosen)
+            return model
+        return load_draft_model
 
-    load_draft_model._commfold, load_draft_model.__wrapped__ = True, original
-    DSparkSpeculator.load_draft_model = load_draft_model
+    hook_points.wrap(DSparkSpeculator, "load_draft_model", loaded, PICK)

@@ -199,35 +199,36 @@ def block_plan(spec, num_reqs: int, hidden: torch.Tensor):
     return head, nan
 
 
-def hook(config: Config | None) -> bool:
-    """Wrap DSparkSpeculator._sample_sequential (idempotent); True when installed.
-    One line says so, or why not."""
+def hook(config: Config | None, key: str) -> bool:
+    """Wrap DSparkSpeculator._sample_sequential (idempotent; hook_points.wrap with the
+    installing hook's `key`, so its uninstall undoes it); True when installed. One line
+    says so, or why not."""
     if config is None or "local_argmax" not in config.passes:
         log.info("commfold: DSpark's draft block keeps vLLM's pick (local_argmax is not "
                  "among the passes)")
         return False
     cls = hook_points.resolve(_DSPARK)
-    original = cls.__dict__["_sample_sequential"]
-    if getattr(original, "_commfold", False):
+    if key in hook_points.wrapped_by(cls.__dict__["_sample_sequential"]):
         return True
     gone = unread(cls)
     if gone:
         log.info("commfold: DSpark's draft block keeps vLLM's pick: vLLM changed %s", gone[0])
         return False
 
-    def _sample_sequential(self, num_reqs, head_hidden, *args, _original=original, **kwargs):
-        with step_log.phase("drafting"):
-            plan = block_plan(self, num_reqs, head_hidden)
-            if plan is None:
-                return _original(self, num_reqs, head_hidden, *args, **kwargs)
-            with Block(self, *plan) as block:
-                out = _original(self, num_reqs, head_hidden, *args, **kwargs)
-            step_log.note("draft_pick", "vLLM (no logits shard)" if block.whole else
-                          f"commfold ({block.exchanges} pair exchanges)")
-            return out
+    def make(original):
+        def _sample_sequential(self, num_reqs, head_hidden, *args, **kwargs):
+            with step_log.phase("drafting"):
+                plan = block_plan(self, num_reqs, head_hidden)
+                if plan is None:
+                    return original(self, num_reqs, head_hidden, *args, **kwargs)
+                with Block(self, *plan) as block:
+                    out = original(self, num_reqs, head_hidden, *args, **kwargs)
+                step_log.note("draft_pick", "vLLM (no logits shard)" if block.whole else
+                              f"commfold ({block.exchanges} pair exchanges)")
+                return out
+        return _sample_sequential
 
-    _sample_sequential._commfold, _sample_sequential.__wrapped__ = True, original
-    cls._sample_sequential = _sample_sequential
+    hook_points.wrap(cls, "_sample_sequential", make, key)
     log.info("commfold: DSpark's greedy draft block picks from each rank's vocab shard "
              "(one (value, index) exchange per position, no full-vocab gather)")
     return True

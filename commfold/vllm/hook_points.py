@@ -6,12 +6,18 @@ them must leave the hook off with a line saying so, never run it on code it does
 know: every hook module lists its points here as ``(module:Attr.path, text)``, text
 None for "the attribute exists" or a tuple of texts any one of which will do (a line
 that differs by release: ``texts``), and checks them at install (``missing``);
-``commfold doctor`` and tools/vllm_compat.py read the same lists.
+``commfold doctor`` and tools/vllm_compat.py read the same lists (through the registry,
+commfold.vllm.hooks).
 
 A text point catches a line that moved, not one vLLM added. Where a hook stands in
 for a function's whole body (it returns what that function would), the point is
 ``Pinned``: the hash of the function's whole source, one per release it was checked
 against, so any change to that function turns the hook off until it is read again.
+
+Every hook changes vLLM's code one way, ``wrap``: a wrapper that calls the original,
+marked with the hook's name (MARK) and holding the original as ``__wrapped__``; a
+class's or module's wraps are recorded, so ``unwrap_hook`` (each hook's uninstall)
+puts vLLM's own functions back.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ import functools
 import hashlib
 import inspect
 import textwrap
+import types
 from dataclasses import dataclass
 
 
@@ -52,23 +59,66 @@ def describe(text) -> str:
     return " / ".join(t.splitlines()[0].strip() for t in texts(text))
 
 
-def wrap(owner, name: str, make, mark: str) -> None:
-    """owner.name = make(original), once (the wrapper carries `mark` and the original
-    as __wrapped__, which ``missing`` and ``unwrap`` follow)."""
-    original = getattr(owner, name)
-    if getattr(original, mark, False):
-        return
+MARK = "_commfold_hook"  # on every wrapper commfold puts on vLLM: the hook's name
+_records: list[tuple[str, object, str]] = []  # (hook, owner, name) of each class wrap
+
+
+def wrap(owner, name: str, make, hook: str) -> bool:
+    """owner.name = make(original), once per hook: the wrapper carries MARK (the
+    hook's name) and the original as __wrapped__ (what ``missing`` and ``unwrap``
+    follow). Other hooks' wrappers may sit under or over it. A class's or module's
+    wrap is recorded for ``unwrap_hook``. False when this hook had wrapped it already."""
+    own = name in vars(owner)
+    original = vars(owner)[name] if own else getattr(owner, name)
+    if isinstance(original, (staticmethod, classmethod)):
+        raise TypeError(f"commfold: {name} is a {type(original).__name__}")
+    if hook in wrapped_by(original):
+        return False
     wrapped = make(original)
     wrapped.__wrapped__, wrapped.__name__ = original, name
-    setattr(wrapped, mark, True)
+    wrapped.__qualname__ = getattr(original, "__qualname__", name)
+    setattr(wrapped, MARK, hook)
+    wrapped._commfold_inherited = not own  # unwrap deletes it again
     setattr(owner, name, wrapped)
+    if isinstance(owner, (type, types.ModuleType)):
+        _records.append((hook, owner, name))
+    return True
 
 
-def unwrap(owner, name: str, mark: str) -> None:
-    """Undo ``wrap`` (tests)."""
-    current = getattr(owner, name)
-    if getattr(current, mark, False):
+def wrapped_by(obj) -> list[str]:
+    """The hooks whose wrappers `obj` is, outermost first."""
+    hooks = []
+    while isinstance(mark := getattr(obj, "__dict__", {}).get(MARK), str):
+        hooks.append(mark)
+        obj = obj.__wrapped__
+    return hooks
+
+
+def unwrap(owner, name: str, hook: str) -> bool:
+    """Undo ``wrap`` of owner.name by `hook` (True when it was there); its wrapper must
+    be the outermost (hooks are undone in the reverse order they were installed)."""
+    current = vars(owner).get(name)
+    found = wrapped_by(current)
+    if hook not in found:
+        return False
+    if found[0] != hook:
+        raise RuntimeError(f"commfold: {hook}'s wrapper of {name} is under {found[0]}'s: "
+                           f"undo {found[0]} first")
+    if current._commfold_inherited:
+        delattr(owner, name)
+    else:
         setattr(owner, name, current.__wrapped__)
+    return True
+
+
+def unwrap_hook(hook: str) -> int:
+    """Undo every class and module wrap `hook` made, newest first (its uninstall);
+    returns how many."""
+    mine = [r for r in _records if r[0] == hook]
+    for record in reversed(mine):
+        unwrap(record[1], record[2], hook)
+        _records.remove(record)
+    return len(mine)
 
 
 def resolve(where: str):

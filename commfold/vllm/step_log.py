@@ -44,8 +44,9 @@ import logging
 import os
 from contextlib import nullcontext
 from dataclasses import replace
-from functools import wraps
 from pathlib import Path
+
+from commfold.vllm import hook_points
 
 log = logging.getLogger("commfold")
 
@@ -181,7 +182,6 @@ def _phase_at(spans, t: int) -> str:
 
 def state(environ=os.environ, runner=None):
     """The step log's state (runtime.HookState), installing nothing."""
-    from commfold.vllm import hook_points
     from commfold.vllm import runtime
 
     off = None if environ.get(ENV_DIR, "").strip() else f"{ENV_DIR} unset"
@@ -295,12 +295,16 @@ def _marked(kind: str, position: int = 0, name: str | None = None):
 
 
 def _wrap(cls, method: str, make) -> None:
-    original = cls.__dict__.get(method)
-    if original is None or getattr(original, "_commfold_comm_log", False):
-        return
-    wrapped = wraps(original)(make(original))
-    wrapped._commfold_comm_log = True
-    setattr(cls, method, wrapped)
+    """hook_points.wrap of a method `cls` itself defines (others are not counted)."""
+    if method in vars(cls):
+        hook_points.wrap(cls, method, make, HOOK)
+
+
+def uninstall() -> None:
+    """Undo install() (tests: vLLM's own methods back, no step recorded)."""
+    global _recorder
+    hook_points.unwrap_hook(HOOK)
+    _recorder = None
 
 
 def _in_phase(name: str):

@@ -30,7 +30,9 @@ go through local_logprobs too, per request, as vLLM computes them.
 How: ``execute_model`` marks the step; the runner model's ``compute_logits`` (its
 own code, with the logits processor's gather turned into the identity) returns this
 rank's shard of the logits [rows, vocab shard] when the step qualifies, and picks
-from it right there; ``_sample`` recognizes that shard and returns the pick. The
+from it right there; ``_sample`` (vLLM's own, whole) hands that shard to the runner's
+Sampler or RejectionSampler, which for that call answer the shard - only it, by
+identity - with the pick (``_Answer``): nothing of vLLM's ``_sample`` is repeated. The
 pick's collective runs where vLLM's gather would, inside ``execute_model``, not in
 ``sample_tokens``: vLLM's executor sends ``sample_tokens`` to each worker as a
 separate call and answers the engine as soon as rank 0 is done, so vLLM's own
@@ -40,10 +42,10 @@ This is the V1 model runner's hook (Model Runner V2's is
 commfold.vllm.target_pick_v2: the plugin installs the one of the runner vLLM will
 build); at install it logs one line, on or off and why (vLLM's code moved
 under the hook - the calls it relies on, checked by their source text;
-commfold.vllm.runtime). COMMFOLD_TARGET_PICK=0 turns only this hook off; ``pause()``
-switches it off and on at run time in a worker (through ``LLM.collective_rpc``), to
-compare both paths on one engine. Decisions are noted in the per-step collective log
-(COMMFOLD_COMM_LOG_DIR) as ``target_pick``.
+commfold.vllm.runtime). COMMFOLD_TARGET_PICK=0 turns only this hook off;
+``commfold.vllm.pause.pause()`` switches the pick off and on at run time in a worker
+(through ``LLM.collective_rpc``), to compare both paths on one engine. Decisions are
+noted in the per-step collective log (COMMFOLD_COMM_LOG_DIR) as ``target_pick``.
 """
 from __future__ import annotations
 
@@ -57,6 +59,8 @@ from commfold.vllm import step_log
 from commfold.vllm import hook_points
 from commfold.vllm import pick_cost
 from commfold.vllm import runtime
+from commfold.vllm.hook_points import Pinned
+from commfold.vllm.pause import paused
 from commfold.vllm.logits_head import LogitsHead
 from commfold.ops import logprob_scan
 # the per-step decision lives in decision (shared by the runner hooks); its
@@ -68,14 +72,19 @@ log = logging.getLogger("commfold")
 
 ENV = "COMMFOLD_TARGET_PICK"
 HOOK = "target pick"
+KEY = "target pick (V1)"  # its wrappers' mark (hook_points.wrap)
 # what vLLM's code must still say for the hook to be right (module attr, text)
 HOOK_POINTS = (
     ("vllm.v1.worker.gpu_model_runner:GPUModelRunner.execute_model",
      "logits = self.model.compute_logits(sample_hidden_states)"),
     ("vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens",
      "sampler_output = self._sample(logits, spec_decode_metadata)"),
+    # _sample hands the step's logits, as it got them, to the runner's samplers
     ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample",
-     "self.input_batch.update_async_output_token_ids()"),
+     "return self.sampler(\n                logits=logits,"),
+    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample",
+     "sampler_output = self.rejection_sampler(\n            spec_decode_metadata,\n"
+     "            draft_probs,\n            logits,"),
     ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._get_prompt_logprobs_dict",
      "logits = self.model.compute_logits(prompt_hidden_states)"),
     ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._get_prompt_logprobs_dict",
@@ -91,6 +100,13 @@ HOOK_POINTS = (
     ("vllm.v1.sample.ops.logprobs:batched_count_greater_than", "(x >= values).sum(-1)"),
     ("vllm.v1.sample.rejection_sampler:rejection_sample",
      "target_argmax = target_logits.argmax(dim=-1)"),
+    # the calls whose result the pick returns in their place (_Answer): read whole
+    # (0.33's Sampler.forward adds a ROCm path for all-random batches only, its
+    # RejectionSampler.forward FLy's arguments: neither reaches a step commfold takes)
+    ("vllm.v1.sample.sampler:Sampler.forward", Pinned((("0.32.0", "3910a89dbb525c63"),
+                                                      ("0.33.0", "a9939b7871ffeb2c")))),
+    ("vllm.v1.sample.rejection_sampler:RejectionSampler.forward", Pinned((
+        ("0.32.0", "5fe75d6b2e178213"), ("0.33.0", "714aaf6b7d420b35")))),
     ("vllm.v1.sample.rejection_sampler:rejection_sample", "_rejection_greedy_sample(\n"
      "            output_token_ids,\n            cu_num_draft_tokens,\n"
      "            draft_token_ids,\n            target_argmax,\n"
@@ -101,24 +117,6 @@ HOOK_POINTS = (
 
 def enabled(environ=os.environ) -> bool:
     return environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-_paused = False
-
-
-def pause(paused: bool = True) -> bool:
-    """Send this process's steps to vLLM's own path (noted "vLLM (paused)") until
-    ``pause(False)``; returns the previous setting. Call it in every worker, e.g.
-    ``llm.collective_rpc(fn)`` with fn(worker) calling it, to compare commfold's pick
-    with vLLM's on the same engine: the same weights and compiled forward."""
-    global _paused
-    was, _paused = _paused, bool(paused)
-    return was
-
-
-def paused() -> bool:
-    """Whether ``pause()`` sends this process's steps to vLLM's path (both runners)."""
-    return _paused
 
 
 # --- one runner's picker -----------------------------------------------------------
@@ -196,7 +194,7 @@ class Picker:
     def _decide(self):
         from vllm import envs
 
-        if _paused:
+        if paused():
             return None, "paused"
         r, so = self.runner, self.scheduler_output
         return decide(r.input_batch.sampling_metadata,
@@ -293,22 +291,18 @@ def install(environ=os.environ, runner=None) -> bool:
         return False
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    _wrap(GPUModelRunner, "execute_model", _execute_model)
-    _wrap(GPUModelRunner, "sample_tokens", _sample_tokens)
-    _wrap(GPUModelRunner, "_sample", _sample)
-    _wrap(GPUModelRunner, "_get_prompt_logprobs_dict", _prompt_logprobs)
+    for name, make in (("execute_model", _execute_model), ("sample_tokens", _sample_tokens),
+                       ("_sample", _sample), ("_get_prompt_logprobs_dict", _prompt_logprobs)):
+        hook_points.wrap(GPUModelRunner, name, make, KEY)
     _installed = True
     return True
 
 
-def _wrap(cls, name, make):
-    original = cls.__dict__[name]
-    if getattr(original, "_commfold_target_pick", False):
-        return
-    wrapped = make(original)
-    wrapped.__wrapped__, wrapped.__name__ = original, name
-    wrapped._commfold_target_pick = True
-    setattr(cls, name, wrapped)
+def uninstall() -> None:
+    """Undo install() (tests: vLLM's own methods back on its runner class)."""
+    global _installed
+    hook_points.unwrap_hook(KEY)
+    _installed = False
 
 
 def _picker(runner) -> Picker | None:
@@ -352,15 +346,35 @@ def _sample(original):
         picker.pending = None
         if pending.mode == "logprobs" and spec_decode_metadata is not None:  # not expected
             return original(self, picker.gather(logits), spec_decode_metadata)
-        # what vLLM's _sample does before sampling (async scheduling bookkeeping)
-        self.input_batch.update_async_output_token_ids()
-        if spec_decode_metadata is not None and self.use_async_scheduling \
-                and self._draft_token_req_ids is not None:
-            draft_token_ids_cpu, _ = self._get_draft_token_ids_cpu()
-            self.input_batch.update_async_spec_token_ids(draft_token_ids_cpu)
-        with step_log.phase("sampling"):  # the log's own wrapper sits inside this one
-            return picker.sample(pending, spec_decode_metadata)
+        samplers = {n: getattr(self, n) for n in ("sampler", "rejection_sampler")
+                    if getattr(self, n, None) is not None}
+        for name, inner in samplers.items():
+            setattr(self, name, _Answer(inner, pending.shard,
+                                        lambda: picker.sample(pending, spec_decode_metadata)))
+        try:  # vLLM's _sample, whole: its samplers answer the shard with the pick
+            return original(self, logits, spec_decode_metadata)
+        finally:
+            for name, inner in samplers.items():
+                setattr(self, name, inner)
     return _sample
+
+
+class _Answer:
+    """vLLM's Sampler or RejectionSampler for one ``_sample`` call: called with the
+    step's shard (by identity, at whatever argument position), commfold's
+    SamplerOutput; any other call and every attribute, vLLM's object's."""
+
+    def __init__(self, inner, shard, output):
+        self._inner, self._shard, self._output = inner, shard, output
+
+    def __call__(self, *args, **kwargs):
+        if any(a is self._shard for a in (*args, *kwargs.values())):
+            with step_log.phase("sampling"):
+                return self._output()
+        return self._inner(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
 
 
 def _prompt_logprobs(original):
@@ -373,7 +387,7 @@ def _prompt_logprobs(original):
         mode, reason = logprobs_mode_ok(k, self.model_config.logprobs_mode, picker.vocab)
         if min(wanted.values()) < 0:
             mode, reason = None, "prompt_logprobs=-1"
-        if _paused:
+        if paused():
             mode, reason = None, "paused"
         step_log.note("prompt_logprobs", mode or f"vLLM ({reason})")
         if mode is None:

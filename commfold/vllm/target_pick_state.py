@@ -41,7 +41,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from commfold.vllm import hook_points, pick_cost, step_log, target_pick, v2_pick
+from commfold.vllm import hook_points, pick_cost, step_log, v2_pick
+from commfold.vllm.pause import paused
 from commfold.vllm.hook_points import Pinned
 from commfold.vllm.logits_head import LogitsHead
 
@@ -80,7 +81,7 @@ HOOK_POINTS = (
      "if skip_gather:\n            return logits"),
 ) + v2_pick.PICK_POINTS
 
-_MARK = "_commfold_target_pick"
+KEY = "target pick (V2 model state)"  # its wrappers' mark (hook_points.wrap)
 
 
 def install() -> None:
@@ -90,15 +91,12 @@ def install() -> None:
 
     for name, make in (("__init__", _init), ("custom_sampler", _custom_sampler),
                        ("compute_sample_logits", _compute_sample_logits)):
-        hook_points.wrap(ModelState, name, make, _MARK)
+        hook_points.wrap(ModelState, name, make, KEY)
 
 
 def uninstall() -> None:
     """Undo install() (tests: vLLM's own methods back on the base class)."""
-    from vllm.v1.worker.gpu.model_states.interface import ModelState
-
-    for name in ("__init__", "custom_sampler", "compute_sample_logits"):
-        hook_points.unwrap(ModelState, name, _MARK)
+    hook_points.unwrap_hook(KEY)
 
 
 def _base(name: str):
@@ -156,7 +154,7 @@ class StatePick:
     def decide(self, input_batch) -> None:
         if self.head is None:
             return
-        if target_pick.paused():
+        if paused():
             mode, why = None, "paused"
         else:
             mode, why = v2_pick.decide_step(
@@ -274,15 +272,14 @@ def _custom_sampler(original):
 def _watch_batches(state, pick: StatePick) -> None:
     """The state's preprocess_state (whatever its class defines) also decides the
     step for the batch it is given."""
-    original = state.preprocess_state
+    def make(original):
+        def preprocess_state(input_batch, *args, **kwargs):
+            out = original(input_batch, *args, **kwargs)
+            pick.decide(input_batch)
+            return out
+        return preprocess_state
 
-    def preprocess_state(input_batch, *args, **kwargs):
-        out = original(input_batch, *args, **kwargs)
-        pick.decide(input_batch)
-        return out
-
-    preprocess_state.__wrapped__ = original
-    state.preprocess_state = preprocess_state
+    hook_points.wrap(state, "preprocess_state", make, KEY)
     state._commfold_pick = pick
 
 

@@ -35,7 +35,7 @@ Sampler / RejectionSampler calls from 0.34, the prompt scores in both), that
 function's whole source is pinned per release (commfold.vllm.hook_points.Pinned):
 any change turns the hook off with a line. Logged once at install, on or off and why
 (runtime.gate with the V2 runner); COMMFOLD_TARGET_PICK=0 turns it off;
-``target_pick.pause()`` sends steps to vLLM's path. Decisions go to the step log as
+``commfold.vllm.pause.pause()`` sends steps to vLLM's path. Decisions go to the step log as
 ``target_pick``.
 """
 from __future__ import annotations
@@ -49,6 +49,7 @@ import torch
 from commfold import cost
 from commfold.vllm import hook_points, runtime, step_log, target_pick, target_pick_state
 from commfold.vllm import pick_cost, v2_pick
+from commfold.vllm.pause import paused
 from commfold.vllm.decision import decide_v2_prompt
 from commfold.vllm.hook_points import Pinned
 from commfold.vllm.logits_head import LogitsHead
@@ -56,6 +57,7 @@ from commfold.vllm.logits_head import LogitsHead
 log = logging.getLogger("commfold")
 
 HOOK = "target pick"  # the same row as V1's hook: one per engine
+KEY = "target pick (V2)"  # its wrappers' mark (hook_points.wrap)
 _RUNNER = "vllm.v1.worker.gpu.model_runner:GPUModelRunner"
 _SAMPLER = "vllm.v1.worker.gpu.sample.sampler:Sampler"
 _REJECT = "vllm.v1.worker.gpu.spec_decode.rejection_sampler"
@@ -169,9 +171,17 @@ def install(environ=os.environ, runner=None) -> bool:
     else:
         target_pick_state.install()
     for owner, name, make in wraps:
-        hook_points.wrap(owner, name, make, "_commfold_target_pick")
+        hook_points.wrap(owner, name, make, KEY)
     _installed = True
     return True
+
+
+def uninstall() -> None:
+    """Undo install() (tests: vLLM's own functions and methods back)."""
+    global _installed
+    hook_points.unwrap_hook(KEY)
+    target_pick_state.uninstall()
+    _installed = False
 
 
 def _prompt_scores(original, ids_dtype=torch.int64):
@@ -188,7 +198,7 @@ def _prompt_scores(original, ids_dtype=torch.int64):
         head = v2_pick.head_of(getattr(logits_fn, "__self__", None))
         if head is None or getattr(logits_fn, "__self__", None) is not head.model:
             mode, why = None, "no target pick head for this model"
-        elif target_pick.paused():
+        elif paused():
             mode, why = None, "paused"
         else:
             mode, why = decide_v2_prompt(num_prompt_logprobs, logprobs_mode, head.vocab)
@@ -224,7 +234,7 @@ def _head(runner) -> LogitsHead | None:
 
 
 def decide(runner, input_batch, grammar_output, vocab: int = 0) -> tuple[str | None, str]:
-    if target_pick.paused():
+    if paused():
         return None, "paused"
     return v2_pick.decide_step(runner.sampler, runner.rejection_sampler,
                                getattr(runner, "speculative_config", None), input_batch,

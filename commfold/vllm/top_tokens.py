@@ -195,8 +195,6 @@ class StepPicks:
     passes the index, ``model.compute_logits`` takes it), built on first use. Without
     an index, the pick of ``compute_logits(hidden)``."""
 
-    _commfold = True
-
     def __init__(self, model, config: Config | None = None, nan_as_neginf: bool = False):
         self.model, self.config, self.nan_as_neginf = model, config, nan_as_neginf
         self.picks: dict[int | None, Callable] = {}
