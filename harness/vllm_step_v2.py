@@ -274,6 +274,8 @@ def step_cases(world: int, cases: list[dict]) -> list[dict]:
         histories = _histories(case, len(drafts))
         steps = max(len(d) for d in drafts)
         batch = input_batch(drafts, case.get("placeholder"))
+        if case.get("positions"):  # per request, added to its rows' positions
+            batch.positions += torch.tensor(case["positions"])[batch.expanded_idx_mapping]
         h = vllm_step.hidden(batch.num_tokens, dtype, case["seed"] + 1, case["ties"],
                              case.get("special"))
         if case.get("accept"):  # drafts from the target's argmax (some accepted)

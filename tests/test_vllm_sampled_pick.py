@@ -30,31 +30,58 @@ def _check(results):
             assert r["dtype"][0] == r["dtype"][1], where
             assert r["vllm_gathers"] == 1, where
             mode = case["mode"]
-            if mode.startswith("sample"):
+            gathers, whole = r["ours_gathers"], case.get("whole", False)
+            if mode in ("sample", "sample_logprobs", "greedy", "logprobs"):
                 assert r["notes"] == [mode], where
-                logprobs = mode == "sample_logprobs"
-                min_p = any(p.get("min_p") for p in _params(case))
-                assert r["ours_gathers"] == int(case.get("whole", False)), where
-                assert r["calls"] == 1 + min_p + 2 * logprobs + r["ours_gathers"], where
+                # rows scored whole (logprobs) are gathered; None: either
+                assert gathers <= 1 if whole is None else gathers == int(whole), where
+                min_p = mode.startswith("sample") and any(
+                    p.get("min_p") and p.get("temperature", 1.0) for p in _params(case))
+                # a pair exchange (greedy logprobs: the scores' first exchange), the
+                # row maxima for min_p, the scores' two exchanges
+                base = {"greedy": 1, "logprobs": 2, "sample": 1, "sample_logprobs": 3}
+                assert r["calls"] == base[mode] + min_p + gathers, where
             else:  # vLLM's path, the note saying why
                 assert r["notes"][-1].startswith("vLLM ("), where
                 assert mode in r["notes"][-1], where
-                assert r["ours_gathers"] == 1, where
+                assert gathers == 1, where
             ours, theirs = r["logprobs"], r["vllm_logprobs"]
             assert (ours is None) == (theirs is None), where
             if ours is not None:
                 assert ours[0] == theirs[0] and ours[2] == theirs[2], where
                 # V2's rank kernel under Triton's interpreter miscounts bf16 logits:
                 # raw bf16 ranks against torch's count, the rest against V2's
-                raw_bf16 = case["dtype"] == "bfloat16" and not case.get(
-                    "logprobs_mode", "raw").startswith("processed")
-                assert ours[1] == (r["ranks"] if raw_bf16 else theirs[1]), where
+                scored_bf16 = case["dtype"] == "bfloat16" and not (case.get(
+                    "logprobs_mode", "raw").startswith("processed") and _processed(case))
+                # (a row scored whole is V2's own compute_topk_scores: its count)
+                assert all(o in ((t, g) if scored_bf16 else (t,)) for o, t, g in zip(
+                    ours[1], theirs[1], r["ranks"], strict=True)), where
                 limit = 0 if "logits" in case.get("logprobs_mode", "") else 4
                 assert r["score_diff"] <= limit, (where, r["score_diff"])
 
 
 def _params(case) -> list[dict]:
     return case.get("row_params") or [case.get("params", {})]
+
+
+def _processed(case) -> bool:
+    """Whether V2 processes the step's logits (a float32 copy: its processed_logits)."""
+    return any(p.get("temperature", 1.0) not in (0.0, 1.0) and p.get("temperature", 1.0)
+               or p.get("min_p") and p.get("temperature", 1.0)
+               or _penalized(p) for p in _params(case))
+
+
+def _penalized(p: dict) -> bool:
+    return any(p.get(k, d) != d for k, d in (
+        ("repetition_penalty", 1.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0)))
+
+
+def _mode(rows: list[dict]) -> str:
+    """The mode commfold.vllm.decision.decide_v2 gives these requests' step."""
+    logprobs = any(p.get("logprobs") is not None for p in rows)
+    if any(_penalized(p) for p in rows) or any(p.get("temperature", 1.0) != 0.0 for p in rows):
+        return "sample_logprobs" if logprobs else "sample"
+    return "logprobs" if logprobs else "greedy"
 
 
 T = dict(temperature=0.8, seed=7)
@@ -97,3 +124,105 @@ def test_sampled_steps_equal_v2s_sampler(vllm_v2_ranks):
     from harness.vllm_step_v2 import step_cases
 
     _check(vllm_v2_ranks.run(step_cases, 2, CASES))
+
+
+CASES4 = [  # shards starting inside a 32-token word (the prompt bit mask re-packed)
+    dict(vocab=V4, dtype="float32", seed=21, ties=True, rows=3, mode="sample",
+         params=dict(temperature=0.8, seed=4, repetition_penalty=1.5,
+                     presence_penalty=0.5, min_p=0.02), history=15),
+    dict(vocab=V4, dtype="bfloat16", seed=22, ties=False, rows=2, mode="sample_logprobs",
+         params=dict(temperature=0.6, seed=2, frequency_penalty=0.4, logprobs=2),
+         history=30, logprobs_mode="processed_logprobs"),
+    dict(vocab=V4, dtype="float32", seed=23, ties=False, rows=4, mode="sample",
+         row_params=[dict(temperature=0.0), dict(temperature=1.0, seed=11),
+                     dict(temperature=0.3, min_p=0.3), dict(temperature=2.0, seed=-5)],
+         positions=[0, 9, 1000, 77]),
+]
+
+
+@pytest.mark.slow
+def test_sampled_steps_on_4_ranks(vllm_v2_ranks4):
+    """Opt-in (-m slow: a 4-rank pool of its own); the re-packing itself is checked
+    without ranks below."""
+    from harness.vllm_step_v2 import step_cases
+
+    _check(vllm_v2_ranks4.run(step_cases, 4, CASES4))
+
+
+ROW = st.fixed_dictionaries({
+    "temperature": st.sampled_from([0.0, 0.3, 0.8, 1.0, 1.7]),
+    "seed": st.one_of(st.none(), st.integers(-2**40, 2**40)),
+    "min_p": st.sampled_from([0.0, 0.0, 0.05, 0.3]),
+    "repetition_penalty": st.sampled_from([1.0, 1.0, 1.3, 0.8]),
+    "frequency_penalty": st.sampled_from([0.0, 0.0, 0.5]),
+    "presence_penalty": st.sampled_from([0.0, -0.4]),
+    "logprobs": st.sampled_from([None, None, 0, 3]),
+})
+
+
+def _example(vocab, dtype, rows, ties, seed, history, positions, mode, neg_inf):
+    return dict(vocab=vocab, dtype=dtype, seed=seed, ties=ties, rows=len(rows),
+                row_params=rows, mode=_mode(rows), history=history, whole=None,
+                positions=positions[:len(rows)], logprobs_mode=mode,
+                neg_inf_rows=(0,) if neg_inf else ())
+
+
+EXAMPLE = dict(
+    vocab=st.integers(1030, 1700), dtype=st.sampled_from(["float32", "bfloat16"]),
+    rows=st.lists(ROW, min_size=1, max_size=4), ties=st.booleans(),
+    seed=st.integers(0, 2**16), history=st.sampled_from([None, 10, 39]),
+    positions=st.lists(st.integers(0, 5000), min_size=4, max_size=4),
+    mode=st.sampled_from(["raw_logprobs", "processed_logprobs", "raw_logits",
+                          "processed_logits"]),
+    neg_inf=st.booleans())
+
+
+@settings(max_examples=2, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(**EXAMPLE)
+def test_sampled_examples(vllm_v2_ranks, **example):
+    """Temperatures, seeds (and none: V2's numpy draw), positions, min_p, penalties
+    with output histories, logprobs in V2's four modes, -inf rows, odd vocab sizes
+    (padding on the last shard), both dtypes, ties; greedy rows mixed in."""
+    from harness.vllm_step_v2 import step_cases
+
+    _check(vllm_v2_ranks.run(step_cases, 2, [_example(**example)]))
+
+
+@pytest.mark.slow
+@settings(max_examples=40, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(**EXAMPLE)
+def test_sampled_examples_sweep(vllm_v2_ranks4, **example):
+    """The same on 4 ranks, more examples (opt-in: -m slow)."""
+    from harness.vllm_step_v2 import step_cases
+
+    _check(vllm_v2_ranks4.run(step_cases, 4, [_example(**example)]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(words=st.integers(1, 9), start=st.integers(0, 250), n=st.integers(0, 60),
+       seed=st.integers(0, 2**16))
+def test_shard_bits_repacks_v2s_prompt_mask(words, start, n, seed):
+    """The bits V2's penalties kernel reads for shard column j (word j // 32, bit
+    j % 32 of the shard's mask) are the full mask's bits for token start + j, for
+    the step's requests, at any start (aligned: a view)."""
+    import torch
+
+    from commfold.vllm.sampled_pick import shard_bits
+
+    vocab = 32 * words
+    start, n = min(start, vocab), min(n, vocab - min(start, vocab))
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.randint(-2**31, 2**31, (5, words), generator=g, dtype=torch.int64).int()
+    idx = [3, 0, 4]
+    got = shard_bits(mask, start, n, idx)
+
+    def bit(m, row, t):
+        return (int(m[row, t // 32]) >> (t % 32)) & 1
+
+    for row in idx:
+        assert [bit(got, row, j) for j in range(n)] == \
+            [bit(mask, row, start + j) for j in range(n)], (row, start, n)
+    if start % 32 == 0:
+        assert got.data_ptr() == mask[:, start // 32:].data_ptr()

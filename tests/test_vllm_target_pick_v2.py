@@ -78,8 +78,8 @@ CASES = [
          accept=True, mode="verify"),
     dict(vocab=V, dtype="float32", seed=7, ties=True, drafts=[[1, 2], [3, 4], []],
          accept=True, placeholder=1, mode="verify"),
-    dict(vocab=V, dtype="float32", seed=8, ties=True, rows=3, mode="temperature",
-         params=dict(temperature=0.7, seed=1)),
+    dict(vocab=V, dtype="float32", seed=8, ties=True, rows=3, mode="top-k / top-p",
+         params=dict(temperature=0.7, seed=1, top_k=5)),  # sampled: test_vllm_sampled_pick
     # greedy with top logprobs: ties, bf16, V2's four modes, k = 0, a +inf row (whole)
     dict(vocab=V, dtype="float32", seed=9, ties=True, rows=3, mode="logprobs",
          params=dict(temperature=0.0, logprobs=2)),
@@ -93,8 +93,8 @@ CASES = [
          params=dict(temperature=0.0, logprobs=3), special="inf1", whole=True),
     dict(vocab=V, dtype="float32", seed=17, ties=True, rows=2, mode="logprob_token_ids",
          params=dict(temperature=0.0, logprobs=2, logprob_token_ids=[3, 4])),
-    dict(vocab=V, dtype="float32", seed=10, ties=True, rows=3, mode="penalties",
-         params=dict(temperature=0.0, repetition_penalty=1.3)),
+    dict(vocab=V, dtype="float32", seed=10, ties=True, rows=3, mode="logit_bias",
+         params=dict(temperature=0.0, logit_bias={4: 1.5})),
     dict(vocab=V, dtype="bfloat16", seed=12, ties=False, rows=4, mode="greedy", tied=True,
          soft_cap=30.0),  # a tied, soft-capped head (Gemma's)
     # vLLM's SamplingParams drops top-k / top-p of a greedy request: picked locally
