@@ -11,7 +11,10 @@ RejectionSampler for a step commfold.vllm.decision.decide_v2 qualifies.
   argmax), drafts read by V2's own ``gather_draft_sampled``;
 - ``logprobs``: greedy with V2's ``compute_topk_scores`` from two small all-gathers
   (commfold.ops.local_logprobs.local_topk_scores); rows it cannot do exactly are
-  gathered and scored by V2's own function.
+  gathered and scored by V2's own function;
+- ``sample`` / ``sample_logprobs``: a step with sampled requests or processed logits,
+  drawn as V2's Gumbel kernel draws it (commfold.vllm.sampled_pick), logprobs of the
+  drawn token scored as above from the raw or the processed shard.
 
 NaN: a step whose gathered maxima hold NaN (the same on every rank) is gathered and
 given to V2's own samplers, so its token is V2's whatever rule V2's kernels apply to
