@@ -335,6 +335,18 @@ def _logprobs(out):
     return t.logprob_token_ids.tolist(), t.selected_token_ranks.tolist(), str(t.logprobs.dtype)
 
 
+def same_step(r: dict) -> str:
+    """Assert what every step_cases result must hold - the same sampled tokens, counts
+    and token dtype as V2's, and V2's one logits gather in its own run; returns the
+    result's label for further asserts."""
+    where = f"rank {r['rank']} {r['case']}"
+    assert r["ours"] == r["theirs"], where
+    assert r["counts"] == r["vllm_counts"], where
+    assert r["dtype"][0] == r["dtype"][1], where
+    assert r["vllm_gathers"] == 1, where
+    return where
+
+
 def logprobs_agree(r: dict) -> bool:
     """Ours and V2's logprobs: the same ids and dtype; the ranks V2 computes on a GPU.
     V2's rank kernel under Triton's interpreter counts bf16 logits wrongly (its masked
