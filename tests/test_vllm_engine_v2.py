@@ -86,7 +86,7 @@ def test_v2_step_log_and_target_pick(v2_pair):
         else:
             assert {"greedy", "logprobs", "sample", "sample_logprobs",
                     "vLLM (paused)"} <= set(picks), picks
-            assert any(p.startswith("vLLM (top-k / top-p") for p in picks), picks
+            assert any(p and p.startswith("vLLM (top-k / top-p") for p in picks), picks
             assert any(s.info.get("prompt_logprobs") == "logprobs" for s in r0), run
         for s in r0:
             if not s.info["tokens"]:

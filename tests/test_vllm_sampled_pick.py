@@ -66,7 +66,8 @@ def _processed(case) -> bool:
     """Whether V2 processes the step's logits (a float32 copy: its processed_logits)."""
     return any(p.get("temperature", 1.0) not in (0.0, 1.0) and p.get("temperature", 1.0)
                or p.get("min_p") and p.get("temperature", 1.0)
-               or _penalized(p) for p in _params(case))
+               or _penalized(p) or p.get("logit_bias") or p.get("allowed_token_ids")
+               or p.get("min_tokens") for p in _params(case))
 
 
 def _penalized(p: dict) -> bool:
@@ -77,7 +78,8 @@ def _penalized(p: dict) -> bool:
 def _mode(rows: list[dict]) -> str:
     """The mode commfold.vllm.decision.decide_v2 gives these requests' step."""
     logprobs = any(p.get("logprobs") is not None for p in rows)
-    if any(_penalized(p) for p in rows) or any(p.get("temperature", 1.0) != 0.0 for p in rows):
+    if any(_penalized(p) or p.get("logit_bias") or p.get("allowed_token_ids")
+           for p in rows) or any(p.get("temperature", 1.0) != 0.0 for p in rows):
         return "sample_logprobs" if logprobs else "sample"
     return "logprobs" if logprobs else "greedy"
 
@@ -111,8 +113,18 @@ CASES = [
     dict(vocab=V, dtype="bfloat16", seed=11, ties=True, rows=2, mode="sample_logprobs",
          params=dict(temperature=1.2, seed=3, logprobs=0), logprobs_mode="processed_logits"),
     # left to vLLM, with the reason
-    dict(vocab=V, dtype="float32", seed=13, ties=True, rows=2, mode="logit_bias",
-         params=dict(temperature=0.8, logit_bias={3: 2.0})),
+    # logit bias on both shards, allowed ids on one (the other rank masks its whole
+    # shard), min_tokens' stop ids (pos + 1 < min_len: masked)
+    dict(vocab=V, dtype="bfloat16", seed=13, ties=True, rows=3, mode="sample",
+         row_params=[dict(temperature=0.8, seed=1, logit_bias={3: 2.0, 1400: 5.5}),
+                     dict(temperature=0.9, seed=2, allowed_token_ids=[5, 17, 300, 301]),
+                     dict(temperature=1.0, seed=3, min_tokens=5, stop_token_ids=[
+                         int(t) for t in range(0, 1500, 13)])]),
+    dict(vocab=V, dtype="float32", seed=15, ties=False, rows=2, mode="sample_logprobs",
+         row_params=[dict(temperature=0.0, allowed_token_ids=[900, 1499, 2], logprobs=2),
+                     dict(temperature=0.5, logit_bias={800: -100.0, 801: 30.0},
+                          min_p=0.1)], logprobs_mode="processed_logprobs",
+         whole=None),  # rows of -inf but a few: local_logprobs may score them whole
     dict(vocab=V, dtype="float32", seed=14, ties=True, rows=2, mode="bad words",
          params=dict(temperature=0.8, _bad_words_token_ids=[[5, 9], [700]])),
 ]
@@ -155,6 +167,10 @@ ROW = st.fixed_dictionaries({
     "frequency_penalty": st.sampled_from([0.0, 0.0, 0.5]),
     "presence_penalty": st.sampled_from([0.0, -0.4]),
     "logprobs": st.sampled_from([None, None, 0, 3]),
+    "logit_bias": st.one_of(st.none(), st.dictionaries(st.integers(0, 1029),
+                                                       st.floats(-5, 5), max_size=4)),
+    "allowed_token_ids": st.one_of(st.none(), st.lists(st.integers(0, 1029), min_size=1,
+                                                       max_size=5)),
 })
 
 

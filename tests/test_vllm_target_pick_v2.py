@@ -90,8 +90,8 @@ CASES = [
          params=dict(temperature=0.0, logprobs=3), special="inf1", whole=True),
     dict(vocab=V, dtype="float32", seed=17, ties=True, rows=2, mode="logprob_token_ids",
          params=dict(temperature=0.0, logprobs=2, logprob_token_ids=[3, 4])),
-    dict(vocab=V, dtype="float32", seed=10, ties=True, rows=3, mode="logit_bias",
-         params=dict(temperature=0.0, logit_bias={4: 1.5})),
+    dict(vocab=V, dtype="float32", seed=10, ties=True, rows=3, mode="bad words",
+         params=dict(temperature=0.0, _bad_words_token_ids=[[7, 8]])),
     dict(vocab=V, dtype="bfloat16", seed=12, ties=False, rows=4, mode="greedy", tied=True,
          soft_cap=30.0),  # a tied, soft-capped head (Gemma's)
     # vLLM's SamplingParams drops top-k / top-p of a greedy request: picked locally

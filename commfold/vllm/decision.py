@@ -181,11 +181,9 @@ class V2Step:
 
 
 # V2's processing of a sampled step that commfold.vllm.sampled_pick does on a shard
-SAMPLED_LOCAL = ("temperature", "min_p", "penalties")
+SAMPLED_LOCAL = ("temperature", "min_p", "penalties", "logit_bias")
 # the rest, and why each stays vLLM's
 SAMPLED_LEFT = {
-    "logit_bias": "logit_bias / allowed_token_ids / min_tokens (V2's bias kernel "
-                  "indexes the row by token id)",
     "bad_words": "bad words (V2's kernel writes the row by token id)",
     "thinking_budget": "a thinking budget",
     "custom": "a custom logits processor (it may read the whole row)",

@@ -7,6 +7,8 @@ is a hash of (seed, position, token id). Every step below is V2's own code run o
 shard's real columns, or needs one small exchange:
 
 - a float32 copy of the shard, as V2 copies the row, when a request needs processing;
+- logit_bias, allowed_token_ids, min_tokens: V2's ``apply_logit_bias`` kernel on the
+  shard, each request's token id lists cut to the shard's ids (as shard columns);
 - penalties: V2's ``apply_penalties`` kernel on the shard, its per-request statistics
   (output counts, the prompt's packed bit mask) sliced to the shard's columns - the
   bit mask re-packed when the shard does not start on a 32-token word;
@@ -74,6 +76,9 @@ def _process(sampler, buf, n_local: int, start: int, input_batch, comm) -> bool:
     idx_np = input_batch.idx_mapping_np
     mapping = input_batch.expanded_idx_mapping
     work = buf[:, :n_local]
+    bias = _state(sampler, "LogitBiasState")
+    if n_local and bias is not None and np.any(bias.use_logit_bias[idx_np]):
+        _logit_bias(bias, work, start, input_batch)
     penalties = sampler.penalties_state
     if n_local and np.any(penalties.use_penalty[idx_np]):
         from vllm.v1.worker.gpu.sample.penalties import apply_penalties
@@ -98,6 +103,55 @@ def _process(sampler, buf, n_local: int, start: int, input_batch, comm) -> bool:
     buf[:, n_local] = maxima.amax(0)
     apply_min_p(buf[:, :n_local + 1], mapping, states.min_p.gpu)
     return True
+
+
+def _state(sampler, name: str):
+    """V2's built-in logits processor of class `name` in the Sampler's pipeline."""
+    return next((p for p in sampler.logits_processors if type(p).__name__ == name), None)
+
+
+def _logit_bias(bias, work, start: int, input_batch) -> None:
+    """V2's apply_logit_bias on this rank's columns: its allowed ids, biased ids and
+    min_tokens stop ids kept per request where they fall in the shard, as shard
+    columns. A request whose allowed ids all lie elsewhere gets the spare column
+    past the shard (V2's kernel then masks every shard column, as on the full row).
+    V2's restore of all-masked rows (structured output only) is never asked here."""
+    from vllm.v1.worker.gpu.sample.logit_bias import apply_logit_bias
+
+    n = work.shape[1]
+    slots = np.unique(input_batch.idx_mapping_np)
+    allowed_n, allowed, _ = shard_ids(bias.num_allowed_token_ids.np,
+                                      bias.allowed_token_ids.gpu, slots, start, n, spare=True)
+    bias_n, bias_ids, values = shard_ids(bias.num_logit_bias.np, bias.logit_bias_token_ids.gpu,
+                                         slots, start, n, values=bias.logit_bias.gpu)
+    stop_n, stop_ids, _ = shard_ids(bias.num_stop_token_ids.np, bias.stop_token_ids.gpu,
+                                    slots, start, n)
+    apply_logit_bias(work, input_batch.expanded_idx_mapping,
+                     input_batch.positions[input_batch.logits_indices], allowed_n, allowed,
+                     bias_n, bias_ids, values, bias.min_lens.gpu, stop_n,
+                     bias.restore_when_all_masked.gpu, stop_ids)
+
+
+def shard_ids(counts, ids: torch.Tensor, slots, start: int, n: int, spare: bool = False,
+              values: torch.Tensor | None = None):
+    """(counts [max_reqs] int32, ids, values) of V2's per-request token id lists
+    (ids [max_reqs, max] int32, the first counts[slot] of a row used; values beside
+    them) with only the ids in [start, start + n), as shard columns, for `slots`.
+    spare: a slot with ids but none here gets column n (one past the shard)."""
+    out_n = torch.zeros(ids.shape[0], dtype=torch.int32, device=ids.device)
+    out = torch.zeros_like(ids)
+    out_values = None if values is None else torch.zeros_like(values)
+    for slot in slots:
+        row = ids[slot, :int(counts[slot])].long()
+        keep = (row >= start) & (row < start + n)
+        local = row[keep] - start
+        if spare and len(row) and not len(local):
+            local = row.new_full((1,), n)
+        out[slot, :len(local)] = local.to(ids.dtype)
+        out_n[slot] = len(local)
+        if out_values is not None and values is not None:
+            out_values[slot, :len(local)] = values[slot, :len(row)][keep]
+    return out_n, out, out_values
 
 
 def shard_bits(mask: torch.Tensor, start: int, n: int, idx_np) -> torch.Tensor:
