@@ -36,6 +36,9 @@ def sampler_for(vocab: int, params: list, steps: int, logprobs_mode: str = "raw_
 
     cpu = torch.device("cpu")
     states = RequestState(MAX_REQS, 256, 256, max(steps, 1), vocab, cpu)
+    # request i in slot i, where the batch's idx_mapping (arange) and the Sampler's
+    # add_request(i, ...) put it (RequestState pops its free slots from the end)
+    states.free_indices = list(range(MAX_REQS))[::-1]
     for i in range(len(params)):
         prompt_len, ids = histories[i] if histories else (START, list(range(START)))
         states.add_request(f"r{i}", prompt_len, ids, 0, 16)

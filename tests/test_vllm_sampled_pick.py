@@ -84,6 +84,27 @@ def _mode(rows: list[dict]) -> str:
     return "logprobs" if logprobs else "greedy"
 
 
+def _bad_words(seed: int, reqs: int) -> list[list[int]]:
+    """Bad words for a case with history=6 (harness.vllm_step_v2's histories, drawn
+    alike): each request's last output token followed by a token on either shard
+    (V2 masks those where that request's output matches), a word that does not match,
+    single tokens."""
+    from harness.vllm_step_v2 import _histories
+
+    lasts = [ids[-1] for _, ids in _histories(dict(history=6, seed=seed, vocab=V), reqs)]
+    return [[t, 100 + i] for i, t in enumerate(lasts)] + \
+        [[t, 1200 + i] for i, t in enumerate(lasts)] + [[1499, 1498, 5], [33], [1300]]
+
+
+def _history_ids(seed: int, reqs: int, n: int, prompt: bool = False) -> list[list[int]]:
+    """Per request: its output tokens of history=n (and its prompt's), and 4 others."""
+    from harness.vllm_step_v2 import _histories
+
+    hist = _histories(dict(history=n, seed=seed, vocab=V), reqs)
+    return [sorted(set(ids if prompt else ids[-n:]) | {3, 700, 1100, 1490})
+            for _, ids in hist]
+
+
 T = dict(temperature=0.8, seed=7)
 CASES = [
     # the core: temperature, seeds, positions; bf16 and float32; ties
@@ -95,11 +116,17 @@ CASES = [
                      dict(temperature=1.3)]),  # mixed greedy + sampled: taken whole
     dict(vocab=V, dtype="float32", seed=4, ties=False, rows=3, mode="sample",
          params=dict(temperature=0.8, seed=5, min_p=0.1)),
-    dict(vocab=V, dtype="bfloat16", seed=5, ties=True, rows=2, mode="sample",
-         params=dict(temperature=0.9, seed=9, repetition_penalty=1.4,
-                     frequency_penalty=0.3, presence_penalty=0.2), history=12),
-    dict(vocab=V, dtype="float32", seed=6, ties=False, rows=2, mode="sample",
-         params=dict(temperature=0.0, repetition_penalty=1.3), history=20),  # greedy
+    # penalties: each request allowed only its prompt / output tokens and a few others,
+    # so the penalties decide the draw (on either shard)
+    dict(vocab=V, dtype="bfloat16", seed=5, ties=True, rows=2, mode="sample", history=12,
+         row_params=[dict(temperature=0.0, repetition_penalty=2.0,
+                          frequency_penalty=0.3, presence_penalty=0.2, allowed_token_ids=a)
+                     for a in _history_ids(5, 2, 12, prompt=True)]),  # greedy
+    dict(vocab=V, dtype="float32", seed=6, ties=False, rows=2, mode="sample", history=20,
+         row_params=[dict(temperature=0.0, presence_penalty=2.0, frequency_penalty=2.0,
+                          allowed_token_ids=a) for a in _history_ids(6, 2, 20)]),  # greedy
+    dict(vocab=V, dtype="float32", seed=24, ties=True, rows=2, mode="sample", history=9,
+         params=dict(temperature=0.8, seed=1, repetition_penalty=1.3)),
     dict(vocab=V, dtype="float32", seed=7, ties=False, rows=3, mode="sample",
          params=T, neg_inf_rows=(1,), special="inf1"),
     dict(vocab=V, dtype="float32", seed=8, ties=True, rows=3, mode="NaN",
@@ -125,8 +152,19 @@ CASES = [
                      dict(temperature=0.5, logit_bias={800: -100.0, 801: 30.0},
                           min_p=0.1)], logprobs_mode="processed_logprobs",
          whole=None),  # rows of -inf but a few: local_logprobs may score them whole
-    dict(vocab=V, dtype="float32", seed=14, ties=True, rows=2, mode="bad words",
-         params=dict(temperature=0.8, _bad_words_token_ids=[[5, 9], [700]])),
+    # bad words: one-token words, words whose prefix is the output so far (matched)
+    # or not, their last tokens on either shard
+    # (the masked tokens biased far above the rest: a word left unmasked is drawn)
+    dict(vocab=V, dtype="float32", seed=14, ties=True, rows=2, mode="sample", history=6,
+         params=dict(temperature=0.8, seed=3, _bad_words_token_ids=_bad_words(14, 2),
+                     logit_bias={100: 60.0, 101: 60.0, 1200: 55.0, 1201: 55.0})),
+    dict(vocab=V, dtype="bfloat16", seed=16, ties=False, rows=2, mode="sample", history=6,
+         row_params=[dict(temperature=0.0, _bad_words_token_ids=_bad_words(16, 2),
+                          logit_bias={100: 60.0, 1200: 55.0, 1300: 50.0}),
+                     dict(temperature=1.0, seed=5)]),
+    # left to vLLM, with the reason
+    dict(vocab=V, dtype="float32", seed=17, ties=True, rows=2, mode="logprob_token_ids",
+         params=dict(temperature=0.8, logprobs=1, logprob_token_ids=[3, 900])),
 ]
 
 

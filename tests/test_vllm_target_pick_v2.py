@@ -74,9 +74,9 @@ CASES = [
          accept=True, mode="verify"),
     dict(vocab=V, dtype="float32", seed=7, ties=True, drafts=[[1, 2], [3, 4], []],
          accept=True, placeholder=1, mode="verify"),
-    dict(vocab=V, dtype="float32", seed=8, ties=True, rows=3, mode="bad words",
-         params=dict(temperature=0.7, seed=1, _bad_words_token_ids=[[5, 9]])),  # sampled:
-    # tests/test_vllm_sampled_pick.py
+    dict(vocab=V, dtype="float32", seed=8, ties=True, rows=3, mode="logprob_token_ids",
+         params=dict(temperature=0.7, seed=1, logprobs=1, logprob_token_ids=[3])),
+    # (sampled steps: tests/test_vllm_sampled_pick.py)
     # greedy with top logprobs: ties, bf16, V2's four modes, k = 0, a +inf row (whole)
     dict(vocab=V, dtype="float32", seed=9, ties=True, rows=3, mode="logprobs",
          params=dict(temperature=0.0, logprobs=2)),
@@ -90,8 +90,6 @@ CASES = [
          params=dict(temperature=0.0, logprobs=3), special="inf1", whole=True),
     dict(vocab=V, dtype="float32", seed=17, ties=True, rows=2, mode="logprob_token_ids",
          params=dict(temperature=0.0, logprobs=2, logprob_token_ids=[3, 4])),
-    dict(vocab=V, dtype="float32", seed=10, ties=True, rows=3, mode="bad words",
-         params=dict(temperature=0.0, _bad_words_token_ids=[[7, 8]])),
     dict(vocab=V, dtype="bfloat16", seed=12, ties=False, rows=4, mode="greedy", tied=True,
          soft_cap=30.0),  # a tied, soft-capped head (Gemma's)
     # vLLM's SamplingParams drops top-k / top-p of a greedy request: picked locally

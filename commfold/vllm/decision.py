@@ -181,10 +181,9 @@ class V2Step:
 
 
 # V2's processing of a sampled step that commfold.vllm.sampled_pick does on a shard
-SAMPLED_LOCAL = ("temperature", "min_p", "penalties", "logit_bias")
+SAMPLED_LOCAL = ("temperature", "min_p", "penalties", "logit_bias", "bad_words")
 # the rest, and why each stays vLLM's
 SAMPLED_LEFT = {
-    "bad_words": "bad words (V2's kernel writes the row by token id)",
     "thinking_budget": "a thinking budget",
     "custom": "a custom logits processor (it may read the whole row)",
 }

@@ -12,6 +12,8 @@ shard's real columns, or needs one small exchange:
 - penalties: V2's ``apply_penalties`` kernel on the shard, its per-request statistics
   (output counts, the prompt's packed bit mask) sliced to the shard's columns - the
   bit mask re-packed when the shard does not start on a 32-token word;
+- bad words: V2's ``apply_bad_words`` kernel finds the matched words (on a probe with
+  one column per word), their last tokens in the shard are masked;
 - temperature: V2's ``SamplingStates.apply_temperature`` (elementwise);
 - min_p: V2's ``apply_min_p`` kernel takes the row maximum itself; it is given the
   shard with one more column holding the maximum over all ranks (one all-gather of a
@@ -88,6 +90,9 @@ def _process(sampler, buf, n_local: int, start: int, input_batch, comm) -> bool:
                         penalties.frequency_penalty.gpu, penalties.presence_penalty.gpu,
                         shard_bits(penalties.prompt_bin_mask, start, n_local, idx_np),
                         penalties.output_bin_counts[:, start:start + n_local])
+    bad_words = _state(sampler, "BadWordsState")
+    if n_local and bad_words is not None and np.any(bad_words.num_bad_words.np[idx_np]):
+        _bad_words(bad_words, work, start, input_batch)
     states = sampler.sampling_states
     if n_local:
         states.apply_temperature(work, mapping, idx_np)
@@ -130,6 +135,38 @@ def _logit_bias(bias, work, start: int, input_batch) -> None:
                      input_batch.positions[input_batch.logits_indices], allowed_n, allowed,
                      bias_n, bias_ids, values, bias.min_lens.gpu, stop_n,
                      bias.restore_when_all_masked.gpu, stop_ids)
+
+
+def _bad_words(state, work, start: int, input_batch) -> None:
+    """V2's bad words on this rank's columns. V2's kernel writes -inf at a matched
+    word's last token, a global id; here V2's own kernel finds the matches on a probe
+    [rows, words] - each word's last token replaced by its index, so a match writes
+    -inf at the word's column - and the matched words' last tokens in the shard are
+    set to -inf."""
+    from vllm.v1.worker.gpu.sample.bad_words import apply_bad_words
+
+    idx_np = input_batch.idx_mapping_np
+    slots = np.unique(idx_np)
+    most = int(state.num_bad_words.np[idx_np].max())
+    ids, offsets = state.bad_word_token_ids.gpu, state.bad_word_offsets.gpu
+    probe_ids = ids.clone()
+    lasts = torch.zeros(ids.shape[0], most, dtype=torch.int64, device=ids.device)
+    for slot in slots:
+        words = int(state.num_bad_words.np[slot])
+        ends = offsets[slot, 1:words + 1].long() - 1
+        lasts[slot, :words] = ids[slot, ends].long()
+        probe_ids[slot, ends] = torch.arange(words, dtype=ids.dtype, device=ids.device)
+    mapping = input_batch.expanded_idx_mapping
+    probe = work.new_zeros(work.shape[0], most)
+    req = state.req_states
+    apply_bad_words(probe, mapping, probe_ids, offsets, state.num_bad_words.gpu,
+                    req.all_token_ids.gpu, req.prompt_len.gpu, req.total_len.gpu,
+                    input_batch.input_ids[input_batch.logits_indices],
+                    input_batch.expanded_local_pos, most)
+    rows, words = (probe == float("-inf")).nonzero(as_tuple=True)
+    tokens = lasts[mapping[rows].long(), words] - start
+    here = (tokens >= 0) & (tokens < work.shape[1])
+    work[rows[here], tokens[here]] = float("-inf")
 
 
 def shard_ids(counts, ids: torch.Tensor, slots, start: int, n: int, spare: bool = False,
