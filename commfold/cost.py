@@ -59,6 +59,9 @@ BATCH_SHARDED_PICK = "vllm_batch_sharded_pick"
 LOCAL_PICK = "vllm_local_pick"
 # the same with top-k logprobs: two small exchanges (local_logprobs) against the gather
 LOCAL_LOGPROBS = "vllm_local_logprobs"
+# DSpark's greedy draft block: one (value, index) exchange per position from the base
+# logits' shard (commfold.vllm.dspark_pick) or vLLM's one gather of the block's logits
+DSPARK_PICK = "vllm_dspark_pick"
 
 # Communicators (Site.comm): what moves the data in the rewritten code
 SHM = "vllm_shm"  # vLLM CPU's shared-memory all-reduce
@@ -83,6 +86,7 @@ class Site:
     rows: int = 0  # per-step choices: rows of logits,
     vocab: int = 0  # the full vocab,
     world: int = 0  # and the tensor-parallel world size
+    exchanges: int = 1  # the rewrite's collectives per decision (a DSpark block's positions)
 
     @property
     def itemsize(self) -> int | None:
@@ -131,6 +135,7 @@ _FUSE_SHM = "docs/performance.md, \"The fused norm's cost rule\" (shared memory)
 _FUSE_GLOO = "docs/performance.md, \"The fused norm's cost rule\" (gloo)"
 _REPLICATE = "benchmarks/results/results.md, `replicate`"
 _PICK_CPU = "benchmarks/results/target_pick_rule.md"
+_DSPARK_CPU = "benchmarks/results/dspark_pick.md"
 # not commfold's measurement: SGLang's (sgl-project/sglang#37106), until the GPU check
 _PICK_CUDA = "docs/performance.md, \"The target pick's cost rule\""
 
@@ -153,12 +158,21 @@ TABLE: dict[Key, Limit] = {
                                            figure="slower or even up to 4 rows"),
     Key(LOCAL_LOGPROBS, "cpu", GLOO): Limit(_PICK_CPU, least=512 << 10,
                                             figure="slower or even up to 2 rows"),
+    # DSpark's block: one exchange per position against one gather; `least` is the
+    # gathered bytes per rank per exchange below which the gather was not slower
+    Key(DSPARK_PICK, "cpu", SHM): Limit(_DSPARK_CPU, least=2 << 10,
+                                        figure="0.91-1.10x at 1 KiB per exchange"),
+    Key(DSPARK_PICK, "cpu", GLOO): Limit(_DSPARK_CPU, least=64 << 10,
+                                         figure="0.25-0.86x up to 32000 B per exchange"),
     # assumed: a collective's fixed latency on GPUs (SGLang's draft local argmax: slower
     # than the plain gather at 1-16 rows of V=151936)
     Key(LOCAL_PICK, "cuda"): Limit(_PICK_CUDA, least=17 * 75968 * 2,
                                    figure="assumed from SGLang's GPU measurement"),
     Key(LOCAL_LOGPROBS, "cuda"): Limit(_PICK_CUDA, least=17 * 75968 * 2,
                                        figure="assumed from SGLang's GPU measurement"),
+    Key(DSPARK_PICK, "cuda"): Limit(_PICK_CUDA, least=17 * 75968 * 2,
+                                    figure="assumed from SGLang's GPU measurement, "
+                                    "per exchange"),
 }
 
 # A replicated embedding was faster at every size measured: its limit is memory and
@@ -292,6 +306,25 @@ def _local_pick(site: Site, limit: Limit | None, config: Config | None) -> str |
             f"gather is faster ({limit.figure}: {limit.measured_in})")
 
 
+def dspark_site(device: str, comm: str, dtype: torch.dtype, reqs: int, positions: int,
+                vocab: int, world: int) -> Site:
+    """The Site of one DSpark draft block: vLLM gathers reqs x positions rows of base
+    logits once; commfold exchanges `reqs` pairs once per position."""
+    site = pick_site(DSPARK_PICK, device, comm, dtype, reqs * positions, vocab, world)
+    return Site(site.rule, device, comm, dtype, nbytes=site.nbytes, rows=site.rows,
+                vocab=vocab, world=world, exchanges=positions)
+
+
+def _dspark_pick(site: Site, limit: Limit | None, config: Config | None) -> str | None:
+    """Slower where the gather avoided is under ``least`` bytes per exchange made."""
+    if limit is None or site.nbytes >= limit.least * site.exchanges:
+        return None
+    return (f"cost rule: a DSpark block's gather of {site.nbytes} B per rank is below "
+            f"{limit.least} B per exchange x {site.exchanges} exchanges on {site.device} "
+            f"{site.comm}, where vLLM's one gather was not slower ({limit.figure}: "
+            f"{limit.measured_in})")
+
+
 CHECKS: dict[str, Callable[[Site, Limit | None, Config | None], str | None]] = {
     FUSE: _fuse,
     REPLICATE_HEAD: _replicate_head,
@@ -299,4 +332,5 @@ CHECKS: dict[str, Callable[[Site, Limit | None, Config | None], str | None]] = {
     BATCH_SHARDED_PICK: _batch_sharded_pick,
     LOCAL_PICK: _local_pick,
     LOCAL_LOGPROBS: _local_pick,
+    DSPARK_PICK: _dspark_pick,
 }

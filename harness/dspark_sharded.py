@@ -3,9 +3,7 @@ only): ``markov_w1`` a VocabParallelEmbedding, ``markov_w2`` a ParallelLMHead wi
 ``disable_tp``. ``install()`` patches the head's module when it is first imported (an
 import hook), so no process imports vLLM early; harness/v2_site's sitecustomize calls
 it in every engine process when HARNESS_DSPARK_SHARDED=1."""
-import importlib.abc
-import importlib.util
-import sys
+from harness.import_hook import after_import
 
 MODULE = "vllm.model_executor.models.qwen3_dspark"
 
@@ -27,21 +25,6 @@ def _shard(module) -> None:
     module.DSparkMarkovHead.__init__ = __init__
 
 
-class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != MODULE:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        exec_module = spec.loader.exec_module
-
-        def patched(module):
-            exec_module(module)
-            _shard(module)
-        spec.loader.exec_module = patched
-        return spec
-
-
 def install() -> None:
     """Build the head sharded in this process (before vLLM's module is imported)."""
-    sys.meta_path.insert(0, _Finder())
+    after_import(MODULE, _shard)

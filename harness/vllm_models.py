@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -95,13 +96,14 @@ PROMPTS = ["the quick brown fox", "tensor parallel inference", "hello world, com
 
 def engine_greedy_tokens(model: str, dtype: str, commfold_route: str | None,
                          torch_wrap: bool = False, max_tokens: int = 12,
-                         sampling_batches: bool | str = False):
+                         sampling_batches: bool | str = False, executor: str = "mp"):
     """Greedy tokens of PROMPTS from vLLM's engine at TP=2 (the model's seeded
     weights, or dummy ones: the same values in every run). commfold_route: None (off),
     "named" (the pass named in compilation_config) or "plugin" (COMMFOLD_VLLM=1 set by
     the caller). sampling_batches: also run SAMPLING_BATCHES ("sampled": and
     SAMPLED_BATCHES) and return {"greedy": tokens, name: their outputs} (see
-    sampling_outputs)."""
+    sampling_outputs). executor: vLLM's distributed_executor_backend, "mp" or "ray" (in
+    a process whose Ray cluster and stand-in harness.ray_cpu set up: engine_runs does)."""
     from vllm import LLM, SamplingParams
 
     compilation = {}
@@ -110,7 +112,7 @@ def engine_greedy_tokens(model: str, dtype: str, commfold_route: str | None,
     if torch_wrap:  # the CPU platform turns it off in its default mode: ask explicitly
         compilation.update(mode="DYNAMO_TRACE_ONCE", backend="inductor", ir_enable_torch_wrap=True)
     llm = LLM(model=model, tensor_parallel_size=2, dtype=dtype, load_format=load_format(model),
-              distributed_executor_backend="mp", max_model_len=128, max_num_seqs=4,
+              distributed_executor_backend=executor, max_model_len=128, max_num_seqs=4,
               max_num_batched_tokens=128, seed=0, compilation_config=compilation)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                                 ignore_eos=True))
@@ -217,15 +219,35 @@ TOKENS_MARK = "COMMFOLD_TOKENS "
 
 def engine_pair(tmp: Path, model: Path, dtype: str, route: str, torch_wrap: bool = False,
                 replicate_max: str | None = None, batches: bool = False,
-                timeout: float = 900) -> list[tuple]:
-    """Two engine runs in one subprocess (this file run as a script: vLLM's imports paid
-    once), commfold off, then on by `route` ("named" or "plugin"), sharing vLLM's and
-    Inductor's cache directories (fresh under `tmp`): per run (tokens, reports,
-    steps) - its greedy tokens (or {"greedy": tokens, batch: outputs} with `batches`),
-    the per-rank commfold reports (the dicts the workers wrote to COMMFOLD_REPORT_DIR)
-    and the per-rank engine step collective logs (read_step_logs). The subprocess's
-    output is kept in tmp/engine-std{out,err}.txt.
-    replicate_max: COMMFOLD_REPLICATE_MAX_BYTES of the commfold run (None: the default)."""
+                timeout: float = 900, executor: str = "mp") -> list[tuple]:
+    """Two engine runs in one subprocess, commfold off, then on by `route` ("named" or
+    "plugin"), on vLLM's `executor` ("mp" or "ray"): engine_set's runs "off" and
+    `route`, in that order."""
+    runs = {"off": EngineRun(None, executor), route: EngineRun(route, executor)}
+    found = engine_set(tmp, model, dtype, runs, torch_wrap, replicate_max, batches, timeout)
+    return [found["off"], found[route]]
+
+
+class EngineRun(NamedTuple):
+    """One engine of an engine_set: commfold's route (None: off), vLLM's executor, and
+    more environment for its run (an empty value unsets)."""
+    route: str | None
+    executor: str = "mp"
+    env: dict[str, str] = {}
+
+
+def engine_set(tmp: Path, model: Path, dtype: str, runs: dict[str, EngineRun],
+               torch_wrap: bool = False, replicate_max: str | None = None,
+               batches: bool = False, timeout: float = 900) -> dict[str, tuple]:
+    """Engine runs in one subprocess (this file run as a script: vLLM's imports paid
+    once), one after another in `runs`' order, sharing vLLM's and Inductor's cache
+    directories (fresh under `tmp`): per run name (tokens, reports, steps) - its greedy
+    tokens (or {"greedy": tokens, batch: outputs} with `batches`), the per-rank
+    commfold reports (the dicts the workers wrote to COMMFOLD_REPORT_DIR) and the
+    per-rank engine step collective logs (read_step_logs). A "ray" run's processes
+    get harness.ray_cpu's stand-in (the subprocess starts a Ray cluster). The
+    subprocess's output is kept in tmp/engine-std{out,err}.txt.
+    replicate_max: COMMFOLD_REPLICATE_MAX_BYTES of the commfold runs (None: the default)."""
     import glob
 
     from commfold.distributed.comm_log import read_step_logs
@@ -236,45 +258,56 @@ def engine_pair(tmp: Path, model: Path, dtype: str, route: str, torch_wrap: bool
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
     env.update(ENGINE_ENV, VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),
                TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor-cache"))
-    runs, dirs = [], []
-    for r in (None, route):
-        name = r or "off"
-        dirs.append((tmp / f"reports-{name}", tmp / f"comm-log-{name}"))
-        run_env = {"COMMFOLD_REPORT_DIR": str(dirs[-1][0]),
-                   "COMMFOLD_COMM_LOG_DIR": str(dirs[-1][1]),
+    if any(run.executor == "ray" for run in runs.values()):
+        from harness.ray_cpu import ray_engine_env
+
+        env.update(ray_engine_env())
+    specs, dirs = [], {}
+    for name, run in runs.items():
+        r = run.route
+        dirs[name] = (tmp / f"reports-{name}", tmp / f"comm-log-{name}")
+        run_env = {"COMMFOLD_REPORT_DIR": str(dirs[name][0]),
+                   "COMMFOLD_COMM_LOG_DIR": str(dirs[name][1]),
                    "COMMFOLD_VLLM": "1" if r == "plugin" else "",
-                   "COMMFOLD_REPLICATE_MAX_BYTES": replicate_max if r and replicate_max else ""}
-        runs.append({"env": run_env, "kwargs": dict(
-            model=str(model), dtype=dtype, torch_wrap=torch_wrap,
+                   "COMMFOLD_REPLICATE_MAX_BYTES": replicate_max if r and replicate_max else "",
+                   **run.env}
+        specs.append({"env": run_env, "kwargs": dict(
+            model=str(model), dtype=dtype, torch_wrap=torch_wrap, executor=run.executor,
             commfold_route=r if r == "named" else None, sampling_batches=batches)})
-    proc = subprocess.run([sys.executable, __file__, json.dumps(runs)], env=env,
+    proc = subprocess.run([sys.executable, __file__, json.dumps(specs)], env=env,
                           capture_output=True, text=True, timeout=timeout)
     (tmp / "engine-stdout.txt").write_text(proc.stdout)  # kept for a look afterwards
     (tmp / "engine-stderr.txt").write_text(proc.stderr)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith(TOKENS_MARK)]
-    out = []
-    for tokens, (reports, comm_log) in zip(json.loads(line[len(TOKENS_MARK):]), dirs):
+    out = {}
+    for tokens, (name, (reports, comm_log)) in zip(json.loads(line[len(TOKENS_MARK):]),
+                                                   dirs.items(), strict=True):
         found = [json.loads(Path(f).read_text()) for f in sorted(glob.glob(f"{reports}/*.json"))]
-        out.append((tokens, found, read_step_logs(comm_log)))
+        out[name] = (tokens, found, read_step_logs(comm_log))
     return out
-
 
 
 def engine_runs(runs: list[dict]) -> list:
     """engine_greedy_tokens for each run, one after another in this process (vLLM's
     imports paid once), each under os.environ plus its "env" (an empty value unsets:
     commfold off, then on)."""
+    import contextlib
     import gc
 
     from harness.vllm_engine import environ
 
     out = []
-    for run in runs:
-        with environ(run["env"]):
-            share_modelinfos()  # vLLM's model inspection cached across fresh cache roots
-            out.append(engine_greedy_tokens(**run["kwargs"]))
-        gc.collect()  # the engine's workers stop before the next one starts
+    with contextlib.ExitStack() as stack:
+        if any(run["kwargs"].get("executor") == "ray" for run in runs):
+            from harness.ray_cpu import local_cluster
+
+            stack.enter_context(local_cluster(ranks=2))  # shut down after the last run
+        for run in runs:
+            with environ(run["env"]):
+                share_modelinfos()  # vLLM's model inspection cached across fresh cache roots
+                out.append(engine_greedy_tokens(**run["kwargs"]))
+            gc.collect()  # the engine's workers stop before the next one starts
     return out
 
 

@@ -118,3 +118,26 @@ def test_the_pick_rule_per_engine_step_and_its_switch(monkeypatch):
     assert pick_cost.slower("logprobs", 1, torch.bfloat16, "cpu", "vllm_shm:0", 151936, 2)
     monkeypatch.setenv(pick_cost.ENV, "0")
     assert pick_cost.slower("draft", 16, *args) is None
+
+
+def test_the_dspark_block_rule_weighs_the_gather_per_exchange(monkeypatch):
+    """DSpark's block: one exchange per position against one gather of the block's
+    logits; below the measured bytes per exchange (2 KiB on shared memory, 64 KiB on
+    gloo) vLLM's gather; the switch takes every block."""
+    from commfold.vllm import pick_cost
+
+    def why(comm, reqs, positions, vocab):
+        return cost.why_slower(cost.dspark_site("cpu", comm, torch.bfloat16, reqs, positions,
+                                                vocab, 2))
+
+    site = cost.dspark_site("cpu", cost.GLOO, torch.bfloat16, 4, 3, 1001, 2)
+    assert (site.nbytes, site.exchanges) == (4 * 3 * 501 * 2, 3)
+    assert "3 exchanges" in why(cost.GLOO, 1, 3, 1000)
+    assert why(cost.GLOO, 1, 3, 32000) and why(cost.GLOO, 4, 3, 32000) is None
+    assert why(cost.GLOO, 1, 7, 151936) is None  # 151936 B per exchange
+    assert why(cost.SHM, 1, 3, 1000) and why(cost.SHM, 4, 7, 1000) is None
+    assert why(cost.SHM, 1, 7, 32000) is None
+    args = (torch.bfloat16, "cpu", "vllm_shm:0", 1000, 2)
+    assert "DSpark" in pick_cost.slower_block(1, 3, *args)
+    monkeypatch.setenv(pick_cost.ENV, "0")
+    assert pick_cost.slower_block(1, 3, *args) is None

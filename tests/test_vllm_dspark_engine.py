@@ -5,7 +5,9 @@ draft (harness/vllm_dspark.py), greedy, the draft's Markov head as vLLM ships it
 commfold off and then on through the plugin (COMMFOLD_VLLM=1): the same tokens and
 the same drafts accepted in every run; commfold says on each worker that it
 replicated the sharded head, and its per-position collectives (an all-reduce of the
-Markov embedding, a vocab gather of its bias) are gone.
+Markov embedding, a vocab gather of its bias) are gone; the block's base draft logits
+are picked from each rank's shard (commfold.vllm.dspark_pick): no full-vocab gather
+in the drafting phase, one (value, index) exchange per position, noted per step.
 
 Opt-in (three engines, ~2.5 minutes on 2 cores): `slow`, run with
 `python -m pytest -m slow tests/test_vllm_dspark_engine.py`."""
@@ -25,7 +27,7 @@ pytestmark = [*require_vllm_installed(group="module"), pytest.mark.engine, pytes
 
 from commfold.distributed.comm_log import read_step_logs  # noqa: E402
 from harness.triton_cpu import v2_engine_env  # noqa: E402
-from harness.vllm_dspark import RANK  # noqa: E402
+from harness.vllm_dspark import K, RANK  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = {"shipped": ("", ""), "off": ("", "1"), "on": ("1", "1")}  # COMMFOLD_VLLM, sharded
@@ -40,8 +42,10 @@ def dspark_runs(tmp_path_factory):
     env.update(ENGINE_ENV, VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),
                TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor-cache"))
     env.update(v2_engine_env())
+    # the cost rule off: the tiny vocab's block would keep vLLM's gather (commfold.cost)
     runs = [{"COMMFOLD_VLLM": on, "HARNESS_DSPARK_SHARDED": sharded,
-             "COMMFOLD_COMM_LOG_DIR": str(tmp / f"log-{name}")}
+             "COMMFOLD_COMM_LOG_DIR": str(tmp / f"log-{name}"),
+             "COMMFOLD_PICK_COST_RULE": "0"}
             for name, (on, sharded) in RUNS.items()]
     proc = subprocess.run([sys.executable, "-m", "harness.vllm_dspark", str(tmp),
                            json.dumps(runs)], env=env, cwd=ROOT, capture_output=True,
@@ -89,7 +93,24 @@ def test_dspark_markov_collectives_gone(dspark_runs):
     off, on, shipped = (markov(steps[n]) for n in ("off", "on", "shipped"))
     assert off[0] and {e.name for e in off[0]} == {"all_reduce"}, off[0]  # one per position
     assert on == shipped == {0: [], 1: []}, (on, shipped)
-    # the bias's vocab gathers (a LogitsProcessor call: phase "logits"), one per position
+    # the bias's vocab gathers (a LogitsProcessor call: phase "logits"), one per position;
+    # with commfold the block's base-logits gather is gone too (its calls: "drafting")
     gathers = {n: sum(s.in_phase("logits").calls("all_gather") for s in steps[n][0] if s.step)
                for n in RUNS}
-    assert gathers["on"] == gathers["shipped"] == gathers["off"] - len(off[0]), gathers
+    blocks = sum(1 for s in steps["on"][0] if s.step and s.info.get("draft_pick"))
+    assert blocks > 0
+    assert gathers["off"] - len(off[0]) == gathers["shipped"] == gathers["on"] + blocks, gathers
+
+
+def test_dspark_block_picks_without_its_gather(dspark_runs):
+    """Each drafting step of the "on" run: commfold's block pick (its note), K pair
+    exchanges ([requests, 4] f32 words on vLLM's shared memory, [requests, 2] int64 on
+    gloo) and nothing vocab-wide."""
+    for rank, by_step in dspark_runs["steps"]["on"].items():
+        drafting = [s for s in by_step if s.step and s.info.get("draft_pick")]
+        assert drafting, rank
+        for s in drafting:
+            assert s.info["draft_pick"] == f"commfold ({K} pair exchanges)", s.info
+            events = s.in_phase("drafting").events
+            assert [e.name for e in events] == ["all_gather"] * K, events
+            assert all(len(e.shapes[0]) == 2 and e.shapes[0][1] in (2, 4) for e in events), events

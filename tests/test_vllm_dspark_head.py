@@ -25,6 +25,7 @@ def _heads(shm: bool) -> dict:
     from commfold.config import Config
     from commfold.distributed.comm_log import record_collectives
     from commfold.vllm.eager_heads import hook_markov_head
+    from harness.dspark_block import commfold_lines
 
     class Drafter(torch.nn.Module):  # what the speculator calls, vLLM's own methods
         markov_embed = Qwen3DSparkForCausalLM.markov_embed
@@ -64,16 +65,16 @@ def _heads(shm: bool) -> dict:
     tokens = [torch.tensor([3, 500, 999]), torch.tensor([0, 1, 998])]
     config = Config()
     shipped = drafter(sharded=False)
-    lines = _log_lines()
-    left = not hook_markov_head(shipped, config)
-    shipped_outs, _ = positions(shipped, tokens)
-    sharded = drafter(sharded=True)
-    want, before = positions(sharded, tokens)
-    hooked = hook_markov_head(sharded, config)
-    got, after = positions(sharded, tokens)
-    small = drafter(sharded=True)  # a limit the layers are over: kept sharded
-    kept = not hook_markov_head(small, Config(replicate_max_bytes=V * R * 4 - 1))
-    kept_outs, kept_events = positions(small, tokens)
+    with commfold_lines() as lines:
+        left = not hook_markov_head(shipped, config)
+        shipped_outs, _ = positions(shipped, tokens)
+        sharded = drafter(sharded=True)
+        want, before = positions(sharded, tokens)
+        hooked = hook_markov_head(sharded, config)
+        got, after = positions(sharded, tokens)
+        small = drafter(sharded=True)  # a limit the layers are over: kept sharded
+        kept = not hook_markov_head(small, Config(replicate_max_bytes=V * R * 4 - 1))
+        kept_outs, kept_events = positions(small, tokens)
     return dict(left=left, hooked=hooked, kept=kept, before=before, after=after,
                 kept_events=kept_events, lines=list(lines),
                 equal=all(torch.equal(a, b) for a, b in zip(want, got)),
@@ -81,22 +82,6 @@ def _heads(shm: bool) -> dict:
                 kept_equal=all(torch.equal(a, b) for a, b in zip(want, kept_outs)),
                 layers=[type(m).__name__ for m in (sharded.model.markov_head.markov_w1,
                                                    sharded.model.markov_head.markov_w2)])
-
-
-def _log_lines() -> list[str]:
-    """The commfold log lines of this rank from now on."""
-    import logging
-
-    lines: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            lines.append(record.getMessage())
-
-    logger = logging.getLogger("commfold")
-    logger.setLevel(logging.INFO)
-    logger.addHandler(Keep())
-    return lines
 
 
 def test_sharded_markov_head_is_replicated(vllm_ranks):

@@ -201,6 +201,8 @@ _LOG_LINES = """
     from vllm.plugins import load_general_plugins
     load_general_plugins()  # commfold's plugin: its hook lines
     logging.getLogger("commfold").info("commfold: a line at INFO")
+    logging.info("a library's root-logger line")  # adds a root handler (basicConfig)
+    logging.getLogger("commfold").info("commfold: a second line")
     print(json.dumps({{"handlers": len(logging.getLogger("commfold").handlers)}}))
 """
 
@@ -216,6 +218,7 @@ def test_plugin_lines_print_through_vllms_logging():
     assert json.loads(out.strip().splitlines()[-1]) == {"handlers": 1}
     printed = out + err
     assert "commfold: a line at INFO" in printed and "commfold: graph passes on" in printed
+    assert printed.count("commfold: a second line") == 1, printed[-2000:]
     out, err = own.communicate(timeout=300)
     assert own.returncode == 0, err[-3000:]
     assert json.loads(out.strip().splitlines()[-1]) == {"handlers": 0}

@@ -32,8 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from commfold.vllm import (draft, hook_points, plugin, step_log, target_pick,  # noqa: E402
-                           target_pick_v2)
+from commfold.vllm import (draft, dspark_pick, hook_points, plugin, step_log,  # noqa: E402
+                           target_pick, target_pick_v2)
 from commfold.vllm.hook_points import Pinned, describe, source_hash  # noqa: E402
 from commfold.vllm.decision import LEFT_TO_VLLM, STRICT_GREEDY  # noqa: E402
 from commfold.vllm.runtime import CLASSES_VERIFIED, TESTED, release  # noqa: E402
@@ -63,6 +63,7 @@ HOOKS = {"graph passes": PLUGIN_POINTS, "step log (V1)": step_log.HOOK_POINTS,
          **{f"{h} (V1)": p for h, p in draft.HOOK_POINTS.items()},
          **{f"{h} (V2)": p for h, p in draft.HOOK_POINTS_V2.items()},
          "draft pick's logits routes (V2)": draft.ROUTE_POINTS,
+         "DSpark block pick (V2)": dspark_pick.HOOK_POINTS,
          "target pick (V1)": target_pick.HOOK_POINTS,
          **{f"target pick (V2: {s.label()})": s.points for s in target_pick_v2.HOOK_SETS},
          "Ray workers' settings (read)": plugin.RAY_POINTS,

@@ -374,8 +374,10 @@ def _hook_dspark(chosen: Config | None) -> None:
     except ImportError as e:  # a vLLM without DSpark: nothing to hook
         log.info("commfold: no DSpark speculator in this vLLM (%s)", e)
         return
+    from .dspark_pick import hook as hook_block
     from .eager_heads import hook_markov_head
 
+    hook_block(chosen)  # the greedy block's pick from the base logits' shards
     original = DSparkSpeculator.__dict__.get("load_draft_model")
     if original is None or getattr(original, "_commfold", False) or chosen is None:
         return

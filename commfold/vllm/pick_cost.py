@@ -41,6 +41,16 @@ def slower(mode: str, rows: int, dtype: torch.dtype, device: str, comm_spec: str
                                           rows, vocab, world))
 
 
+def slower_block(reqs: int, positions: int, dtype: torch.dtype, device: str, comm_spec: str,
+                 vocab: int, world: int) -> str | None:
+    """Why a DSpark draft block's local pick (one exchange per position) would be
+    slower than vLLM's one gather of its base logits, or None (take it)."""
+    if not enabled():
+        return None
+    return cost.why_slower(cost.dspark_site(device, _comm(comm_spec, device), dtype, reqs,
+                                            positions, vocab, world))
+
+
 def gate(mode: str | None, why: str, rows: int, like: torch.Tensor, head
          ) -> tuple[str | None, str]:
     """The target pick's decision (mode, why) after the cost table: (None, the rule's

@@ -218,6 +218,9 @@ def log_through_vllm() -> bool:
     if log.handlers or logging.getLogger().handlers:
         return False
     log.addHandler(_ThroughVllm())
+    # a root handler added later (a library's logging.info() at import runs
+    # basicConfig) would print every line a second time, in logging's bare format
+    log.propagate = False
     if log.level == logging.NOTSET:
         log.setLevel(logging.INFO)  # vLLM's handler levels (VLLM_LOGGING_LEVEL) filter
     return True

@@ -4,13 +4,16 @@ docs/vllm.md and the tests read.
 
 Speculators whose drafting calls ``DraftModelSpeculator.sample_draft`` get commfold's
 pick there (commfold.vllm.draft: per call it still says when vLLM's runs, e.g.
-probabilistic drafting). The others draft their own way; each is listed with what it
+probabilistic drafting); DSpark's greedy block gets it in ``_sample_sequential``
+(commfold.vllm.dspark_pick). The others draft their own way; each is listed with what it
 does, so the hook can say so in one line naming the class, and a class of a later
 release (or a plugin's) that is not listed is named as unknown.
 """
 from __future__ import annotations
 
 SAMPLE_DRAFT = "sample_draft"  # commfold's pick in sample_draft (greedy drafting)
+# commfold's pick in DSpark's _sample_sequential (commfold.vllm.dspark_pick)
+DSPARK_BLOCK = "dspark_block"
 
 # class name -> SAMPLE_DRAFT, or why the draft tokens are not commfold's pick
 SPECULATORS = {
@@ -20,10 +23,7 @@ SPECULATORS = {
     "MultiModuleMTPSpeculator": SAMPLE_DRAFT,  # each step with its module's head
     "Gemma4Speculator": SAMPLE_DRAFT,  # soft-capped logits: vLLM's (top_tokens.soft_capped)
     "DFlashSpeculator": SAMPLE_DRAFT,
-    "DSparkSpeculator": (
-        "its base draft logits are gathered once per block (compute_draft_logits) and "
-        "a Markov bias is added per position before the argmax (commfold replicates "
-        "the bias layers where vLLM built them sharded: commfold.vllm.eager_heads)"),
+    "DSparkSpeculator": DSPARK_BLOCK,
     "XPressSpeculator": (
         "its Jacobi refinement reads the full base draft logits in its own kernels"),
     "DFlash2Speculator": (
@@ -57,6 +57,10 @@ def pick_note(cls, table: dict | None = None) -> tuple[bool, str]:
     how = (SPECULATORS if table is None else table).get(cls.__name__)
     if how == SAMPLE_DRAFT:
         return True, f"{cls.__name__}'s greedy draft tokens are commfold's pick"
+    if how == DSPARK_BLOCK:
+        return False, (f"{cls.__name__}'s greedy draft blocks are commfold's pick from "
+                       "each rank's shard of the base logits plus the replicated Markov "
+                       "bias (one exchange per position; each block vLLM's keeps says why)")
     if how is None:
         return False, (f"{cls.__name__} is not a speculator commfold knows: its draft "
                        "tokens are commfold's pick only where it calls sample_draft "
