@@ -30,7 +30,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from commfold.distributed.collectives import communicator
@@ -47,6 +46,8 @@ class Drawn(NamedTuple):
 def draw(sampler, head: LogitsHead, shard: torch.Tensor, input_batch) -> Drawn | None:
     """V2's sampled tokens for the step from this rank's `shard` [rows, head.shard],
     or None where a row holds NaN (every rank alike). Every rank calls it together."""
+    import numpy as np  # not at import: commfold imports without numpy
+
     from commfold.vllm import shard_gumbel
 
     comm = communicator(head.comm)
@@ -75,6 +76,8 @@ def draw(sampler, head: LogitsHead, shard: torch.Tensor, input_batch) -> Drawn |
 def _process(sampler, buf, n_local: int, start: int, input_batch, comm) -> bool:
     """V2's apply_sampling_params on this rank's columns buf[:, :n_local] (float32),
     in V2's order; False where min_p's row maxima hold NaN."""
+    import numpy as np  # not at import: commfold imports without numpy
+
     idx_np = input_batch.idx_mapping_np
     mapping = input_batch.expanded_idx_mapping
     work = buf[:, :n_local]
@@ -121,6 +124,8 @@ def _logit_bias(bias, work, start: int, input_batch) -> None:
     columns. A request whose allowed ids all lie elsewhere gets the spare column
     past the shard (V2's kernel then masks every shard column, as on the full row).
     V2's restore of all-masked rows (structured output only) is never asked here."""
+    import numpy as np
+
     from vllm.v1.worker.gpu.sample.logit_bias import apply_logit_bias
 
     n = work.shape[1]
@@ -143,6 +148,8 @@ def _bad_words(state, work, start: int, input_batch) -> None:
     [rows, words] - each word's last token replaced by its index, so a match writes
     -inf at the word's column - and the matched words' last tokens in the shard are
     set to -inf."""
+    import numpy as np
+
     from vllm.v1.worker.gpu.sample.bad_words import apply_bad_words
 
     idx_np = input_batch.idx_mapping_np
@@ -195,6 +202,8 @@ def shard_bits(mask: torch.Tensor, start: int, n: int, idx_np) -> torch.Tensor:
     """V2's packed prompt-token bit mask [max_reqs, vocab / 32] (int32, token t at bit
     t % 32 of word t // 32) for the columns [start, start + n): a view where start is
     word-aligned, else re-packed for the step's requests (idx_np)."""
+    import numpy as np
+
     q, s = divmod(start, 32)
     if s == 0:
         return mask[:, q:]

@@ -10,19 +10,33 @@ each 1024-column block's first maximum. ``block_maxima`` returns this rank's fir
 maximum per row; the ranks' pairs, first maximum over ranks, are V2's token
 (commfold.vllm.sampled_pick).
 
-Imports vLLM's Triton code at module level (a jit kernel binds the functions it
-calls when it is defined): import it only where V2 runs.
+vLLM and Triton are imported at the first call, not at import (commfold imports
+without them): the kernel is jitted then, with vLLM's ``tl`` and
+``gumbel_noised_argmax`` put in this module's globals, where Triton resolves a
+kernel's names.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-from vllm.triton_utils import tl, triton
-from vllm.v1.worker.gpu.sample.gumbel import gumbel_noised_argmax
 
+tl: Any = None  # vllm.triton_utils.tl, set by _kernel()
+gumbel_noised_argmax: Any = None  # V2's jit function, set by _kernel()
 BLOCK = 1024  # V2's gumbel_sample block (any width gives the same first maximum)
+_jitted: list = []  # the jitted kernel, once
 
 
-@triton.jit
+def _kernel():
+    if not _jitted:
+        from vllm.triton_utils import tl, triton
+        from vllm.v1.worker.gpu.sample.gumbel import gumbel_noised_argmax
+
+        globals().update(tl=tl, gumbel_noised_argmax=gumbel_noised_argmax)
+        _jitted.append(triton.jit(_shard_gumbel_kernel))
+    return _jitted[0]
+
+
 def _shard_gumbel_kernel(idx_ptr, idx_stride, max_ptr, max_stride, logits_ptr,
                          logits_stride, mapping_ptr, seeds_ptr, pos_ptr, temp_ptr,
                          n_valid, start, BLOCK_SIZE: tl.constexpr, USE_FP64: tl.constexpr):
@@ -54,12 +68,13 @@ def block_maxima(logits: torch.Tensor, start: int, expanded_idx_mapping: torch.T
     row; temperature already applied, as V2's Sampler applies it before drawing).
     temperature / seeds: V2's per-request arrays; pos: each row's position."""
     rows, n_valid = logits.shape
-    blocks = max(1, triton.cdiv(n_valid, BLOCK))
+    kernel = _kernel()
+    blocks = max(1, -(-n_valid // BLOCK))
     dtype = torch.float64 if use_fp64 else torch.float32
     local_max = logits.new_empty(rows, blocks, dtype=dtype)
     local_idx = logits.new_empty(rows, blocks, dtype=torch.int64)
     if rows:
-        _shard_gumbel_kernel[(rows, blocks)](
+        kernel[(rows, blocks)](
             local_idx, local_idx.stride(0), local_max, local_max.stride(0), logits,
             logits.stride(0), expanded_idx_mapping.contiguous(), seeds, pos.contiguous(),
             temperature, n_valid, start, BLOCK_SIZE=BLOCK, USE_FP64=use_fp64)
