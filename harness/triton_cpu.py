@@ -56,6 +56,7 @@ def install() -> None:
     backends.backends.setdefault("cpu", backends.Backend(compiler=BaseBackend,
                                                          driver=InterpreterOnly))
     _argmax_of_all_nan()
+    _range_of_tensors()
 
 
 def _argmax_of_all_nan() -> None:
@@ -81,6 +82,35 @@ def _argmax_of_all_nan() -> None:
 
     min_max._all_nan_safe = True
     interpreter.ReduceOps.min_max = min_max
+
+
+def _range_of_tensors() -> None:
+    """Triton's interpreter runs ``tl.range`` as Python's range, so its induction
+    variable is an int; compiled, it is an int32 scalar tensor, and kernels call
+    tensor methods on it (vLLM's top-k / top-p kernel, ``_topk_topp_kernel``:
+    ``row_id.to(tl.int64)`` raised "'int' object has no attribute 'to'"). Here
+    ``tl.range`` yields int32 scalar tensors, as compiled code has them;
+    ``tl.static_range`` keeps ints (compile-time indices)."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_core
+    if getattr(original, "_tensor_range", False):
+        return
+
+    def patch_lang_core(lang, scope):
+        original(lang, scope)
+        ints = lang.range
+
+        def tensor_range(*args, **kwargs):
+            for i in ints(*args, **kwargs):
+                yield tl.core.tensor(interpreter.TensorHandle(
+                    np.array([i], dtype=np.int32), tl.int32), tl.int32)
+        scope.set_attr(lang, "range", tensor_range)
+
+    patch_lang_core._tensor_range = True
+    interpreter._patch_lang_core = patch_lang_core
 
 
 def v2_engine_env() -> dict[str, str]:

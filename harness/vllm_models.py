@@ -96,14 +96,14 @@ PROMPTS = ["the quick brown fox", "tensor parallel inference", "hello world, com
 
 def engine_greedy_tokens(model: str, dtype: str, commfold_route: str | None,
                          torch_wrap: bool = False, max_tokens: int = 12,
-                         sampling_batches: bool = False, executor: str = "mp"):
+                         sampling_batches: bool | str = False, executor: str = "mp"):
     """Greedy tokens of PROMPTS from vLLM's engine at TP=2 (the model's seeded
     weights, or dummy ones: the same values in every run). commfold_route: None (off),
     "named" (the pass named in compilation_config) or "plugin" (COMMFOLD_VLLM=1 set by
-    the caller). sampling_batches: also run SAMPLING_BATCHES and return {"greedy":
-    tokens, name: their outputs} (see sampling_outputs). executor: vLLM's
-    distributed_executor_backend, "mp" or "ray" (in a process whose Ray cluster and
-    stand-in harness.ray_cpu set up: engine_runs does)."""
+    the caller). sampling_batches: also run SAMPLING_BATCHES ("sampled": and
+    SAMPLED_BATCHES) and return {"greedy": tokens, name: their outputs} (see
+    sampling_outputs). executor: vLLM's distributed_executor_backend, "mp" or "ray" (in
+    a process whose Ray cluster and stand-in harness.ray_cpu set up: engine_runs does)."""
     from vllm import LLM, SamplingParams
 
     compilation = {}
@@ -117,8 +117,8 @@ def engine_greedy_tokens(model: str, dtype: str, commfold_route: str | None,
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                                 ignore_eos=True))
     tokens = [list(o.outputs[0].token_ids) for o in outs]
-    out = tokens if not sampling_batches else dict(greedy=tokens,
-                                                   **sampling_outputs(llm, max_tokens))
+    out = tokens if not sampling_batches else dict(
+        greedy=tokens, **sampling_outputs(llm, max_tokens, sampling_batches == "sampled"))
     del llm
     return out
 
@@ -133,6 +133,19 @@ SAMPLING_BATCHES = {
     "logprobs": [(0, dict(temperature=0.0, logprobs=5)),
                  (1, dict(temperature=0.0, logprobs=5, prompt_logprobs=3)),
                  (2, dict(temperature=0.0))],
+}
+
+
+# Model Runner V2's sampled steps (sampling_batches="sampled"): seeded sampling with
+# min_p and penalties (commfold draws them from the shards) and top_p (vLLM's). No
+# JSON-schema request: V2's grammar-bitmask kernel (_apply_grammar_bitmask_kernel)
+# fails in Triton's interpreter ("mask has unsupported dtype"), without commfold too
+SAMPLED_BATCHES = {
+    "sampled": [(0, dict(temperature=0.8, seed=11, min_p=0.05)),
+                (1, dict(temperature=0.8, seed=12, repetition_penalty=1.3)),
+                (2, dict(temperature=0.8, seed=13, presence_penalty=0.5, logprobs=3))],
+    "top_p": [(0, dict(temperature=0.8, seed=14, top_p=0.95)),
+              (1, dict(temperature=0.8, seed=15))],
 }
 
 
@@ -176,10 +189,11 @@ def _entries(position: list, scored_rank: bool) -> list:
     return [(t, r if scored_rank or i else None) for i, (t, _, r) in enumerate(position)]
 
 
-def sampling_outputs(llm, max_tokens: int) -> dict:
-    """Tokens, logprobs and prompt logprobs of each SAMPLING_BATCHES batch; with the
-    plugin on, also the logprobs batch with the target pick paused ("logprobs_vllm":
-    vLLM's sampler on this engine's logits, the forward commfold compiled)."""
+def sampling_outputs(llm, max_tokens: int, sampled: bool = False) -> dict:
+    """Tokens, logprobs and prompt logprobs of each SAMPLING_BATCHES batch (and
+    SAMPLED_BATCHES' with `sampled`); with the plugin on, also the logprobs batch with
+    the target pick paused ("logprobs_vllm": vLLM's sampler on this engine's logits,
+    the forward commfold compiled)."""
     from vllm import SamplingParams
 
     from harness.vllm_engine import pause_target_pick
@@ -191,7 +205,8 @@ def sampling_outputs(llm, max_tokens: int) -> dict:
                      logprobs=_logprobs(r.outputs[0].logprobs),
                      prompt_logprobs=_logprobs(r.prompt_logprobs)) for r in results]
 
-    out = {name: generate(batch) for name, batch in SAMPLING_BATCHES.items()}
+    batches = {**SAMPLING_BATCHES, **(SAMPLED_BATCHES if sampled else {})}
+    out = {name: generate(batch) for name, batch in batches.items()}
     if os.environ.get("COMMFOLD_VLLM") == "1":
         llm.collective_rpc(pause_target_pick, args=(True,))
         out["logprobs_vllm"] = generate(SAMPLING_BATCHES["logprobs"])

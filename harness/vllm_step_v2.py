@@ -24,17 +24,24 @@ MAX_REQS = 16
 START = 40  # the position of each request's first scheduled token (past its prefill)
 
 
-def sampler_for(vocab: int, params: list, steps: int, logprobs_mode: str = "raw_logprobs"):
+def sampler_for(vocab: int, params: list, steps: int, logprobs_mode: str = "raw_logprobs",
+                histories: list | None = None):
     """V2's Sampler (+ RejectionSampler when steps > 0) with `params` (SamplingParams)
-    added as requests 0..n-1, as the runner adds them."""
+    added as requests 0..n-1, as the runner adds them. histories: per request
+    (prompt_len, START token ids) - the prompt then its output so far (penalties
+    read both); by default a prompt of tokens 0..START-1."""
     from vllm.v1.worker.gpu.sample.sampler import Sampler
     from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
     from vllm.v1.worker.gpu.states import RequestState
 
     cpu = torch.device("cpu")
     states = RequestState(MAX_REQS, 256, 256, max(steps, 1), vocab, cpu)
+    # request i in slot i, where the batch's idx_mapping (arange) and the Sampler's
+    # add_request(i, ...) put it (RequestState pops its free slots from the end)
+    states.free_indices = list(range(MAX_REQS))[::-1]
     for i in range(len(params)):
-        states.add_request(f"r{i}", START, list(range(START)), 0, 16)
+        prompt_len, ids = histories[i] if histories else (START, list(range(START)))
+        states.add_request(f"r{i}", prompt_len, ids, 0, 16)
     states.apply_staged_writes()
     sampler = Sampler(default_config(), MAX_REQS, vocab, cpu, states,
                       logprobs_mode=logprobs_mode, num_speculative_tokens=steps + 1)
@@ -87,11 +94,11 @@ def input_batch(drafts: list[list[int]], placeholder: int | None = None):
 
 
 def runner(model, vocab: int, params: list, steps: int, logprobs_mode: str = "raw_logprobs",
-           model_state: bool = False):
+           model_state: bool = False, histories: list | None = None):
     """What V2's GPUModelRunner.sample (and commfold's hook) read of the runner;
     model_state: with V2's DefaultModelState for the model (vLLM 0.34's sample reads
     its compute_sample_logits)."""
-    sampler, rejection, spec = sampler_for(vocab, params, steps, logprobs_mode)
+    sampler, rejection, spec = sampler_for(vocab, params, steps, logprobs_mode, histories)
     spec = spec if steps else None
     return SimpleNamespace(
         model=model, sampler=sampler, rejection_sampler=rejection, batch_sharder=None,
@@ -264,10 +271,14 @@ def step_cases(world: int, cases: list[dict]) -> list[dict]:
                    nan_column=case.get("nan_column"), tied=case.get("tied", False),
                    soft_cap=case.get("soft_cap"), neg_inf_rows=case.get("neg_inf_rows", ()))
         drafts = case.get("drafts") or [[] for _ in range(case["rows"])]
-        params = [SamplingParams(**case.get("params", {}) or dict(temperature=0.0))
+        params = [SamplingParams(**p) for p in case["row_params"]] if "row_params" in case \
+            else [SamplingParams(**case.get("params", {}) or dict(temperature=0.0))
                   for _ in drafts]
+        histories = _histories(case, len(drafts))
         steps = max(len(d) for d in drafts)
         batch = input_batch(drafts, case.get("placeholder"))
+        if case.get("positions"):  # per request, added to its rows' positions
+            batch.positions += torch.tensor(case["positions"])[batch.expanded_idx_mapping]
         h = vllm_step.hidden(batch.num_tokens, dtype, case["seed"] + 1, case["ties"],
                              case.get("special"))
         if case.get("accept"):  # drafts from the target's argmax (some accepted)
@@ -278,8 +289,11 @@ def step_cases(world: int, cases: list[dict]) -> list[dict]:
                 for i in range(len(d)):
                     ids[lo + 1 + i] = int(full[lo + i]) if (r + i) % 3 != 2 else 0
         mode = case.get("logprobs_mode", "raw_logprobs")
-        theirs_runner = runner(model, case["vocab"], params, steps, mode, states)
-        ours_runner = runner(model, case["vocab"], params, steps, mode, states)
+        # V2 draws an unseeded request's seed from numpy: the same for both runners
+        np.random.seed(case["seed"])
+        theirs_runner = runner(model, case["vocab"], params, steps, mode, states, histories)
+        np.random.seed(case["seed"])
+        ours_runner = runner(model, case["vocab"], params, steps, mode, states, histories)
         with record_collectives() as vllm_log:
             theirs = original(theirs_runner, h, batch, None)[0]
         notes: list[str] = []
@@ -305,12 +319,35 @@ def step_cases(world: int, cases: list[dict]) -> list[dict]:
     return out
 
 
+def _histories(case: dict, reqs: int) -> list | None:
+    """case["history"] = n: each request's START tokens drawn over the whole vocab (from
+    the case's seed), the last n of them its output so far; None: the default."""
+    n = case.get("history")
+    if n is None:
+        return None
+    g = torch.Generator().manual_seed(case["seed"] + 3)
+    return [(START - n, torch.randint(0, case["vocab"], (START,), generator=g).tolist())
+            for _ in range(reqs)]
+
+
 def _logprobs(out):
     """(token ids, ranks) of a SamplerOutput's logprobs, None without."""
     t = out.logprobs_tensors
     if t is None:
         return None
     return t.logprob_token_ids.tolist(), t.selected_token_ranks.tolist(), str(t.logprobs.dtype)
+
+
+def same_step(r: dict) -> str:
+    """Assert what every step_cases result must hold - the same sampled tokens, counts
+    and token dtype as V2's, and V2's one logits gather in its own run; returns the
+    result's label for further asserts."""
+    where = f"rank {r['rank']} {r['case']}"
+    assert r["ours"] == r["theirs"], where
+    assert r["counts"] == r["vllm_counts"], where
+    assert r["dtype"][0] == r["dtype"][1], where
+    assert r["vllm_gathers"] == 1, where
+    return where
 
 
 def logprobs_agree(r: dict) -> bool:

@@ -28,6 +28,7 @@ _KINDS = {"2": (2, {"timeout": 600}), "4": (4, {"timeout": 600}),
           "vllm_v2": (2, {"timeout": 300, "threads": 1, "spawn": True,
                           "env": {"TRITON_INTERPRET": "1",
                                   "COMMFOLD_PICK_COST_RULE": "0"}})}
+_KINDS["vllm_v2_4"] = (4, _KINDS["vllm_v2"][1])  # the same, 4 ranks
 
 
 def _pool(kind: str) -> RankPool:
@@ -79,6 +80,12 @@ def vllm_v2_ranks() -> Ranks:
     """2 spawned ranks where vLLM sees Triton (harness.triton_cpu): Model Runner V2's
     samplers run their Triton kernels in Triton's interpreter."""
     return Ranks("vllm_v2")
+
+
+@pytest.fixture
+def vllm_v2_ranks4() -> Ranks:
+    """vllm_v2_ranks with 4 ranks (vocab shards that start inside a 32-token word)."""
+    return Ranks("vllm_v2_4")
 
 
 # Rank pools fork their ranks from commfold's preloaded server only while this

@@ -166,8 +166,13 @@ def test_each_method_on_model_runner_v2(release, method):
 
 
 @pytest.mark.parametrize("change,why", [
-    (dict(temperatures=(0.0, 0.7)), "sampling (temperature > 0)"),
     (dict(needs_processing=True), "logits processing"),
+    (dict(needs_processing=True, processing=("penalties", "thinking_budget")),
+     "logits processing: a thinking budget"),
+    (dict(temperatures=(0.0, 0.7), processing=("bad_words", "thinking_budget")),
+     "logits processing: a thinking"),
+    (dict(temperatures=(0.0, 0.7), processing=("custom",)), "logits processing: a custom"),
+    (dict(temperatures=(0.7,), logprobs=True, logprob_token_ids=True), "logprob_token_ids"),
     (dict(top_k_or_p=True), "top-k / top-p"),
     (dict(logprobs=True, logprob_token_ids=True), "logprob_token_ids"),
     (dict(logprobs=True, num_logprobs=21, vocab=151936), "logprobs=21 (local up to 20)"),
@@ -187,6 +192,33 @@ def test_v2_steps_that_stay_vllms(change, why):
     assert mode is None and reason.startswith(why), reason
     assert decide_v2(GREEDY_V2, spec=False, structured=False) == ("greedy", "all greedy")
     assert decide_v2(GREEDY_V2, spec=False, structured=True) == (None, "structured output")
+
+
+@pytest.mark.parametrize("change,want", [
+    (dict(temperatures=(0.0, 0.7)), ("sample", "sampled: no processing")),
+    (dict(temperatures=(0.8,), needs_processing=True,
+          processing=("penalties", "temperature", "min_p")),
+     ("sample", "sampled: penalties, temperature, min_p")),
+    (dict(needs_processing=True, processing=("penalties",)),  # greedy, penalized
+     ("sample", "sampled: penalties")),
+    (dict(temperatures=(1.0,), logprobs=True, num_logprobs=5, vocab=1280,
+          logprobs_mode="processed_logprobs"),
+     ("sample_logprobs", "sampled: no processing, logprobs=5")),
+    (dict(temperatures=(1.0,), logprobs=True, num_logprobs=5, vocab=300),
+     (None, "logprobs=5 with vocab 300 < 64 k")),
+])
+def test_v2_sampled_steps(change, want):
+    """A step with a sampled request or processed logits is drawn whole from the
+    shards when all its processing is local; never under spec decoding (V2's
+    probabilistic verification stays vLLM's); top-k / top-p stay vLLM's."""
+    import dataclasses
+
+    step = dataclasses.replace(GREEDY_V2, **change)
+    assert decide_v2(step, spec=False, structured=False) == want
+    assert decide_v2(step, spec=True, structured=False, verify="standard") == (
+        None, "sampling (temperature > 0)")
+    topk = dataclasses.replace(step, top_k_or_p=True)
+    assert decide_v2(topk, spec=False, structured=False)[1].startswith("top-k / top-p")
 
 
 @pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs", "raw_logits",

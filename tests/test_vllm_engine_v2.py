@@ -44,7 +44,7 @@ def v2_pair(tmp_path_factory):
     runs = [{"env": {"COMMFOLD_COMM_LOG_DIR": str(tmp / f"log-{name}"),
                      "COMMFOLD_VLLM": "1" if name == "on" else ""},
              "kwargs": dict(model=str(model), dtype="bfloat16", commfold_route=None,
-                            sampling_batches=True)} for name in ("off", "on")]
+                            sampling_batches="sampled")} for name in ("off", "on")]
     proc = subprocess.run([sys.executable, RUNNER, json.dumps(runs)], env=env,
                           capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
@@ -59,6 +59,11 @@ def test_v2_engine_tokens_identical(v2_pair):
     assert on["greedy"] == off["greedy"] and all(len(t) == 12 for t in on["greedy"])
     assert [r["tokens"] for r in on["mixed"]] == [r["tokens"] for r in off["mixed"]]
     assert [r["tokens"] for r in on["logprobs"]] == [r["tokens"] for r in off["logprobs"]]
+    for batch in ("sampled", "top_p"):  # seeded: V2's draws, bit for bit
+        assert [r["tokens"] for r in on[batch]] == [r["tokens"] for r in off[batch]], batch
+    # the sampled batch's logprobs (of the drawn token, top 3): ids and ranks V2's,
+    # values to the forward's rounding
+    assert logprob_mismatches(on["sampled"], off["sampled"], 1e-2, False) == []
     # against V2's own scores of the same logits (the pick paused): ids and ranks, values
     # within float32 rounding; against the engine without commfold: values to the
     # forward's rounding (the fused norm's tolerance, a bf16 logit's ulp). The scored
@@ -79,8 +84,9 @@ def test_v2_step_log_and_target_pick(v2_pair):
         if run == "off":
             assert set(picks) == {None}, picks
         else:
-            assert {"greedy", "logprobs", "vLLM (sampling (temperature > 0))",
+            assert {"greedy", "logprobs", "sample", "sample_logprobs",
                     "vLLM (paused)"} <= set(picks), picks
+            assert any(p and p.startswith("vLLM (top-k / top-p") for p in picks), picks
             assert any(s.info.get("prompt_logprobs") == "logprobs" for s in r0), run
         for s in r0:
             if not s.info["tokens"]:
@@ -90,6 +96,10 @@ def test_v2_step_log_and_target_pick(v2_pair):
             if pick == "greedy":  # one pair exchange, no vocab-wide gather in the step
                 assert s.vocab_gathers(VOCAB_SHARD) == [], (run, s)
                 assert sampling.calls() == sampling.calls("all_gather") == 1, (run, s)
+            elif pick in ("sample", "sample_logprobs"):  # the pair exchange, the row
+                # maxima where a request has min_p, two for the scores of logprobs
+                assert s.vocab_gathers(VOCAB_SHARD) == [], (run, s)
+                assert 1 <= sampling.calls() == sampling.calls("all_gather") <= 4, (run, s)
             elif pick == "logprobs":  # two small all-gathers (rows done whole: none here)
                 assert s.vocab_gathers(VOCAB_SHARD) == [], (run, s)
                 assert sampling.calls() == sampling.calls("all_gather") == 2, (run, s)
@@ -101,3 +111,19 @@ def test_v2_step_log_and_target_pick(v2_pair):
                 assert gather.shapes == ((s.info["requests"], VOCAB_SHARD),), (run, s)
             else:  # the engine's warm-up: V2's dummy sampler run, no hook involved
                 assert s.step == 0 and s.in_phase("logits").vocab_gathers(VOCAB_SHARD), s
+
+
+def test_v2_sampled_step_bytes(v2_pair):
+    """Collective bytes per sampled step from the step log: commfold's draw from the
+    shards against vLLM's logits gather for the same batches (run without commfold)."""
+    def per_step(run, picks):
+        steps = [s for s in v2_pair["steps"][run][0] if s.info["tokens"]
+                 and (run == "off" or s.info.get("target_pick") in picks)]
+        return [(s.info["requests"], s.in_phase("sampling").bytes()) for s in steps]
+
+    ours = per_step("on", ("sample", "sample_logprobs"))
+    theirs = [b for b in per_step("off", ()) if b[1]]
+    print("sampled-local (requests, bytes):", sorted(set(ours)))
+    print("vLLM gather (requests, bytes):", sorted(set(theirs)))
+    assert ours and theirs
+    assert max(b for _, b in ours) < min(b for _, b in theirs)

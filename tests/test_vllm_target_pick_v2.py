@@ -37,15 +37,11 @@ V = 1500  # padded to 1536: rank 1 holds 732 real columns + 36 padding
 
 
 def _check(results):
-    from harness.vllm_step_v2 import logprobs_agree
+    from harness.vllm_step_v2 import logprobs_agree, same_step
 
     for res in results:
         for r in res:
-            case, where = r["case"], f"rank {r['rank']} {r['case']}"
-            assert r["ours"] == r["theirs"], where
-            assert r["counts"] == r["vllm_counts"], where
-            assert r["dtype"][0] == r["dtype"][1], where
-            assert r["vllm_gathers"] == 1, where
+            case, where = r["case"], same_step(r)
             mode = case["mode"]
             assert logprobs_agree(r), (where, r["logprobs"], r["vllm_logprobs"], r["ranks"])
             if r["logprobs"] is not None:  # logits exact; logprobs: V2's own sum order
@@ -78,8 +74,9 @@ CASES = [
          accept=True, mode="verify"),
     dict(vocab=V, dtype="float32", seed=7, ties=True, drafts=[[1, 2], [3, 4], []],
          accept=True, placeholder=1, mode="verify"),
-    dict(vocab=V, dtype="float32", seed=8, ties=True, rows=3, mode="temperature",
-         params=dict(temperature=0.7, seed=1)),
+    dict(vocab=V, dtype="float32", seed=8, ties=True, rows=3, mode="logprob_token_ids",
+         params=dict(temperature=0.7, seed=1, logprobs=1, logprob_token_ids=[3])),
+    # (sampled steps: tests/test_vllm_sampled_pick.py)
     # greedy with top logprobs: ties, bf16, V2's four modes, k = 0, a +inf row (whole)
     dict(vocab=V, dtype="float32", seed=9, ties=True, rows=3, mode="logprobs",
          params=dict(temperature=0.0, logprobs=2)),
@@ -93,8 +90,6 @@ CASES = [
          params=dict(temperature=0.0, logprobs=3), special="inf1", whole=True),
     dict(vocab=V, dtype="float32", seed=17, ties=True, rows=2, mode="logprob_token_ids",
          params=dict(temperature=0.0, logprobs=2, logprob_token_ids=[3, 4])),
-    dict(vocab=V, dtype="float32", seed=10, ties=True, rows=3, mode="penalties",
-         params=dict(temperature=0.0, repetition_penalty=1.3)),
     dict(vocab=V, dtype="bfloat16", seed=12, ties=False, rows=4, mode="greedy", tied=True,
          soft_cap=30.0),  # a tied, soft-capped head (Gemma's)
     # vLLM's SamplingParams drops top-k / top-p of a greedy request: picked locally

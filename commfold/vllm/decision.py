@@ -175,6 +175,18 @@ class V2Step:
     logprob_token_ids: bool = False  # a request names its own logprob token ids
     logprobs_mode: str = "raw_logprobs"  # the Sampler's
     vocab: int = 0  # the model's vocab
+    # the logits processing the step's requests ask for (``processing_of``): kinds
+    # in SAMPLED_LOCAL run on the shard, every other keeps the step vLLM's
+    processing: tuple[str, ...] = ()
+
+
+# V2's processing of a sampled step that commfold.vllm.sampled_pick does on a shard
+SAMPLED_LOCAL = ("temperature", "min_p", "penalties", "logit_bias", "bad_words")
+# the rest, and why each stays vLLM's
+SAMPLED_LEFT = {
+    "thinking_budget": "a thinking budget",
+    "custom": "a custom logits processor (it may read the whole row)",
+}
 
 
 def decide_v2(step: V2Step, *, spec: bool, structured: bool,
@@ -182,7 +194,11 @@ def decide_v2(step: V2Step, *, spec: bool, structured: bool,
     """(mode, reason) for a Model Runner V2 step: "greedy" / "verify", or None with
     why not. The same rules as ``decide`` (V1): strict greedy only, nothing needing
     the whole row; "logprobs" for greedy steps that want top logprobs (V2's
-    compute_topk_scores: commfold.ops.local_logprobs.local_topk_scores)."""
+    compute_topk_scores: commfold.ops.local_logprobs.local_topk_scores). A step with
+    a sampled request or processed logits (greedy ones too: V2 draws every row of a
+    step with one Gumbel kernel) is "sample" / "sample_logprobs" - the whole step,
+    commfold.vllm.sampled_pick - when all its processing is in SAMPLED_LOCAL and it is
+    no spec-decode step."""
     refusal = step_refusal(structured, step.nan_check, spec, verify)
     if refusal is not None:
         return None, refusal
@@ -190,23 +206,43 @@ def decide_v2(step: V2Step, *, spec: bool, structured: bool,
         return None, f"sampler {step.sampler} (commfold knows V2's Sampler)"
     if not step.temperatures:
         return None, "no requests"
-    if any(t != 0.0 for t in step.temperatures):
-        return None, "sampling (temperature > 0)"
-    if step.needs_processing:
-        return None, ("logits processing (penalties, logit bias, min tokens, bad words, "
-                      "a thinking budget or a custom processor)")
     if step.top_k_or_p:
-        return None, "top-k / top-p on a greedy request (V2 masks before its argmax)"
+        return None, "top-k / top-p (V2's apply_top_k_top_p reads the whole row)"
     if step.trace_replay:
         return None, "trace replay"
     if step.sampling_mask:
         return None, "return_sampling_mask"
+    if step.needs_processing and not step.processing:
+        return None, ("logits processing (penalties, logit bias, min tokens, bad words, "
+                      "a thinking budget or a custom processor)")
+    sampled = step.needs_processing or any(t != 0.0 for t in step.temperatures)
+    if sampled and spec:
+        return None, "sampling (temperature > 0)"
+    if sampled:
+        left = [SAMPLED_LEFT.get(p, p) for p in step.processing if p not in SAMPLED_LOCAL]
+        if left:
+            return None, "logits processing: " + ", ".join(left)
+        return sampled_logprobs(step)
     if step.logprobs:
         if step.logprob_token_ids:
             return None, "logprob_token_ids"
         return logprobs_mode_ok(step.num_logprobs, step.logprobs_mode, step.vocab, spec,
                                 V2_LOGPROB_MODES)
     return ("verify" if spec else "greedy"), "all greedy"
+
+
+def sampled_logprobs(step: V2Step) -> tuple[str | None, str]:
+    """(mode, reason) for a sampled step commfold can draw: with or without logprobs
+    (of the sampled token, top k scored as in greedy steps)."""
+    what = "sampled: " + ", ".join(step.processing or ("no processing",))
+    if not step.logprobs:
+        return "sample", what
+    if step.logprob_token_ids:
+        return None, "logprob_token_ids"
+    mode, why = logprobs_mode_ok(step.num_logprobs, step.logprobs_mode, step.vocab, False,
+                                 V2_LOGPROB_MODES)
+    return ("sample_logprobs", f"{what}, logprobs={step.num_logprobs}") if mode else \
+        (None, why)
 
 
 def decide_v2_prompt(k: int, logprobs_mode: str, vocab: int) -> tuple[str | None, str]:

@@ -31,11 +31,12 @@ def _comm(spec: str, device: str) -> str:
 
 def slower(mode: str, rows: int, dtype: torch.dtype, device: str, comm_spec: str,
            vocab: int, world: int) -> str | None:
-    """Why this step's local pick in `mode` ("greedy", "verify", "draft", "logprobs")
-    would be slower than vLLM's gather, or None (take it)."""
+    """Why this step's local pick in `mode` ("greedy", "verify", "draft", "logprobs",
+    "sample", "sample_logprobs") would be slower than vLLM's gather, or None (take
+    it)."""
     if not enabled():
         return None
-    rule = cost.LOCAL_LOGPROBS if mode == "logprobs" else cost.LOCAL_PICK
+    rule = cost.LOCAL_LOGPROBS if mode in ("logprobs", "sample_logprobs") else cost.LOCAL_PICK
     return cost.why_slower(cost.pick_site(rule, device, _comm(comm_spec, device), dtype,
                                           rows, vocab, world))
 

@@ -11,7 +11,10 @@ RejectionSampler for a step commfold.vllm.decision.decide_v2 qualifies.
   argmax), drafts read by V2's own ``gather_draft_sampled``;
 - ``logprobs``: greedy with V2's ``compute_topk_scores`` from two small all-gathers
   (commfold.ops.local_logprobs.local_topk_scores); rows it cannot do exactly are
-  gathered and scored by V2's own function.
+  gathered and scored by V2's own function;
+- ``sample`` / ``sample_logprobs``: a step with sampled requests or processed logits,
+  drawn as V2's Gumbel kernel draws it (commfold.vllm.sampled_pick), logprobs of the
+  drawn token scored as above from the raw or the processed shard.
 
 NaN: a step whose gathered maxima hold NaN (the same on every rank) is gathered and
 given to V2's own samplers, so its token is V2's whatever rule V2's kernels apply to
@@ -23,11 +26,12 @@ import weakref
 
 import torch
 
-from commfold.vllm import step_log
+from commfold.vllm import sampled_pick, step_log
 from commfold.vllm.decision import V2Step, decide_v2, verify_method
 from commfold.vllm.logits_head import LogitsHead
 
 _REJECT = "vllm.v1.worker.gpu.spec_decode.rejection_sampler"
+SAMPLED = ("sample", "sample_logprobs")  # commfold.vllm.sampled_pick's modes
 # what the pick's exactness rests on inside V2's kernels and helpers, whichever hook
 # set hands it the step (hook_points: (module:Attr.path, text))
 PICK_POINTS = (
@@ -80,7 +84,48 @@ def step_of(sampler, input_batch, vocab: int = 0) -> V2Step:
         vocab=vocab, sampler=type(sampler).__name__,
         trace_replay=getattr(sampler, "trace_replay_state", None) is not None,
         sampling_mask=bool(getattr(sampler, "return_sampling_mask", False)),
-        nan_check=bool(getattr(sampler, "compute_nans", False)))
+        nan_check=bool(getattr(sampler, "compute_nans", False)),
+        processing=processing_of(sampler, idx))
+
+
+_PROCESSORS = {"PenaltiesState": "penalties", "LogitBiasState": "logit_bias",
+               "BadWordsState": "bad_words"}
+
+
+def processing_of(sampler, idx) -> tuple[str, ...]:
+    """The kinds of logits processing V2's Sampler would run for the requests `idx`
+    (its per-request arrays; commfold.vllm.decision.SAMPLED_LOCAL names those done on
+    a shard). A custom processor counts whenever a request needs processing (V2 runs
+    every processor then)."""
+    if not sampler.needs_logits_processing[idx].any():
+        return ()
+    states = sampler.sampling_states
+    temps = states.temperature.np[idx]
+    kinds = []
+    for p in sampler.logits_processors:
+        kind = _PROCESSORS.get(type(p).__name__, "custom")
+        if kind not in kinds and _active(kind, p, idx):
+            kinds.append(kind)
+    budget = getattr(sampler, "thinking_budget_state", None)
+    if budget is not None and getattr(budget, "enabled", True) and \
+            budget.use_thinking_budget[idx].any():
+        kinds.append("thinking_budget")
+    if ((temps != 0.0) & (temps != 1.0)).any():
+        kinds.append("temperature")
+    if (states.min_p.np[idx] != 0.0).any():
+        kinds.append("min_p")
+    return tuple(kinds)
+
+
+def _active(kind: str, processor, idx) -> bool:
+    """Whether V2's built-in processor acts on a request of `idx` (a custom one: yes)."""
+    if kind == "penalties":
+        return bool(processor.use_penalty[idx].any())
+    if kind == "logit_bias":
+        return bool(processor.use_logit_bias[idx].any())
+    if kind == "bad_words":
+        return bool((processor.num_bad_words.np[idx] > 0).any())
+    return True
 
 
 def decide_step(sampler, rejection_sampler, spec_config, input_batch, structured: bool,
@@ -108,16 +153,27 @@ def pick(sampler, rejection_sampler, head: LogitsHead, shard, input_batch, mode:
 
     scores = None
     logits_mode = sampler.logprobs_mode in ("raw_logits", "processed_logits")
-    if mode == "logprobs":
-        idx = input_batch.idx_mapping_np
-        k = sampler.get_logprobs_dims(idx[idx >= 0])[0]
-        scores = logprobs_scores(head, shard, k, logits_mode)
-        values, tokens = scores.maxima, scores.tokens
+    idx = input_batch.idx_mapping_np
+    scored = shard  # the logits logprobs are scored from
+    if mode in SAMPLED:
+        drawn = sampled_pick.draw(sampler, head, shard, input_batch)
+        if drawn is None:  # a NaN in the gathered values: the same on every rank
+            return _nan_step(head, shard, vllm_samplers)
+        tokens = drawn.tokens
+        if mode == "sample_logprobs":
+            if sampler.logprobs_mode.startswith("processed"):
+                scored = drawn.processed.contiguous()
+            k = sampler.get_logprobs_dims(idx[idx >= 0])[0]
+            scores = logprobs_scores(head, scored, k, logits_mode, tokens)
     else:
-        values, tokens = local_argmax(shard, head.vocab, head.comm)
-    if values.isnan().any():  # gathered maxima: the same on every rank
-        step_log.note("target_pick", "vLLM (NaN logits: V2's own pick)")
-        return vllm_samplers(head.gather(shard))
+        if mode == "logprobs":
+            k = sampler.get_logprobs_dims(idx[idx >= 0])[0]
+            scores = logprobs_scores(head, shard, k, logits_mode)
+            values, tokens = scores.maxima, scores.tokens
+        else:
+            values, tokens = local_argmax(shard, head.vocab, head.comm)
+        if values.isnan().any():  # gathered maxima: the same on every rank
+            return _nan_step(head, shard, vllm_samplers)
     prefill_len = sampler.req_states.prefill_len.gpu
     if mode == "verify":
         sampled, num_sampled = verify(rejection_sampler, input_batch, tokens, prefill_len)
@@ -131,9 +187,14 @@ def pick(sampler, rejection_sampler, head: LogitsHead, shard, input_batch, mode:
     if scores is not None:
         from vllm.v1.outputs import LogprobsTensors
 
-        logprobs = LogprobsTensors(*tensors(head, shard, scores, logits_mode))
+        logprobs = LogprobsTensors(*tensors(head, scored, scores, logits_mode))
     return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs,
                          num_nans=None, num_sampled=num_sampled, num_rejected=num_rejected)
+
+
+def _nan_step(head: LogitsHead, shard, vllm_samplers):
+    step_log.note("target_pick", "vLLM (NaN logits: V2's own pick)")
+    return vllm_samplers(head.gather(shard))
 
 
 def logprobs_scores(head: LogitsHead, shard, k: int, logits_mode: bool, targets=None):

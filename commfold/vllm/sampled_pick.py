@@ -1,0 +1,231 @@
+"""Model Runner V2's Sampler for a sampled step, from this rank's logits shard: the
+token V2's ``Sampler.sample`` draws, bit for bit, without the full-vocab all-gather.
+
+V2 processes the logits row (``apply_sampling_params``: logits processors, then
+temperature, then min_p) and draws with Gumbel-max (``gumbel_sample``), whose noise
+is a hash of (seed, position, token id). Every step below is V2's own code run on the
+shard's real columns, or needs one small exchange:
+
+- a float32 copy of the shard, as V2 copies the row, when a request needs processing;
+- logit_bias, allowed_token_ids, min_tokens: V2's ``apply_logit_bias`` kernel on the
+  shard, each request's token id lists cut to the shard's ids (as shard columns);
+- penalties: V2's ``apply_penalties`` kernel on the shard, its per-request statistics
+  (output counts, the prompt's packed bit mask) sliced to the shard's columns - the
+  bit mask re-packed when the shard does not start on a 32-token word;
+- bad words: V2's ``apply_bad_words`` kernel finds the matched words (on a probe with
+  one column per word), their last tokens in the shard are masked;
+- temperature: V2's ``SamplingStates.apply_temperature`` (elementwise);
+- min_p: V2's ``apply_min_p`` kernel takes the row maximum itself; it is given the
+  shard with one more column holding the maximum over all ranks (one all-gather of a
+  float32 per row per rank), so it computes V2's threshold and masks as V2 does;
+- the draw: commfold.vllm.shard_gumbel (V2's ``gumbel_noised_argmax`` with the global
+  token ids as keys), then one all-gather of a (value bits, token id) int64 pair per
+  row per rank and the first maximum over ranks - V2's first maximum over the row.
+
+A row holding NaN on any rank (the gathered values say so, alike on every rank)
+makes ``draw`` return None: the step is gathered and V2's samplers pick it. What a
+step may ask for here is decided by commfold.vllm.decision.decide_v2 (``SAMPLED``).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from commfold.distributed.collectives import communicator
+from commfold.vllm.logits_head import LogitsHead
+
+_BITS = {torch.float32: torch.int32, torch.float64: torch.int64}
+
+
+class Drawn(NamedTuple):
+    tokens: torch.Tensor  # [rows] int64: V2's sampled token per logits row
+    processed: torch.Tensor  # [rows, shard]: the processed shard (V2's processed_logits)
+
+
+def draw(sampler, head: LogitsHead, shard: torch.Tensor, input_batch) -> Drawn | None:
+    """V2's sampled tokens for the step from this rank's `shard` [rows, head.shard],
+    or None where a row holds NaN (every rank alike). Every rank calls it together."""
+    import numpy as np  # not at import: commfold imports without numpy
+
+    from commfold.vllm import shard_gumbel
+
+    comm = communicator(head.comm)
+    start = comm.rank() * head.shard
+    n_local = max(0, min(head.shard, head.vocab - start))
+    idx_np = input_batch.idx_mapping_np
+    mapping = input_batch.expanded_idx_mapping
+    pos = input_batch.positions[input_batch.logits_indices]
+    states = sampler.sampling_states
+    processed = shard
+    if np.any(sampler.needs_logits_processing[idx_np]):
+        buf = torch.empty(shard.shape[0], head.shard + 1, dtype=torch.float32,
+                          device=shard.device)  # one spare column for min_p
+        buf[:, :head.shard].copy_(shard)
+        if not _process(sampler, buf, n_local, start, input_batch, comm):
+            return None
+        processed = buf[:, :head.shard]
+    value, index = shard_gumbel.block_maxima(
+        processed[:, :n_local], start, mapping, states.temperature.gpu, states.seeds.gpu,
+        pos, bool(getattr(sampler, "use_fp64_gumbel", False)))
+    value = value.masked_fill(processed[:, :n_local].isnan().any(-1), float("nan"))
+    tokens = first_max(comm, value, index)
+    return None if tokens is None else Drawn(tokens, processed)
+
+
+def _process(sampler, buf, n_local: int, start: int, input_batch, comm) -> bool:
+    """V2's apply_sampling_params on this rank's columns buf[:, :n_local] (float32),
+    in V2's order; False where min_p's row maxima hold NaN."""
+    import numpy as np  # not at import: commfold imports without numpy
+
+    idx_np = input_batch.idx_mapping_np
+    mapping = input_batch.expanded_idx_mapping
+    work = buf[:, :n_local]
+    bias = _state(sampler, "LogitBiasState")
+    if n_local and bias is not None and np.any(bias.use_logit_bias[idx_np]):
+        _logit_bias(bias, work, start, input_batch)
+    penalties = sampler.penalties_state
+    if n_local and np.any(penalties.use_penalty[idx_np]):
+        from vllm.v1.worker.gpu.sample.penalties import apply_penalties
+
+        apply_penalties(work, mapping, input_batch.input_ids[input_batch.logits_indices],
+                        input_batch.expanded_local_pos, penalties.repetition_penalty.gpu,
+                        penalties.frequency_penalty.gpu, penalties.presence_penalty.gpu,
+                        shard_bits(penalties.prompt_bin_mask, start, n_local, idx_np),
+                        penalties.output_bin_counts[:, start:start + n_local])
+    bad_words = _state(sampler, "BadWordsState")
+    if n_local and bad_words is not None and np.any(bad_words.num_bad_words.np[idx_np]):
+        _bad_words(bad_words, work, start, input_batch)
+    states = sampler.sampling_states
+    if n_local:
+        states.apply_temperature(work, mapping, idx_np)
+    if np.all(states.min_p.np[idx_np] == 0.0):
+        return True
+    # V2's min_p kernel over this rank's columns and one holding the row's maximum
+    local = work.amax(-1) if n_local else buf.new_full(buf.shape[:1], float("-inf"))
+    maxima = comm.all_gather(local).view(comm.world_size(), -1)
+    if bool(maxima.isnan().any()):
+        return False
+    from vllm.v1.worker.gpu.sample.min_p import apply_min_p
+
+    buf[:, n_local] = maxima.amax(0)
+    apply_min_p(buf[:, :n_local + 1], mapping, states.min_p.gpu)
+    return True
+
+
+def _state(sampler, name: str):
+    """V2's built-in logits processor of class `name` in the Sampler's pipeline."""
+    return next((p for p in sampler.logits_processors if type(p).__name__ == name), None)
+
+
+def _logit_bias(bias, work, start: int, input_batch) -> None:
+    """V2's apply_logit_bias on this rank's columns: its allowed ids, biased ids and
+    min_tokens stop ids kept per request where they fall in the shard, as shard
+    columns. A request whose allowed ids all lie elsewhere gets the spare column
+    past the shard (V2's kernel then masks every shard column, as on the full row).
+    V2's restore of all-masked rows (structured output only) is never asked here."""
+    import numpy as np
+
+    from vllm.v1.worker.gpu.sample.logit_bias import apply_logit_bias
+
+    n = work.shape[1]
+    slots = np.unique(input_batch.idx_mapping_np)
+    allowed_n, allowed, _ = shard_ids(bias.num_allowed_token_ids.np,
+                                      bias.allowed_token_ids.gpu, slots, start, n, spare=True)
+    bias_n, bias_ids, values = shard_ids(bias.num_logit_bias.np, bias.logit_bias_token_ids.gpu,
+                                         slots, start, n, values=bias.logit_bias.gpu)
+    stop_n, stop_ids, _ = shard_ids(bias.num_stop_token_ids.np, bias.stop_token_ids.gpu,
+                                    slots, start, n)
+    apply_logit_bias(work, input_batch.expanded_idx_mapping,
+                     input_batch.positions[input_batch.logits_indices], allowed_n, allowed,
+                     bias_n, bias_ids, values, bias.min_lens.gpu, stop_n,
+                     bias.restore_when_all_masked.gpu, stop_ids)
+
+
+def _bad_words(state, work, start: int, input_batch) -> None:
+    """V2's bad words on this rank's columns. V2's kernel writes -inf at a matched
+    word's last token, a global id; here V2's own kernel finds the matches on a probe
+    [rows, words] - each word's last token replaced by its index, so a match writes
+    -inf at the word's column - and the matched words' last tokens in the shard are
+    set to -inf."""
+    import numpy as np
+
+    from vllm.v1.worker.gpu.sample.bad_words import apply_bad_words
+
+    idx_np = input_batch.idx_mapping_np
+    slots = np.unique(idx_np)
+    most = int(state.num_bad_words.np[idx_np].max())
+    ids, offsets = state.bad_word_token_ids.gpu, state.bad_word_offsets.gpu
+    probe_ids = ids.clone()
+    lasts = torch.zeros(ids.shape[0], most, dtype=torch.int64, device=ids.device)
+    for slot in slots:
+        words = int(state.num_bad_words.np[slot])
+        ends = offsets[slot, 1:words + 1].long() - 1
+        lasts[slot, :words] = ids[slot, ends].long()
+        probe_ids[slot, ends] = torch.arange(words, dtype=ids.dtype, device=ids.device)
+    mapping = input_batch.expanded_idx_mapping
+    probe = work.new_zeros(work.shape[0], most)
+    req = state.req_states
+    apply_bad_words(probe, mapping, probe_ids, offsets, state.num_bad_words.gpu,
+                    req.all_token_ids.gpu, req.prompt_len.gpu, req.total_len.gpu,
+                    input_batch.input_ids[input_batch.logits_indices],
+                    input_batch.expanded_local_pos, most)
+    rows, words = (probe == float("-inf")).nonzero(as_tuple=True)
+    tokens = lasts[mapping[rows].long(), words] - start
+    here = (tokens >= 0) & (tokens < work.shape[1])
+    work[rows[here], tokens[here]] = float("-inf")
+
+
+def shard_ids(counts, ids: torch.Tensor, slots, start: int, n: int, spare: bool = False,
+              values: torch.Tensor | None = None):
+    """(counts [max_reqs] int32, ids, values) of V2's per-request token id lists
+    (ids [max_reqs, max] int32, the first counts[slot] of a row used; values beside
+    them) with only the ids in [start, start + n), as shard columns, for `slots`.
+    spare: a slot with ids but none here gets column n (one past the shard)."""
+    out_n = torch.zeros(ids.shape[0], dtype=torch.int32, device=ids.device)
+    out = torch.zeros_like(ids)
+    out_values = None if values is None else torch.zeros_like(values)
+    for slot in slots:
+        row = ids[slot, :int(counts[slot])].long()
+        keep = (row >= start) & (row < start + n)
+        local = row[keep] - start
+        if spare and len(row) and not len(local):
+            local = row.new_full((1,), n)
+        out[slot, :len(local)] = local.to(ids.dtype)
+        out_n[slot] = len(local)
+        if out_values is not None and values is not None:
+            out_values[slot, :len(local)] = values[slot, :len(row)][keep]
+    return out_n, out, out_values
+
+
+def shard_bits(mask: torch.Tensor, start: int, n: int, idx_np) -> torch.Tensor:
+    """V2's packed prompt-token bit mask [max_reqs, vocab / 32] (int32, token t at bit
+    t % 32 of word t // 32) for the columns [start, start + n): a view where start is
+    word-aligned, else re-packed for the step's requests (idx_np)."""
+    import numpy as np
+
+    q, s = divmod(start, 32)
+    if s == 0:
+        return mask[:, q:]
+    words = -(-n // 32)
+    rows = torch.as_tensor(np.asarray(idx_np), dtype=torch.int64, device=mask.device)
+    w = torch.nn.functional.pad(mask[rows].to(torch.int64) & 0xFFFFFFFF, (0, 1))
+    lo, hi = w[:, q:q + words], w[:, q + 1:q + 1 + words]
+    bits = ((lo >> s) | (hi << (32 - s))) & 0xFFFFFFFF
+    bits = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
+    out = mask.new_zeros(mask.shape[0], words)
+    out[rows] = bits
+    return out
+
+
+def first_max(comm, value: torch.Tensor, index: torch.Tensor) -> torch.Tensor | None:
+    """The global index of the first maximum over ranks of each row's (value, index)
+    (one all-gather of an int64 pair per row per rank); None where a value is NaN."""
+    bits = _BITS[value.dtype]
+    pair = torch.stack([value.view(bits).to(torch.int64), index], dim=-1)
+    pairs = comm.all_gather(pair).view(comm.world_size(), -1, 2)
+    values = pairs[..., 0].to(bits).view(value.dtype)
+    if bool(values.isnan().any()):
+        return None
+    winner = values.argmax(dim=0, keepdim=True)  # the first rank holding the maximum
+    return pairs[..., 1].gather(0, winner).squeeze(0)
