@@ -278,3 +278,39 @@ def test_shard_bits_repacks_v2s_prompt_mask(words, start, n, seed):
             [bit(mask, row, start + j) for j in range(n)], (row, start, n)
     if start % 32 == 0:
         assert got.data_ptr() == mask[:, start // 32:].data_ptr()
+
+
+def test_the_draw_is_pinned_to_this_vllms_sampler_functions():
+    """Every V2 function the draw repeats on a shard hashes to a source commfold read
+    for this release (the release tier runs this on 0.34's classes)."""
+    from commfold.vllm import hook_points, sampled_pick
+
+    assert hook_points.missing(sampled_pick.POINTS) == []
+    assert sampled_pick.refusal() is None
+
+
+def test_a_changed_sampler_function_sends_sampled_steps_to_vllm(monkeypatch, caplog):
+    """A release that changed one function the draw repeats (here: a pin that no source
+    matches) turns sampled steps off with one warning and a reason per step; the hook's
+    row says off and why."""
+    import logging
+
+    from commfold.vllm import sampled_pick
+    from commfold.vllm.hook_points import Pinned
+    from commfold.vllm.runtime import Runner
+
+    where, _ = sampled_pick.POINTS[2]
+    moved = ((where, Pinned((("9.9.9", "0" * 16),))),)
+    monkeypatch.setattr(sampled_pick, "POINTS", sampled_pick.POINTS[:2] + moved
+                        + sampled_pick.POINTS[3:])
+    sampled_pick.refusal.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, "commfold"):
+            why, again = sampled_pick.refusal(), sampled_pick.refusal()
+        assert why == again and where in why, why
+        lines = [r.getMessage() for r in caplog.records if "sampled steps off" in r.getMessage()]
+        assert len(lines) == 1 and where in lines[0], lines
+        state = sampled_pick.state({}, Runner(2, "the test's choice"))
+        assert not state.on and state.problem and where in state.reason, state
+    finally:
+        sampled_pick.refusal.cache_clear()

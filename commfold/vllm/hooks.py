@@ -12,7 +12,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 
-from commfold.vllm import draft, graph_passes, step_log, target_pick, target_pick_v2
+from commfold.vllm import draft, graph_passes, sampled_pick, step_log, target_pick
+from commfold.vllm import target_pick_v2
 from commfold.vllm.runtime import HookState, Runner, release
 
 Environ = Mapping[str, str]
@@ -31,6 +32,7 @@ class Hook:
     until: tuple[int, ...] | None = None
     detail: str = ""  # which set of the hook (the compat matrix's row)
     plugin: bool = True  # off unless COMMFOLD_VLLM=1 (else its own variable)
+    wraps: bool = True  # False: a part of another hook's pick (its row: whether it acts)
 
     def covers(self, found: tuple[int, ...] | None) -> bool:
         """Whether it applies to vLLM release `found` (unknown, None: the newest set)."""
@@ -67,6 +69,8 @@ HOOKS: tuple[Hook, ...] = (
     *(Hook(target_pick_v2.HOOK, 2, s.points, target_pick_v2.state, target_pick_v2.install,
            target_pick_v2.uninstall, since=s.since, until=s.until, detail=s.label())
       for s in target_pick_v2.HOOK_SETS),
+    Hook(sampled_pick.HOOK, 2, sampled_pick.POINTS, sampled_pick.state, sampled_pick.install,
+         sampled_pick.uninstall, wraps=False),
 )
 
 

@@ -28,12 +28,77 @@ step may ask for here is decided by commfold.vllm.decision.decide_v2 (``SAMPLED`
 """
 from __future__ import annotations
 
+import functools
+import logging
+import os
 from typing import NamedTuple
 
 import torch
 
 from commfold.distributed.collectives import communicator
+from commfold.vllm import hook_points, runtime, target_pick
+from commfold.vllm.hook_points import Pinned
 from commfold.vllm.logits_head import LogitsHead
+
+log = logging.getLogger("commfold")
+
+HOOK = "target pick: sampled steps"
+_RELEASES = ("0.32.0", "0.33.0", "0.34.0")
+_S = "vllm.v1.worker.gpu.sample."
+# what draw() repeats of V2 on a shard, each function's whole source per release
+# (0.32.0, 0.33.0, 0.34.0): any change sends sampled steps back to V2, with a line
+_SOURCES = {
+    "sampler:Sampler.apply_sampling_params": ("916e3cbb9e097267",) * 3,
+    "sampler:Sampler.sample": ("44bcd63127cae0f3", "1e9f22080f0880da", "1e9f22080f0880da"),
+    "gumbel:gumbel_noised_argmax": ("7b86e3a00025ccd1",) * 3,
+    "gumbel:gumbel_block_argmax": ("5958185b8a498453", "102d98a01409ffce",
+                                   "68505f81ac43359b"),
+    "penalties:PenaltiesState.apply": ("f81c48f57ba33f15",) * 3,
+    "penalties:apply_penalties": ("1146689902bb4374", "306faf96e50d4a14",
+                                  "306faf96e50d4a14"),
+    "penalties:_penalties_kernel": ("6a4ccc6e2b5fa03e", "6a4ccc6e2b5fa03e",
+                                    "cd069be3e83ddf38"),
+    "min_p:apply_min_p": ("eea404553e370af0",) * 3,
+    "min_p:_min_p_kernel": ("49b881391668b33b",) * 3,
+    "logit_bias:LogitBiasState.apply": ("f4c75d1ee1735059",) * 3,
+    "logit_bias:apply_logit_bias": ("64234443ea35ba60",) * 3,
+    "logit_bias:_bias_kernel": ("2be032cfe2d9dc8f",) * 3,
+    "bad_words:BadWordsState.apply": ("37891cd564157871",) * 3,
+    "bad_words:apply_bad_words": ("88716bca7f230e4f",) * 3,
+    "bad_words:_bad_words_kernel": ("b24314a689d74c1c",) * 3,
+    "states:SamplingStates.apply_temperature": ("ffe54d3d2d9d5175",) * 3,
+    "states:SamplingStates.apply_min_p": ("c99c35f9cf0d0a5a",) * 3,
+}
+POINTS = tuple((_S + where, Pinned(tuple(zip(_RELEASES, hashes))))
+               for where, hashes in _SOURCES.items())
+
+
+def state(environ=os.environ, runner=None) -> runtime.HookState:
+    """Whether sampled V2 steps can be drawn on the shards (the target pick's own
+    switch, COMMFOLD_TARGET_PICK, turns them off with it)."""
+    off = None if target_pick.enabled(environ) else f"{target_pick.ENV}=0"
+    return runtime.gate(HOOK, off=off, missing=lambda: hook_points.missing(POINTS),
+                        environ=environ, runner=runner, version=2)
+
+
+def install(environ=os.environ, runner=None) -> bool:
+    """Nothing to wrap (the V2 target pick calls draw()): logs the one line."""
+    return state(environ, runner).log().on
+
+
+def uninstall() -> None:
+    """Nothing was wrapped."""
+
+
+@functools.cache  # vLLM's code does not change within a process
+def refusal() -> str | None:
+    """Why sampled steps stay V2's in this process (a point moved), else None."""
+    gone = hook_points.missing(POINTS)
+    if not gone:
+        return None
+    log.warning("commfold: %s off: vLLM changed what the draw repeats: %s", HOOK,
+                "; ".join(gone))
+    return f"vLLM changed {gone[0].split(' ')[0]} (commfold doctor)"
 
 _BITS = {torch.float32: torch.int32, torch.float64: torch.int64}
 

@@ -138,8 +138,11 @@ def decide_step(sampler, rejection_sampler, spec_config, input_batch, structured
     verify = verify_method(spec_config, rejection_sampler) if spec else None
     if spec and type(rejection_sampler).__name__ != "RejectionSampler":
         return None, f"rejection sampler {type(rejection_sampler).__name__}"
-    return decide_v2(step_of(sampler, input_batch, vocab), spec=spec, structured=structured,
-                     verify=verify)
+    mode, why = decide_v2(step_of(sampler, input_batch, vocab), spec=spec,
+                          structured=structured, verify=verify)
+    if mode in SAMPLED and (moved := sampled_pick.refusal()) is not None:
+        return None, moved
+    return mode, why
 
 
 def pick(sampler, rejection_sampler, head: LogitsHead, shard, input_batch, mode: str,
