@@ -18,7 +18,9 @@ top-p, no logprobs: commfold.ops.local_argmax over the model's own logits shard)
 ``verify`` (the same under spec decoding with strict greedy verification), and
 ``logprobs`` (greedy with top logprobs, k <= 20, 64 k <= vocab, no logprob_token_ids,
 no spec decoding: V2's ``compute_topk_scores`` from two small all-gathers; ids and
-ranks exact, logprobs within a few float32 ulps of V2's). Prompt logprobs (V2's
+ranks exact, logprobs within a few float32 ulps of V2's), and ``sample`` /
+``sample_logprobs`` (temperature > 0 with V2's per-token processing, min_p, drawn
+from the shard with V2's own Gumbel noise: commfold.vllm.sampled_pick). Prompt logprobs (V2's
 ``compute_prompt_logprobs_with_chunking``, after ``sample``: k <= 20, 64 k <= vocab)
 are scored the same way per chunk of prompt positions (decide_v2_prompt), in both
 sets. Anything else, and batch-sharded sampling unless the step qualifies (up to 0.33
