@@ -162,3 +162,17 @@ def step_both_ways(model, md, h, spec=None, logprobs_mode="raw_logprobs", cost_r
             theirs = r.rejection_sampler(spec, None, full, md)
     return dict(ours=ours, theirs=theirs, mode=mode, shard=tuple(logits.shape),
                 ours_log=ours_log, vllm_log=vllm_log)
+
+
+def hook_v2_draft_pick():
+    """V2's drafter pick hooked as the plugin hooks it (local_argmax only); returns
+    vLLM's own ``DraftModelSpeculator.sample_draft``, the reference to compare with."""
+    from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
+
+    from commfold.config import Config
+    from commfold.vllm import draft as vllm_draft
+
+    original = DraftModelSpeculator.__dict__["sample_draft"]
+    original = getattr(original, "__wrapped__", original)
+    vllm_draft._hook_v2_speculator(Config(passes=("local_argmax",)), True, True)
+    return original

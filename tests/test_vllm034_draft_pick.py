@@ -49,10 +49,8 @@ def _setup():
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
     from vllm.v1.worker.gpu.spec_decode.multi_module_mtp.speculator import (
         MultiModuleMTPSpeculator)
-    from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
 
-    from commfold.config import Config
-    from commfold.vllm import draft as vllm_draft
+    from harness import vllm_step
 
     ctx = set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu")))
     ctx.__enter__()
@@ -92,10 +90,8 @@ def _setup():
     class Speculator(MultiModuleMTPSpeculator):  # what sample_draft reads, nothing built
         pass
 
-    original = DraftModelSpeculator.__dict__["sample_draft"]
-    _state.update(original=getattr(original, "__wrapped__", original), Speculator=Speculator,
+    _state.update(original=vllm_step.hook_v2_draft_pick(), Speculator=Speculator,
                   models={d: TwoModuleMTP(getattr(torch, d)) for d in ("float32", "bfloat16")})
-    vllm_draft._hook_v2_speculator(Config(passes=("local_argmax",)), True, True)
     return _state
 
 

@@ -28,9 +28,7 @@ def _run(shm: bool, cases: list[dict]) -> list[dict]:
         MultiModuleMTPSpeculator)
     from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
 
-    from commfold.config import Config
     from commfold.distributed.comm_log import record_collectives
-    from commfold.vllm import draft as vllm_draft
     from harness import vllm_step
 
     class TwoModuleMTP(torch.nn.Module):
@@ -65,9 +63,7 @@ def _run(shm: bool, cases: list[dict]) -> list[dict]:
     logging.getLogger("commfold").setLevel(logging.INFO)
 
     init_vllm_tp(2, shm=shm, reuse=True)
-    original = DraftModelSpeculator.__dict__["sample_draft"]
-    original = getattr(original, "__wrapped__", original)
-    vllm_draft._hook_v2_speculator(Config(passes=("local_argmax",)), True, True)
+    original = vllm_step.hook_v2_draft_pick()
     out = []
     for case in cases:
         dtype = getattr(torch, case["dtype"])

@@ -21,18 +21,14 @@ def _sample_both_ways(shm: bool, cases: list[dict]) -> list[dict]:
     import torch
     from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
 
-    from commfold.vllm import draft as vllm_draft
     from commfold.distributed.comm_log import record_collectives
-    from commfold.config import Config
     from harness import vllm_step
 
     class Speculator(DraftModelSpeculator):  # what sample_draft reads, nothing built
         capture = init_cudagraph_manager = load_draft_model = propose = None
 
     init_vllm_tp(2, shm=shm, reuse=True)
-    original = DraftModelSpeculator.__dict__["sample_draft"]
-    original = getattr(original, "__wrapped__", original)
-    vllm_draft._hook_v2_speculator(Config(passes=("local_argmax",)), True, True)
+    original = vllm_step.hook_v2_draft_pick()
     out = []
     for case in cases:
         dtype = getattr(torch, case["dtype"])
