@@ -91,6 +91,20 @@ from harness.vllm_engine import fast_start_env, share_modelinfos  # noqa: E402
 
 ENGINE_ENV.update(fast_start_env())
 
+
+def engine_env(tmp: Path, v2: bool = False) -> dict[str, str]:
+    """The environment of an engine subprocess: this one's without COMMFOLD_*, with
+    ENGINE_ENV, vLLM's and Inductor's caches under `tmp`; Model Runner V2's Triton
+    stand-in with `v2`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMMFOLD_")}
+    env.update(ENGINE_ENV, VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),
+               TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor-cache"))
+    if v2:
+        from harness.triton_cpu import v2_engine_env
+
+        env.update(v2_engine_env())
+    return env
+
 PROMPTS = ["the quick brown fox", "tensor parallel inference", "hello world, commfold"]
 
 
@@ -252,12 +266,10 @@ def engine_set(tmp: Path, model: Path, dtype: str, runs: dict[str, EngineRun],
 
     from commfold.distributed.comm_log import read_step_logs
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COMMFOLD_")}
+    env = engine_env(tmp)
     # the runner is a script of the checkout: its harness/ imports from the root
     root = Path(__file__).resolve().parents[1]
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    env.update(ENGINE_ENV, VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),
-               TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor-cache"))
     if any(run.executor == "ray" for run in runs.values()):
         from harness.ray_cpu import ray_engine_env
 

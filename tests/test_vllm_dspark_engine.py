@@ -14,19 +14,17 @@ Opt-in (three engines, ~2.5 minutes on 2 cores): `slow`, run with
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from harness.vllm_models import ENGINE_ENV, TOKENS_MARK, require_vllm_installed
+from harness.vllm_models import TOKENS_MARK, engine_env, require_vllm_installed
 
 pytestmark = [*require_vllm_installed(group="module"), pytest.mark.engine, pytest.mark.slow]
 
 from commfold.distributed.comm_log import read_step_logs  # noqa: E402
-from harness.triton_cpu import v2_engine_env  # noqa: E402
 from harness.vllm_dspark import K, RANK  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,10 +36,7 @@ REPLICATED = ("Qwen3DSparkForCausalLM's Markov head is sharded: replicated marko
 @pytest.fixture(scope="module")
 def dspark_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dspark")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COMMFOLD_")}
-    env.update(ENGINE_ENV, VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),
-               TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor-cache"))
-    env.update(v2_engine_env())
+    env = engine_env(tmp, v2=True)
     # the cost rule off: the tiny vocab's block would keep vLLM's gather (commfold.cost)
     runs = [{"COMMFOLD_VLLM": on, "HARNESS_DSPARK_SHARDED": sharded,
              "COMMFOLD_COMM_LOG_DIR": str(tmp / f"log-{name}"),

@@ -13,20 +13,18 @@ Opt-in (an engine pair is ~3 minutes on 2 cores): `slow`, run with
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from harness.vllm_models import (ENGINE_ENV, SIZES, TOKENS_MARK, logprob_mismatches,
+from harness.vllm_models import (SIZES, TOKENS_MARK, engine_env, logprob_mismatches,
                                  require_vllm_installed, write_model)
 
 pytestmark = [*require_vllm_installed(group="module"), pytest.mark.engine, pytest.mark.slow]
 
 from commfold.distributed.comm_log import read_step_logs  # noqa: E402
-from harness.triton_cpu import v2_engine_env  # noqa: E402
 
 RUNNER = str(Path(__file__).resolve().parents[1] / "harness" / "vllm_models.py")
 LAYERS, HIDDEN = SIZES["num_hidden_layers"], SIZES["hidden_size"]
@@ -37,10 +35,7 @@ VOCAB_SHARD = 512
 def v2_pair(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("v2")
     model = write_model(tmp / "model", "llama", weights=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COMMFOLD_")}
-    env.update(ENGINE_ENV, VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),
-               TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor-cache"))
-    env.update(v2_engine_env())
+    env = engine_env(tmp, v2=True)
     runs = [{"env": {"COMMFOLD_COMM_LOG_DIR": str(tmp / f"log-{name}"),
                      "COMMFOLD_VLLM": "1" if name == "on" else ""},
              "kwargs": dict(model=str(model), dtype="bfloat16", commfold_route=None,

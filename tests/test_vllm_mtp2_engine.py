@@ -14,17 +14,15 @@ Opt-in (three engines, minutes each on 2 cores): `slow`, run with
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from harness.vllm_models import ENGINE_ENV, require_vllm_installed
+from harness.vllm_models import engine_env, require_vllm_installed
 
 from commfold.distributed.comm_log import CommLog, read_step_logs
-from harness.triton_cpu import v2_engine_env
 from harness.vllm_mtp2 import TOKENS_MARK, VOCAB
 
 pytestmark = [*require_vllm_installed(group="module"), pytest.mark.engine, pytest.mark.slow]
@@ -37,10 +35,7 @@ SHARD = 512  # the vocab rows a rank holds (1000 padded to 1024 at TP=2)
 @pytest.fixture(scope="module")
 def mtp2_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mtp2")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COMMFOLD_")}
-    env.update(ENGINE_ENV, VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),
-               TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor-cache"))
-    env.update(v2_engine_env())
+    env = engine_env(tmp, v2=True)
     runs = [{"COMMFOLD_VLLM": on, "local_argmax": local,
              "COMMFOLD_COMM_LOG_DIR": str(tmp / f"log-{name}")}
             for name, (on, local) in RUNS.items()]
