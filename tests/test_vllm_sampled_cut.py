@@ -107,3 +107,23 @@ def test_top_k_top_p_sweep(vllm_v2_ranks4, **example):
     from harness.vllm_step_v2 import step_cases
 
     check(vllm_v2_ranks4.run(step_cases, 4, [_example(**example)]))
+
+
+CUT_CASE = dict(
+    seed=st.integers(0, 2**16), vocab=st.integers(300, 2600),
+    world=st.sampled_from([2, 4]), kind=st.sampled_from(["normal", "peaked", "ties"]),
+    scale=st.sampled_from([0.3, 1.0, 3.0, 8.0]), bf16=st.booleans(),
+    masked=st.sampled_from([0.0, 0.0, 0.5, 0.97]), max_k=st.sampled_from([1, 5, 60]))
+
+
+@settings(max_examples=12, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(**CUT_CASE)
+def test_vllms_kernel_keeps_within_the_bounds(vllm_v2_ranks, **case):
+    """The claim the draw rests on, row by row against vLLM's own kernel (Triton's
+    interpreter): every token above `keep` kept, none below `drop` - over flat, peaked
+    and tied rows, bf16-rounded values, rows mostly -inf, 2 and 4 shards."""
+    from harness.cut_cases import kept_and_bounds
+
+    (res,) = vllm_v2_ranks.run(kept_and_bounds, 2, [dict(case, rows=16)])[0]
+    assert res["refused"] or res["reason"] is not None or res["broken"] == [], res
