@@ -50,11 +50,10 @@ def kept_and_bounds(world: int, cases: list[dict]) -> list[dict]:
         vocab = x.shape[1]
         kept = apply_top_k_top_p(x.clone(), k, p) > float("-inf")
         shard = -(-vocab // case["world"])
-        payloads = []
+        m, payloads = cut.candidates(k, p, vocab, shard), []
         for r in range(case["world"]):
-            comm = SimpleNamespace(rank=lambda r=r: r, world_size=lambda: case["world"])
+            comm = SimpleNamespace(rank=lambda r=r: r)
             work = x[:, r * shard:min(vocab, (r + 1) * shard)]
-            m = cut.candidates(k, p, vocab, shard)
             payloads.append(cut._payload(comm, work, m))
         if cut.refusal(k, vocab, shard) is not None:
             out.append(dict(case=case, refused=True))

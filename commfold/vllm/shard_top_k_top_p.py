@@ -186,9 +186,11 @@ class _Rows(NamedTuple):
             exact = self._top_k_exact(r, k, row, slack)
             if exact is not None and not topp:
                 return exact
-            span = self._top_k_span(r, hi, lo)
-            width = 1.05 * TERNARY * span + slack
-            keep_k, drop_k = float(row[k - 1]) + width, float(row[k]) - width
+            if exact is not None:  # top-p then runs over exactly the top k
+                keep_k = drop_k = exact[0]
+            else:
+                width = 1.05 * TERNARY * self._top_k_span(r, hi, lo) + slack
+                keep_k, drop_k = float(row[k - 1]) + width, float(row[k]) - width
         if not topp:
             return keep_k, drop_k
         keep_p, drop_p = self._top_p(r, p, row, topk, keep_k, drop_k, hi, slack)
