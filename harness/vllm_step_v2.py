@@ -280,7 +280,7 @@ def step_cases(world: int, cases: list[dict]) -> list[dict]:
         if case.get("positions"):  # per request, added to its rows' positions
             batch.positions += torch.tensor(case["positions"])[batch.expanded_idx_mapping]
         h = vllm_step.hidden(batch.num_tokens, dtype, case["seed"] + 1, case["ties"],
-                             case.get("special"))
+                             case.get("special")) * case.get("scale", 1.0)
         if case.get("accept"):  # drafts from the target's argmax (some accepted)
             full = model.compute_logits(h).float().argmax(-1)
             ids = batch.input_ids

@@ -81,7 +81,8 @@ def test_v2_step_log_and_target_pick(v2_pair):
         else:
             assert {"greedy", "logprobs", "sample", "sample_logprobs",
                     "vLLM (paused)"} <= set(picks), picks
-            assert any(p and p.startswith("vLLM (top-k / top-p") for p in picks), picks
+            # top_p over the dummy weights' flat rows: the mass reaches past the candidates
+            assert any(p and p.startswith("vLLM (top-") for p in picks), picks
             assert any(s.info.get("prompt_logprobs") == "logprobs" for s in r0), run
         for s in r0:
             if not s.info["tokens"]:
@@ -92,9 +93,10 @@ def test_v2_step_log_and_target_pick(v2_pair):
                 assert s.vocab_gathers(VOCAB_SHARD) == [], (run, s)
                 assert sampling.calls() == sampling.calls("all_gather") == 1, (run, s)
             elif pick in ("sample", "sample_logprobs"):  # the pair exchange, the row
-                # maxima where a request has min_p, two for the scores of logprobs
+                # maxima where a request has min_p, a top-k / top-p cut's bounds, two
+                # for the scores of logprobs
                 assert s.vocab_gathers(VOCAB_SHARD) == [], (run, s)
-                assert 1 <= sampling.calls() == sampling.calls("all_gather") <= 4, (run, s)
+                assert 1 <= sampling.calls() == sampling.calls("all_gather") <= 5, (run, s)
             elif pick == "logprobs":  # two small all-gathers (rows done whole: none here)
                 assert s.vocab_gathers(VOCAB_SHARD) == [], (run, s)
                 assert sampling.calls() == sampling.calls("all_gather") == 2, (run, s)

@@ -178,10 +178,16 @@ class V2Step:
     # the logits processing the step's requests ask for (``processing_of``): kinds
     # in SAMPLED_LOCAL run on the shard, every other keeps the step vLLM's
     processing: tuple[str, ...] = ()
+    # V2 would sample the step with a fused top-k / top-p sampler (FlashInfer's, XPU's)
+    fused_sampler: bool = False
+    fused_on_gumbel: bool = False  # the user's option: take such steps on the Gumbel path
+    # a top-p-only row on CUDA in a batch V2 sends through its split top-p kernels
+    split_top_p: bool = False
 
 
 # V2's processing of a sampled step that commfold.vllm.sampled_pick does on a shard
-SAMPLED_LOCAL = ("temperature", "min_p", "penalties", "logit_bias", "bad_words")
+SAMPLED_LOCAL = ("temperature", "min_p", "penalties", "logit_bias", "bad_words", "top_k",
+                 "top_p")
 # the rest, and why each stays vLLM's
 SAMPLED_LEFT = {
     "thinking_budget": "a thinking budget",
@@ -206,8 +212,8 @@ def decide_v2(step: V2Step, *, spec: bool, structured: bool,
         return None, f"sampler {step.sampler} (commfold knows V2's Sampler)"
     if not step.temperatures:
         return None, "no requests"
-    if step.top_k_or_p:
-        return None, "top-k / top-p (V2's apply_top_k_top_p reads the whole row)"
+    if step.top_k_or_p and (why := truncation_refusal(step)) is not None:
+        return None, why
     if step.trace_replay:
         return None, "trace replay"
     if step.sampling_mask:
@@ -229,6 +235,25 @@ def decide_v2(step: V2Step, *, spec: bool, structured: bool,
         return logprobs_mode_ok(step.num_logprobs, step.logprobs_mode, step.vocab, spec,
                                 V2_LOGPROB_MODES)
     return ("verify" if spec else "greedy"), "all greedy"
+
+
+FUSED_OPTION = "COMMFOLD_FUSED_SAMPLER_STEPS"  # =gumbel: take fused-sampler steps (graph_passes)
+
+
+def truncation_refusal(step: V2Step) -> str | None:
+    """Why a step with top-k / top-p stays V2's (commfold.vllm.shard_top_k_top_p takes
+    the rest, by bounds of the kernel's cut); None when it may be taken."""
+    if step.fused_sampler and not step.fused_on_gumbel:
+        return ("top-k / top-p: V2 samples this step with its fused sampler (FlashInfer "
+                f"or XPU), which draws otherwise; {FUSED_OPTION}=gumbel takes it on "
+                "V2's Gumbel path: equal in distribution, not in tokens")
+    if step.split_top_p:
+        return "top-p: CUDA's split top-p kernels (their cut is not bounded here)"
+    if not step.needs_processing:
+        return "top-k / top-p on unprocessed logits (greedy requests only)"
+    if step.logprobs and step.logprobs_mode.startswith("processed"):
+        return "processed logprobs after top-k / top-p (they read the cut's exact edge)"
+    return None
 
 
 def sampled_logprobs(step: V2Step) -> tuple[str | None, str]:
