@@ -14,10 +14,15 @@ points V2 declares for it (``vllm/v1/worker/gpu/model_states/interface.py``):
 The decision (commfold.vllm.decision.decide_v2 via commfold.vllm.v2_pick.decide_step:
 a pure function of the step's sampling parameters, the same on every rank) is made
 before the logits exist, in a wrapper around the state's ``preprocess_state(input_batch,
-...)`` (V2's hook on every real batch before the forward), so ``sample`` never applies
-the structured-output grammar bitmask to a shard: a batch holding a structured-output
-request (``has_structured_output_reqs``, which vLLM's scheduler sets for every step
-it gives a grammar bitmask) stays vLLM's. The proxies know the shard by identity: any
+...)`` (V2's hook on every real batch before the forward). ``sample`` then applies the
+structured-output grammar bitmask to what compute_sample_logits returned: V2's
+``StructuredOutputsWorker.apply_grammar_bitmask`` is wrapped so that, given a shard
+commfold returned, it masks the shard's columns with the bitmask re-packed for them
+(commfold.vllm.shard_grammar); a batch is decided as structured from
+``has_structured_output_reqs`` (which vLLM's scheduler sets for every step it gives a
+grammar bitmask), and a bitmask reaching a shard of a batch decided otherwise sends
+the masked shard, gathered, to vLLM where the decision with it says so. The proxies
+know the shard by identity: any
 other logits (vLLM's dummy sampler run, a step left to vLLM) go to vLLM's sampler
 untouched; a shard reaching them with another batch than the one decided on (a
 context-parallel batch restored for sampling) is gathered and given to vLLM.
@@ -39,9 +44,10 @@ so the token is V2's whatever its kernels do with NaN (commfold.vllm.v2_pick).
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 
-from commfold.vllm import hook_points, pick_cost, step_log, v2_pick
+from commfold.vllm import hook_points, pick_cost, shard_grammar, step_log, v2_pick
 from commfold.vllm.pause import paused
 from commfold.vllm.hook_points import Pinned
 from commfold.vllm.logits_head import LogitsHead
@@ -89,9 +95,12 @@ def install() -> None:
     (once per process; a state class's own override is never touched)."""
     from vllm.v1.worker.gpu.model_states.interface import ModelState
 
+    from vllm.v1.worker.gpu.structured_outputs import StructuredOutputsWorker
+
     for name, make in (("__init__", _init), ("custom_sampler", _custom_sampler),
                        ("compute_sample_logits", _compute_sample_logits)):
         hook_points.wrap(ModelState, name, make, KEY)
+    hook_points.wrap(StructuredOutputsWorker, "apply_grammar_bitmask", _grammar, KEY)
 
 
 def uninstall() -> None:
@@ -142,6 +151,9 @@ class _Step:
     why: str
 
 
+_picks: weakref.WeakSet = weakref.WeakSet()  # every StatePick (the bitmask's wrapper)
+
+
 class StatePick:
     """One model state's pick: its head, vLLM's samplers, this step's decision."""
 
@@ -150,6 +162,7 @@ class StatePick:
         self.spec_config = spec_config
         self.decided: _Step | None = None  # preprocess_state -> compute_sample_logits
         self.shard = None  # (tensor, step): compute_sample_logits -> the samplers
+        _picks.add(self)
 
     def decide(self, input_batch) -> None:
         if self.head is None:
@@ -187,6 +200,20 @@ class StatePick:
         self.shard = (shard, step)
         return shard
 
+    def grammar(self, apply_bitmask, input_batch, request_ids, bitmask) -> None:
+        """V2's grammar bitmask on the held shard (commfold.vllm.shard_grammar); a
+        batch not decided as structured is decided again with it, and a step that then
+        stays vLLM's is marked so (its masked shard gathered for vLLM's samplers)."""
+        shard, step = self.shard
+        if not step.batch.has_structured_output_reqs:
+            mode, why = v2_pick.decide_step(self.sampler, self.rejection_sampler,
+                                            self.spec_config, step.batch, structured=True,
+                                            vocab=self.head.vocab)
+            if mode != step.mode:
+                self.shard = (shard, _Step(step.batch, None, why))
+        shard_grammar.apply(apply_bitmask, self.head, shard, input_batch, request_ids,
+                            bitmask)
+
     def sample(self, logits, input_batch, vllms):
         """The SamplerOutput for `logits`: commfold's when they are the shard of the
         step decided on, else vllms(full logits)."""
@@ -194,8 +221,9 @@ class StatePick:
         if held is None or logits is not held[0]:
             return vllms(logits)
         shard, step = held
-        if input_batch is not step.batch:
-            step_log.note("target_pick", "vLLM (another batch than the one decided on)")
+        if input_batch is not step.batch or step.mode is None:
+            why = step.why if step.mode is None else "another batch than the one decided on"
+            step_log.note("target_pick", f"vLLM ({why})")
             return vllms(self.head.gather(shard))
         with step_log.phase("sampling"):
             return v2_pick.pick(self.sampler, self.rejection_sampler, self.head, shard,
@@ -290,6 +318,20 @@ def _compute_sample_logits(original):
             return original(self, hidden_states)
         return pick.logits(hidden_states, lambda: original(self, hidden_states))
     return compute_sample_logits
+
+
+def _grammar(original):
+    def apply_grammar_bitmask(self, logits, input_batch, grammar_req_ids, grammar_bitmask,
+                              *args, **kwargs):
+        pick = next((p for p in list(_picks)
+                     if p.shard is not None and p.shard[0] is logits), None)
+        if pick is None:  # vLLM's logits
+            return original(self, logits, input_batch, grammar_req_ids, grammar_bitmask,
+                            *args, **kwargs)
+        pick.grammar(lambda shard, batch, ids, mask: original(self, shard, batch, ids, mask,
+                                                              *args, **kwargs),
+                     input_batch, grammar_req_ids, grammar_bitmask)
+    return apply_grammar_bitmask
 
 
 def hook_points_missing() -> list[str]:

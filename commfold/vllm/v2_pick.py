@@ -26,7 +26,7 @@ import weakref
 
 import torch
 
-from commfold.vllm import sampled_pick, step_log
+from commfold.vllm import sampled_pick, shard_grammar, step_log
 from commfold.vllm.decision import V2Step, decide_v2, verify_method
 from commfold.vllm.logits_head import LogitsHead
 
@@ -85,7 +85,15 @@ def step_of(sampler, input_batch, vocab: int = 0) -> V2Step:
         trace_replay=getattr(sampler, "trace_replay_state", None) is not None,
         sampling_mask=bool(getattr(sampler, "return_sampling_mask", False)),
         nan_check=bool(getattr(sampler, "compute_nans", False)),
-        processing=processing_of(sampler, idx))
+        processing=processing_of(sampler, idx), stop_restore=stop_restore(sampler, idx))
+
+
+def stop_restore(sampler, idx) -> bool:
+    """Whether V2's logit-bias kernel may restore stop tokens for a request of `idx`
+    (min_tokens on a structured-output request: ``restore_when_all_masked``)."""
+    bias = sampled_pick._state(sampler, "LogitBiasState")
+    flags = getattr(bias, "restore_when_all_masked", None)
+    return flags is not None and bool(flags.np[idx].any())
 
 
 _PROCESSORS = {"PenaltiesState": "penalties", "LogitBiasState": "logit_bias",
@@ -141,6 +149,8 @@ def decide_step(sampler, rejection_sampler, spec_config, input_batch, structured
     mode, why = decide_v2(step_of(sampler, input_batch, vocab), spec=spec,
                           structured=structured, verify=verify)
     if mode in SAMPLED and (moved := sampled_pick.refusal()) is not None:
+        return None, moved
+    if mode is not None and structured and (moved := shard_grammar.refusal()) is not None:
         return None, moved
     return mode, why
 
