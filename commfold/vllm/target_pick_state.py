@@ -95,12 +95,15 @@ def install() -> None:
     (once per process; a state class's own override is never touched)."""
     from vllm.v1.worker.gpu.model_states.interface import ModelState
 
-    from vllm.v1.worker.gpu.structured_outputs import StructuredOutputsWorker
-
     for name, make in (("__init__", _init), ("custom_sampler", _custom_sampler),
                        ("compute_sample_logits", _compute_sample_logits)):
         hook_points.wrap(ModelState, name, make, KEY)
-    hook_points.wrap(StructuredOutputsWorker, "apply_grammar_bitmask", _grammar, KEY)
+    try:  # where it moved, structured steps keep vLLM's logits (shard_grammar.refusal)
+        from vllm.v1.worker.gpu.structured_outputs import StructuredOutputsWorker
+
+        hook_points.wrap(StructuredOutputsWorker, "apply_grammar_bitmask", _grammar, KEY)
+    except (ImportError, AttributeError):
+        log.info("commfold: V2's StructuredOutputsWorker.apply_grammar_bitmask not found")
 
 
 def uninstall() -> None:
@@ -162,6 +165,7 @@ class StatePick:
         self.spec_config = spec_config
         self.decided: _Step | None = None  # preprocess_state -> compute_sample_logits
         self.shard = None  # (tensor, step): compute_sample_logits -> the samplers
+        self.given_back = None  # the step's masked full logits where grammar() gave it up
         _picks.add(self)
 
     def decide(self, input_batch) -> None:
@@ -179,6 +183,7 @@ class StatePick:
     def logits(self, hidden, vllms):
         """This rank's shard on a step decided for commfold, else vllms()."""
         step, self.decided, self.shard = self.decided, None, None
+        self.given_back = None
         if self.head is None:
             mode, why = None, "no target pick head for this model"
         elif step is None:
@@ -201,16 +206,20 @@ class StatePick:
         return shard
 
     def grammar(self, apply_bitmask, input_batch, request_ids, bitmask) -> None:
-        """V2's grammar bitmask on the held shard (commfold.vllm.shard_grammar); a
-        batch not decided as structured is decided again with it, and a step that then
-        stays vLLM's is marked so (its masked shard gathered for vLLM's samplers)."""
+        """V2's grammar bitmask (apply_bitmask: V2's method) on the held shard
+        (commfold.vllm.shard_grammar). A batch not decided as structured is decided
+        again with it; a step that then stays vLLM's is gathered here and masked by
+        V2's method as V2 masks it, for vLLM's samplers (every rank alike)."""
         shard, step = self.shard
         if not step.batch.has_structured_output_reqs:
             mode, why = v2_pick.decide_step(self.sampler, self.rejection_sampler,
                                             self.spec_config, step.batch, structured=True,
                                             vocab=self.head.vocab)
-            if mode != step.mode:
+            if mode is None:
+                self.given_back = self.head.gather(shard)
+                apply_bitmask(self.given_back, input_batch, request_ids, bitmask)
                 self.shard = (shard, _Step(step.batch, None, why))
+                return
         shard_grammar.apply(apply_bitmask, self.head, shard, input_batch, request_ids,
                             bitmask)
 
@@ -218,12 +227,15 @@ class StatePick:
         """The SamplerOutput for `logits`: commfold's when they are the shard of the
         step decided on, else vllms(full logits)."""
         held, self.shard = self.shard, None
+        full, self.given_back = self.given_back, None
         if held is None or logits is not held[0]:
             return vllms(logits)
         shard, step = held
-        if input_batch is not step.batch or step.mode is None:
-            why = step.why if step.mode is None else "another batch than the one decided on"
-            step_log.note("target_pick", f"vLLM ({why})")
+        if full is not None:  # given up with the grammar bitmask (grammar())
+            step_log.note("target_pick", f"vLLM ({step.why})")
+            return vllms(full)
+        if input_batch is not step.batch:
+            step_log.note("target_pick", "vLLM (another batch than the one decided on)")
             return vllms(self.head.gather(shard))
         with step_log.phase("sampling"):
             return v2_pick.pick(self.sampler, self.rejection_sampler, self.head, shard,
