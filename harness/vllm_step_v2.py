@@ -111,10 +111,15 @@ def runner(model, vocab: int, params: list, steps: int, logprobs_mode: str = "ra
 
 def grammar_worker(vocab: int, query_len: int):
     """V2's StructuredOutputsWorker, built as the runner builds it (up to vLLM 0.33
-    it also takes the bonus tokens per step: one)."""
+    it also takes the bonus tokens per step: one). Its module's PIN_MEMORY is set
+    False, as vLLM's CPU platform has it: the release tier's vLLM (a CUDA wheel)
+    resolves no platform in these ranks and would pin the bitmask's row mapping."""
     import inspect
 
+    from vllm.v1.worker.gpu import structured_outputs
     from vllm.v1.worker.gpu.structured_outputs import StructuredOutputsWorker
+
+    structured_outputs.PIN_MEMORY = False
 
     kw = dict(max_num_logits=MAX_REQS * query_len, vocab_size=vocab,
               device=torch.device("cpu"), mask_stride=query_len)
