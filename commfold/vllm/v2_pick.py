@@ -91,9 +91,8 @@ def step_of(sampler, input_batch, vocab: int = 0) -> V2Step:
 def stop_restore(sampler, idx) -> bool:
     """Whether V2's logit-bias kernel may restore stop tokens for a request of `idx`
     (min_tokens on a structured-output request: ``restore_when_all_masked``)."""
-    bias = sampled_pick._state(sampler, "LogitBiasState")
-    flags = getattr(bias, "restore_when_all_masked", None)
-    return flags is not None and bool(flags.np[idx].any())
+    return any(bool(p.restore_when_all_masked.np[idx].any()) for p in sampler.logits_processors
+               if type(p).__name__ == "LogitBiasState")
 
 
 _PROCESSORS = {"PenaltiesState": "penalties", "LogitBiasState": "logit_bias",
