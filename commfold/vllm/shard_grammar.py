@@ -13,9 +13,9 @@ masked row's columns bit for bit, and V2's greedy argmax / Gumbel draw over it i
 what commfold.vllm.sampled_pick and local_argmax repeat. No collective.
 
 What stays vLLM's (commfold.vllm.decision.structured_refusal): structured output under
-spec decoding (V2 hands its rejection sampler the drafts verified against a
-permissive row), and min_tokens on a structured-output request (V2's logit-bias
-kernel restores the stop tokens of a row the grammar masked whole: a whole-row test).
+spec decoding (V2's verification of drafts against the grammar's rows), and min_tokens
+on a structured-output request (V2's logit-bias kernel restores the stop tokens of a
+row the grammar masked whole: a whole-row test).
 """
 from __future__ import annotations
 

@@ -18,14 +18,14 @@ before the logits exist, in a wrapper around the state's ``preprocess_state(inpu
 structured-output grammar bitmask to what compute_sample_logits returned: V2's
 ``StructuredOutputsWorker.apply_grammar_bitmask`` is wrapped so that, given a shard
 commfold returned, it masks the shard's columns with the bitmask re-packed for them
-(commfold.vllm.shard_grammar); a batch is decided as structured from
+(commfold.vllm.shard_grammar). A batch is decided as structured from
 ``has_structured_output_reqs`` (which vLLM's scheduler sets for every step it gives a
-grammar bitmask), and a bitmask reaching a shard of a batch decided otherwise sends
-the masked shard, gathered, to vLLM where the decision with it says so. The proxies
-know the shard by identity: any
-other logits (vLLM's dummy sampler run, a step left to vLLM) go to vLLM's sampler
-untouched; a shard reaching them with another batch than the one decided on (a
-context-parallel batch restored for sampling) is gathered and given to vLLM.
+grammar bitmask); a bitmask reaching the shard of a batch decided otherwise decides it
+again, and a step that then stays vLLM's is gathered and masked by V2's method on the
+full row. The proxies know the shard by identity: any other logits (vLLM's dummy
+sampler run, a step left to vLLM) go to vLLM's sampler untouched; a shard reaching
+them with another batch than the one decided on (a context-parallel batch restored
+for sampling) is gathered and given to vLLM.
 
 Acts only where the model's state keeps the base methods: a state class that
 overrides ``compute_sample_logits`` or ``custom_sampler`` (a diffusion state), a

@@ -16,6 +16,9 @@ RejectionSampler for a step commfold.vllm.decision.decide_v2 qualifies.
   drawn as V2's Gumbel kernel draws it (commfold.vllm.sampled_pick), logprobs of the
   drawn token scored as above from the raw or the processed shard.
 
+Structured output: the hooks mask the shard with the step's grammar bitmask first
+(commfold.vllm.shard_grammar), so every mode above reads V2's masked logits.
+
 NaN: a step whose gathered maxima hold NaN (the same on every rank) is gathered and
 given to V2's own samplers, so its token is V2's whatever rule V2's kernels apply to
 NaN (``vllm_samplers``).
