@@ -192,14 +192,10 @@ def test_v2_steps_that_stay_vllms(change, why):
     assert mode is None and reason.startswith(why), reason
     assert decide_v2(GREEDY_V2, spec=False, structured=False) == ("greedy", "all greedy")
     # structured output: its bitmask on the shards (commfold.vllm.shard_grammar), except
-    # under spec decoding or with min_tokens on a structured request
+    # under spec decoding
     assert decide_v2(GREEDY_V2, spec=False, structured=True) == ("greedy", "all greedy")
     mode, reason = decide_v2(GREEDY_V2, spec=True, structured=True, verify="standard")
     assert mode is None and reason.startswith("structured output under spec"), reason
-    restore = dataclasses.replace(GREEDY_V2, stop_restore=True)
-    for structured in (False, True):
-        mode, reason = decide_v2(restore, spec=False, structured=structured)
-        assert mode is None and reason.startswith("min_tokens with structured"), reason
 
 
 @pytest.mark.parametrize("change,want", [

@@ -5,10 +5,11 @@ hook (V2's worker masking each rank's shard with the bitmask re-packed for it, t
 the local pick or draw), on 2 gloo ranks (4 under -m slow: shards starting inside a
 32-token word): the same tokens bit for bit, the same logprobs ids, the pick's usual
 collectives and no vocab-wide gather. Bitmasks at random, rows masked whole, rows
-allowing one shard or three tokens, bits past the vocab set; what stays vLLM's
-(structured output under spec decoding, min_tokens on a structured request) keeps
-vLLM's path with the reason. V2's grammar kernel runs in Triton's interpreter with
-harness.triton_cpu's int1 comparisons (without them V2's own run fails)."""
+allowing one shard or three tokens, bits past the vocab set, min_tokens on structured
+requests (V2 restores the stop tokens of a row masked whole: one all-gather of the row
+maxima); structured output under spec decoding keeps vLLM's path with the reason.
+V2's grammar kernel runs in Triton's interpreter with harness.triton_cpu's int1
+comparisons (without them V2's own run fails)."""
 from __future__ import annotations
 
 import pytest
@@ -37,7 +38,14 @@ def _check(results):
                 assert gathers <= 1 if case.get("whole") is None else gathers == 0, where
                 min_p = mode.startswith("sample") and any(
                     p.get("min_p") and p.get("temperature", 1.0) for p in _rows(case))
-                assert r["calls"] == BASE[mode] + min_p + gathers, (where, r["calls"])
+                # the row maxima for V2's stop-token restore (a structured request's
+                # min_tokens)
+                restore = any(p.get("min_tokens") and p.get("structured_outputs")
+                              for p in _rows(case))
+                assert r["calls"] == BASE[mode] + min_p + restore + gathers, (
+                    where, r["calls"])
+                assert all(r["ours"][i][0] in STOPS for i in case.get("restored", ())), \
+                    (where, r["ours"])
             else:  # vLLM's path, the note saying why
                 assert r["notes"][-1].startswith("vLLM ("), (where, r["notes"])
                 assert mode in r["notes"][-1], (where, r["notes"])
@@ -58,6 +66,7 @@ def _rows(case) -> list[dict]:
 
 T = dict(temperature=0.8, seed=7)
 JSON = dict(json={"type": "integer"})
+STOPS = [5, V // 2 + 1, V - 1]  # the tokens of harness.vllm_step_v2's "few" rows
 CASES = [
     # greedy: bits at random, a row masked whole, a row allowing one shard only
     dict(vocab=V, dtype="float32", seed=1, ties=True, rows=3, mode="greedy",
@@ -83,13 +92,26 @@ CASES = [
     # a NaN column the grammar allows: gathered (masked) and given to V2
     dict(vocab=V, dtype="float32", seed=7, ties=True, rows=2, mode="NaN", params=T,
          nan_column=5, grammar=dict(reqs=[0, 1], rows=["all", "few"])),
+    # min_tokens on structured requests: V2 masks the stop tokens, then restores them
+    # where the whole row is -inf ("few": the grammar allows only the stop tokens, on
+    # both shards; "none": nothing to restore; "random": the row keeps other tokens)
+    dict(vocab=V, dtype="float32", seed=8, ties=True, rows=3, mode="sample",
+         row_params=[dict(temperature=0.8, seed=2, min_tokens=4, stop_token_ids=STOPS,
+                          structured_outputs=JSON),
+                     dict(temperature=0.0),
+                     dict(temperature=1.0, seed=3, min_tokens=4, stop_token_ids=[5, 900],
+                          structured_outputs=JSON)],
+         grammar=dict(reqs=[0, 2], rows=["few", "random"], density=0.3),
+         restored=[0]),  # rows whose token is a restored stop token
+    dict(vocab=V, dtype="bfloat16", seed=10, ties=False, rows=3, mode="sample",
+         row_params=[dict(temperature=0.0, min_tokens=3, stop_token_ids=STOPS,
+                          structured_outputs=JSON, logit_bias={751: 3.0}),
+                     dict(temperature=0.0, min_tokens=3, stop_token_ids=STOPS,
+                          structured_outputs=JSON),
+                     dict(temperature=0.5, seed=4, min_tokens=1, stop_token_ids=STOPS,
+                          structured_outputs=JSON)],
+         grammar=dict(reqs=[0, 1, 2], rows=["few", "none", "few"]), restored=[0]),
     # left to vLLM, with the reason
-    dict(vocab=V, dtype="float32", seed=8, ties=True, rows=2, mode="min_tokens with "
-         "structured output", row_params=[dict(temperature=0.8, seed=2, min_tokens=4,
-                                               stop_token_ids=[5, 900],
-                                               structured_outputs=JSON),
-                                          dict(temperature=0.0)],
-         grammar=dict(reqs=[0], rows=["random"])),
     dict(vocab=V, dtype="bfloat16", seed=9, ties=True, drafts=[[1, 2], [3]], accept=True,
          mode="structured output under spec decoding",
          grammar=dict(reqs=[0, 1], rows=["random", "all"], density=0.9)),

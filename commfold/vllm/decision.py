@@ -178,8 +178,6 @@ class V2Step:
     # the logits processing the step's requests ask for (``processing_of``): kinds
     # in SAMPLED_LOCAL run on the shard, every other keeps the step vLLM's
     processing: tuple[str, ...] = ()
-    # a request with min_tokens and structured output (V2's restore_when_all_masked)
-    stop_restore: bool = False
 
 
 # V2's processing of a sampled step that commfold.vllm.sampled_pick does on a shard
@@ -202,7 +200,7 @@ def decide_v2(step: V2Step, *, spec: bool, structured: bool,
     commfold.vllm.sampled_pick - when all its processing is in SAMPLED_LOCAL and it is
     no spec-decode step. Structured output: its bitmask applied on the shards first,
     unless ``structured_refusal`` says why not."""
-    refusal = structured_refusal(structured, spec, step.stop_restore) or \
+    refusal = structured_refusal(structured, spec) or \
         step_refusal(False, step.nan_check, spec, verify)
     if refusal is not None:
         return None, refusal
@@ -235,15 +233,10 @@ def decide_v2(step: V2Step, *, spec: bool, structured: bool,
     return ("verify" if spec else "greedy"), "all greedy"
 
 
-def structured_refusal(structured: bool, spec: bool, stop_restore: bool) -> str | None:
+def structured_refusal(structured: bool, spec: bool) -> str | None:
     """Why a V2 step stays vLLM's for structured output (None: its grammar bitmask is
     applied on the shards, commfold.vllm.shard_grammar, and the step decided as any
-    other). stop_restore: a request with min_tokens and structured output, whatever
-    this step's bitmask - V2's logit-bias kernel then restores its stop tokens where
-    the whole row is -inf."""
-    if stop_restore:
-        return ("min_tokens with structured output (V2 restores the stop tokens of a "
-                "row masked whole: reads the whole row)")
+    other)."""
     if structured and spec:
         return "structured output under spec decoding (V2's verification)"
     return None

@@ -13,9 +13,9 @@ masked row's columns bit for bit, and V2's greedy argmax / Gumbel draw over it i
 what commfold.vllm.sampled_pick and local_argmax repeat. No collective.
 
 What stays vLLM's (commfold.vllm.decision.structured_refusal): structured output under
-spec decoding (V2's verification of drafts against the grammar's rows), and min_tokens
-on a structured-output request (V2's logit-bias kernel restores the stop tokens of a
-row the grammar masked whole: a whole-row test).
+spec decoding (V2's verification of drafts against the grammar's rows). min_tokens on
+a structured-output request, whose stop tokens V2 restores on a row the grammar masked
+whole, is commfold.vllm.stop_restore's.
 """
 from __future__ import annotations
 
@@ -87,3 +87,4 @@ def apply(apply_bitmask, head: LogitsHead, shard: torch.Tensor, input_batch,
     if n:
         apply_bitmask(shard[:, :n], input_batch, request_ids, shard_mask(bitmask, start, n))
     step_log.note("grammar", NOTE)
+

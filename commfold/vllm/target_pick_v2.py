@@ -24,8 +24,8 @@ from the shard with V2's own Gumbel noise: commfold.vllm.sampled_pick). Prompt l
 ``compute_prompt_logprobs_with_chunking``, after ``sample``: k <= 20, 64 k <= vocab)
 are scored the same way per chunk of prompt positions (decide_v2_prompt), in both
 sets. A structured-output step is any of these after its grammar bitmask is applied
-to the shard by V2's own method (commfold.vllm.shard_grammar; not under spec decoding,
-nor with min_tokens on a structured request). Anything else, and batch-sharded
+to the shard by V2's own method (commfold.vllm.shard_grammar; not under spec
+decoding). Anything else, and batch-sharded
 sampling unless the step qualifies (up to 0.33 commfold's pick moves 16 bytes per row
 from each peer, its all-to-all a row's whole vocab shard; from 0.34 its all-to-all
 runs before any extension point, so batch-sharded sampling is left alone), runs V2's

@@ -88,14 +88,7 @@ def step_of(sampler, input_batch, vocab: int = 0) -> V2Step:
         trace_replay=getattr(sampler, "trace_replay_state", None) is not None,
         sampling_mask=bool(getattr(sampler, "return_sampling_mask", False)),
         nan_check=bool(getattr(sampler, "compute_nans", False)),
-        processing=processing_of(sampler, idx), stop_restore=stop_restore(sampler, idx))
-
-
-def stop_restore(sampler, idx) -> bool:
-    """Whether V2's logit-bias kernel may restore stop tokens for a request of `idx`
-    (min_tokens on a structured-output request: ``restore_when_all_masked``)."""
-    return any(bool(p.restore_when_all_masked.np[idx].any()) for p in sampler.logits_processors
-               if type(p).__name__ == "LogitBiasState")
+        processing=processing_of(sampler, idx))
 
 
 _PROCESSORS = {"PenaltiesState": "penalties", "LogitBiasState": "logit_bias",
