@@ -58,6 +58,7 @@ def install() -> None:
     _argmax_of_all_nan()
     _range_of_tensors()
     _compute_units()
+    _comparisons_of_int1()
 
 
 def _argmax_of_all_nan() -> None:
@@ -132,6 +133,30 @@ def _compute_units() -> None:
 
     num_compute_units._cpu_threads = True  # type: ignore[attr-defined]
     interface.Platform.num_compute_units = classmethod(num_compute_units)
+def _comparisons_of_int1() -> None:
+    """Triton's interpreter gives a comparison's result the operands' element type
+    (``binary_op`` keeps ``lhs.dtype``) while its data is numpy bool; the language
+    says int1. Splatting such a scalar builds an array of the operands' type, so a
+    block mask made of a scalar comparison and a block one (V2's grammar bitmask
+    kernel, ``_apply_grammar_bitmask_kernel``: ``position_is_active & bitmask & ...``)
+    reached the store as int32 data, and the interpreter's store raised "mask has
+    unsupported dtype" - a JSON-schema request failed V2's engine without commfold.
+    Here every comparison's handle is int1, as compiled code has it."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    for name in [n for n in vars(builder) if n.startswith(("create_icmp", "create_fcmp"))]:
+        original = getattr(builder, name)
+        if getattr(original, "_int1", False):
+            continue
+
+        def compare(self, lhs, rhs, original=original):
+            out = original(self, lhs, rhs)
+            return interpreter.TensorHandle(out.data, tl.int1)
+
+        compare._int1 = True
+        setattr(builder, name, compare)
 
 
 def v2_engine_env() -> dict[str, str]:

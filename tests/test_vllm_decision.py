@@ -198,7 +198,11 @@ def test_v2_steps_that_stay_vllms(change, why):
     mode, reason = decide_v2(step, spec=False, structured=False)
     assert mode is None and reason.startswith(why), reason
     assert decide_v2(GREEDY_V2, spec=False, structured=False) == ("greedy", "all greedy")
-    assert decide_v2(GREEDY_V2, spec=False, structured=True) == (None, "structured output")
+    # structured output: its bitmask on the shards (commfold.vllm.shard_grammar), except
+    # under spec decoding
+    assert decide_v2(GREEDY_V2, spec=False, structured=True) == ("greedy", "all greedy")
+    mode, reason = decide_v2(GREEDY_V2, spec=True, structured=True, verify="standard")
+    assert mode is None and reason.startswith("structured output under spec"), reason
 
 
 @pytest.mark.parametrize("change,want", [

@@ -204,8 +204,10 @@ def decide_v2(step: V2Step, *, spec: bool, structured: bool,
     a sampled request or processed logits (greedy ones too: V2 draws every row of a
     step with one Gumbel kernel) is "sample" / "sample_logprobs" - the whole step,
     commfold.vllm.sampled_pick - when all its processing is in SAMPLED_LOCAL and it is
-    no spec-decode step."""
-    refusal = step_refusal(structured, step.nan_check, spec, verify)
+    no spec-decode step. Structured output: its bitmask applied on the shards first,
+    unless ``structured_refusal`` says why not."""
+    refusal = structured_refusal(structured, spec) or \
+        step_refusal(False, step.nan_check, spec, verify)
     if refusal is not None:
         return None, refusal
     if step.sampler != "Sampler":
@@ -253,6 +255,15 @@ def truncation_refusal(step: V2Step) -> str | None:
         return "top-k / top-p on unprocessed logits (greedy requests only)"
     if step.logprobs and step.logprobs_mode.startswith("processed"):
         return "processed logprobs after top-k / top-p (they read the cut's exact edge)"
+    return None
+
+
+def structured_refusal(structured: bool, spec: bool) -> str | None:
+    """Why a V2 step stays vLLM's for structured output (None: its grammar bitmask is
+    applied on the shards, commfold.vllm.shard_grammar, and the step decided as any
+    other)."""
+    if structured and spec:
+        return "structured output under spec decoding (V2's verification)"
     return None
 
 

@@ -8,7 +8,9 @@ shard's real columns, or needs one small exchange:
 
 - a float32 copy of the shard, as V2 copies the row, when a request needs processing;
 - logit_bias, allowed_token_ids, min_tokens: V2's ``apply_logit_bias`` kernel on the
-  shard, each request's token id lists cut to the shard's ids (as shard columns);
+  shard, each request's token id lists cut to the shard's ids (as shard columns); a
+  structured request's stop tokens restored on a row masked whole as V2 restores them
+  (commfold.vllm.stop_restore: one all-gather of the row maxima);
 - penalties: V2's ``apply_penalties`` kernel on the shard, its per-request statistics
   (output counts, the prompt's packed bit mask) sliced to the shard's columns - the
   bit mask re-packed when the shard does not start on a 32-token word;
@@ -36,7 +38,7 @@ from typing import NamedTuple
 import torch
 
 from commfold.distributed.collectives import communicator
-from commfold.vllm import hook_points, runtime, target_pick
+from commfold.vllm import hook_points, runtime, stop_restore, target_pick
 from commfold.vllm.hook_points import Pinned
 from commfold.vllm.logits_head import LogitsHead
 
@@ -211,8 +213,14 @@ def _process(sampler, buf, n_local: int, start: int, input_batch, comm) -> bool:
     mapping = input_batch.expanded_idx_mapping
     work = buf[:, :n_local]
     bias = _state(sampler, "LogitBiasState")
-    if n_local and bias is not None and np.any(bias.use_logit_bias[idx_np]):
-        _logit_bias(bias, work, start, input_batch)
+    if bias is not None and np.any(bias.use_logit_bias[idx_np]):
+        saved = work.clone() if stop_restore.restoring(bias, idx_np) else None
+        if n_local and saved is not None:  # the stop logits V2 may restore
+            _logit_bias(bias, saved, start, input_batch, stops=False)
+        if n_local:
+            _logit_bias(bias, work, start, input_batch)
+        if saved is not None:  # every rank alike (V2's per-request flags)
+            stop_restore.restore(bias, work, saved, start, input_batch, comm)
     penalties = sampler.penalties_state
     if n_local and np.any(penalties.use_penalty[idx_np]):
         from vllm.v1.worker.gpu.sample.penalties import apply_penalties
@@ -247,12 +255,13 @@ def _state(sampler, name: str):
     return next((p for p in sampler.logits_processors if type(p).__name__ == name), None)
 
 
-def _logit_bias(bias, work, start: int, input_batch) -> None:
+def _logit_bias(bias, work, start: int, input_batch, stops: bool = True) -> None:
     """V2's apply_logit_bias on this rank's columns: its allowed ids, biased ids and
     min_tokens stop ids kept per request where they fall in the shard, as shard
     columns. A request whose allowed ids all lie elsewhere gets the spare column
     past the shard (V2's kernel then masks every shard column, as on the full row).
-    V2's restore of all-masked rows (structured output only) is never asked here."""
+    stops=False: without min_tokens' stop ids (V2's restore of all-masked rows,
+    structured output with min_tokens: commfold.vllm.stop_restore)."""
     import numpy as np
 
     from vllm.v1.worker.gpu.sample.logit_bias import apply_logit_bias
@@ -265,6 +274,7 @@ def _logit_bias(bias, work, start: int, input_batch) -> None:
                                          slots, start, n, values=bias.logit_bias.gpu)
     stop_n, stop_ids, _ = shard_ids(bias.num_stop_token_ids.np, bias.stop_token_ids.gpu,
                                     slots, start, n)
+    stop_n = stop_n if stops else torch.zeros_like(stop_n)
     apply_logit_bias(work, input_batch.expanded_idx_mapping,
                      input_batch.positions[input_batch.logits_indices], allowed_n, allowed,
                      bias_n, bias_ids, values, bias.min_lens.gpu, stop_n,

@@ -16,6 +16,9 @@ RejectionSampler for a step commfold.vllm.decision.decide_v2 qualifies.
   drawn as V2's Gumbel kernel draws it (commfold.vllm.sampled_pick), logprobs of the
   drawn token scored as above from the raw or the processed shard.
 
+Structured output: the hooks mask the shard with the step's grammar bitmask first
+(commfold.vllm.shard_grammar), so every mode above reads V2's masked logits.
+
 NaN: a step whose gathered maxima hold NaN (the same on every rank) is gathered and
 given to V2's own samplers, so its token is V2's whatever rule V2's kernels apply to
 NaN (``vllm_samplers``).
@@ -26,7 +29,7 @@ import weakref
 
 import torch
 
-from commfold.vllm import sampled_pick, step_log
+from commfold.vllm import sampled_pick, shard_grammar, step_log
 from commfold.vllm.decision import V2Step, decide_v2, verify_method
 from commfold.vllm.logits_head import LogitsHead
 
@@ -175,6 +178,8 @@ def decide_step(sampler, rejection_sampler, spec_config, input_batch, structured
     mode, why = decide_v2(step_of(sampler, input_batch, vocab), spec=spec,
                           structured=structured, verify=verify)
     if mode in SAMPLED and (moved := sampled_pick.refusal()) is not None:
+        return None, moved
+    if mode is not None and structured and (moved := shard_grammar.refusal()) is not None:
         return None, moved
     return mode, why
 
