@@ -15,9 +15,12 @@ def check(results):
     case["any_reason"]: ... or for any top-k / top-p reason (generated cases)."""
     from harness.vllm_step_v2 import same_step
 
+    from commfold.vllm.shard_grammar import NOTE  # a grammar's bitmask, noted apart
+
     for res in results:
         for r in res:
             case, where = r["case"], same_step(r)
+            r = dict(r, notes=[n for n in r["notes"] if n != NOTE])
             mode = case["mode"]
             gathers, whole = r["ours_gathers"], case.get("whole", False)
             note = r["notes"][-1] if r["notes"] else ""

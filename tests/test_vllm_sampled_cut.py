@@ -36,6 +36,12 @@ CASES = [
                                 dict(temperature=0.6, seed=2), dict(temperature=0.0)]),
     dict(vocab=V, dtype="float32", seed=35, ties=False, rows=2, mode="sample_logprobs",
          scale=4.0, params=dict(temperature=0.8, seed=5, top_k=10, logprobs=3)),
+    # chat traffic: a JSON grammar's bitmask on the shards, then top-p / top-k
+    dict(vocab=V, dtype="bfloat16", seed=42, ties=False, rows=3, mode="sample", scale=5.0,
+         edge=True, grammar=dict(reqs=[0, 1], rows=["random", "few"], density=0.3),
+         row_params=[dict(temperature=0.7, seed=4, top_p=0.95),
+                     dict(temperature=0.9, seed=5, top_k=20, top_p=0.9),
+                     dict(temperature=1.0, seed=6, top_k=2)]),
     # integer logits full of ties at the k-th value: drawn, or given back at the edge
     dict(vocab=V, dtype="float32", seed=36, ties=True, rows=3, mode="sample", edge=True,
          params=dict(temperature=1.0, seed=9, top_k=4)),
