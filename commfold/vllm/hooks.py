@@ -12,7 +12,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 
-from commfold.vllm import draft, graph_passes, sampled_pick, step_log, target_pick
+from commfold.vllm import (draft, graph_passes, sampled_pick, shard_grammar, step_log,
+                           target_pick)
 from commfold.vllm import target_pick_v2
 from commfold.vllm.runtime import HookState, Runner, release
 
@@ -71,6 +72,8 @@ HOOKS: tuple[Hook, ...] = (
       for s in target_pick_v2.HOOK_SETS),
     Hook(sampled_pick.HOOK, 2, sampled_pick.POINTS, sampled_pick.state, sampled_pick.install,
          sampled_pick.uninstall, wraps=False),
+    Hook(shard_grammar.HOOK, 2, shard_grammar.POINTS, shard_grammar.state,
+         shard_grammar.install, shard_grammar.uninstall, wraps=False),
 )
 
 

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import torch
 
 from commfold.distributed.collectives import communicator
-from commfold.vllm import hook_points, step_log
+from commfold.vllm import hook_points, runtime, step_log, target_pick
 from commfold.vllm.hook_points import Pinned
 from commfold.vllm.logits_head import LogitsHead
 from commfold.vllm.sampled_pick import shard_bits
@@ -45,6 +46,25 @@ POINTS = (
      "self.structured_outputs_worker.apply_grammar_bitmask("),
 )
 NOTE = "bitmask on the shard"  # the step log's "grammar" entry for a masked shard
+HOOK = "target pick: structured output"
+
+
+def state(environ=os.environ, runner=None) -> runtime.HookState:
+    """Whether structured-output V2 steps can be masked on the shards (the target
+    pick's own switch, COMMFOLD_TARGET_PICK, turns them off with it)."""
+    off = None if target_pick.enabled(environ) else f"{target_pick.ENV}=0"
+    return runtime.gate(HOOK, off=off, missing=lambda: hook_points.missing(POINTS),
+                        environ=environ, runner=runner, version=2)
+
+
+def install(environ=os.environ, runner=None) -> bool:
+    """Nothing to wrap here (the V2 target pick's hook sets call apply()): logs the
+    one line."""
+    return state(environ, runner).log().on
+
+
+def uninstall() -> None:
+    """Nothing was wrapped."""
 
 log = logging.getLogger("commfold")
 
