@@ -198,7 +198,7 @@ def decide_v2(step: V2Step, *, spec: bool, structured: bool,
     a sampled request or processed logits (greedy ones too: V2 draws every row of a
     step with one Gumbel kernel) is "sample" / "sample_logprobs" - the whole step,
     commfold.vllm.sampled_pick - when all its processing is in SAMPLED_LOCAL and it is
-    no spec-decode step."""
+    no spec-decode step; under spec decoding "verify_sampled" (``verify_sampled``)."""
     refusal = step_refusal(structured, step.nan_check, spec, verify)
     if refusal is not None:
         return None, refusal
@@ -217,7 +217,7 @@ def decide_v2(step: V2Step, *, spec: bool, structured: bool,
                       "a thinking budget or a custom processor)")
     sampled = step.needs_processing or any(t != 0.0 for t in step.temperatures)
     if sampled and spec:
-        return None, "sampling (temperature > 0)"
+        return verify_sampled(step)
     if sampled:
         left = [SAMPLED_LEFT.get(p, p) for p in step.processing if p not in SAMPLED_LOCAL]
         if left:
@@ -229,6 +229,23 @@ def decide_v2(step: V2Step, *, spec: bool, structured: bool,
         return logprobs_mode_ok(step.num_logprobs, step.logprobs_mode, step.vocab, spec,
                                 V2_LOGPROB_MODES)
     return ("verify" if spec else "greedy"), "all greedy"
+
+
+# V2's processing of a sampled spec-decode step commfold.vllm.shard_verify does on a shard
+SPEC_LOCAL = ("temperature",)
+
+
+def verify_sampled(step: V2Step) -> tuple[str | None, str]:
+    """(mode, reason) for a spec-decode step with a sampled request (verification
+    already known "standard"): "verify_sampled" - V2's rejection sampling of the whole
+    step on the shards (commfold.vllm.shard_verify) - when its processing is in
+    SPEC_LOCAL and it wants no logprobs."""
+    left = [SAMPLED_LEFT.get(p, p) for p in step.processing if p not in SPEC_LOCAL]
+    if left:
+        return None, "sampled verification with logits processing: " + ", ".join(left)
+    if step.logprobs:
+        return None, "logprobs under spec decoding"
+    return "verify_sampled", "sampled: " + ", ".join(step.processing or ("no processing",))
 
 
 def sampled_logprobs(step: V2Step) -> tuple[str | None, str]:

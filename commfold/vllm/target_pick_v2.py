@@ -270,7 +270,9 @@ def _sample(original):
         with step_log.phase("sampling"):
             out = v2_pick.pick(self.sampler, self.rejection_sampler, head, shard,
                                input_batch, mode,
-                               lambda full: _vllm_samplers(self, full, input_batch))
+                               lambda full: _vllm_samplers(self, full, input_batch),
+                               getattr(getattr(self, "speculator", None), "draft_logits",
+                                       None))
         return out, out.num_sampled, out.num_rejected
     return sample
 

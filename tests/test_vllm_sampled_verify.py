@@ -1,0 +1,163 @@
+"""commfold's probabilistic verification of spec-decode steps with sampled requests on
+Model Runner V2 (commfold.vllm.shard_verify) against V2's own ``GPUModelRunner.sample``
+and RejectionSampler - V2's Triton kernels in Triton's interpreter - on 2 gloo ranks:
+the same step both ways must give the same sampled tokens (accepted drafts, the
+resampled token at the first rejection, the bonus token) and counts bit for bit, with
+one-hot drafts and with the drafter's cached logits, shard ends on and off V2's
+8192-column blocks; the collectives counted (no vocab-wide gather); what stays V2's
+keeps its path with the reason in the step log."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from harness.vllm_models import require_vllm_installed
+
+pytestmark = require_vllm_installed(group="module")
+
+ALIGNED = 32768  # shards of 16384 columns at TP=2: two whole 8192-column blocks each
+ODD = 20011  # padded to 20032, shards of 10016: block 1 straddles the ranks
+
+
+def _check(results):
+    from harness.vllm_step_v2 import same_step
+
+    for res in results:
+        for r in res:
+            case, where = r["case"], same_step(r)
+            if case["mode"] == "verify_sampled":
+                assert r["notes"] == ["verify_sampled"], where
+                assert r["ours_gathers"] == 0, where
+                aligned = case["vocab"] % (2 * 8192) == 0
+                # per-block stats, the resampled pair; the blocks' heads where a
+                # block runs past a shard
+                assert r["calls"] == 2 + (not aligned), (where, r["calls"])
+                assert r["bytes"] == _bytes(case), (where, r["bytes"])
+            else:
+                assert r["notes"][-1].startswith("vLLM ("), where
+                assert case["mode"] in r["notes"][-1], (where, r["notes"])
+
+
+def _bytes(case) -> int:
+    """What shard_verify.exchanged_bytes says a rank sends for the case's step."""
+    from commfold.vllm.shard_verify import exchanged_bytes
+
+    shard = -(-case["vocab"] // 64) * 64 // 2  # vLLM pads the vocab to 64
+    rows = sum(case["drafts"]) + len(case["drafts"])
+    item = 4 if case["dtype"] == "float32" else 2
+    return exchanged_bytes(rows, len(case["drafts"]), shard, case["vocab"], 2, item,
+                           case.get("draft_logits") is not None)
+
+
+T = dict(temperature=0.8, seed=7)
+CASES = [
+    # one-hot drafts, aligned blocks, mostly accepted / mostly rejected / mixed
+    dict(vocab=ALIGNED, dtype="float32", seed=1, ties=False, drafts=[3, 2],
+         row_params=[T, dict(temperature=1.0, seed=3)], draft_kind="top",
+         mode="verify_sampled"),
+    dict(vocab=ALIGNED, dtype="bfloat16", seed=2, ties=False, drafts=[3, 3, 1],
+         row_params=[T, dict(temperature=0.0), dict(temperature=1.5)],
+         draft_kind="mixed", mode="verify_sampled"),
+    # the drafter's cached logits (draft probabilities), shards off the blocks
+    dict(vocab=ODD, dtype="float32", seed=3, ties=False, drafts=[2, 3],
+         row_params=[T, dict(temperature=0.6, seed=11)], draft_logits=0.5,
+         draft_kind="top", mode="verify_sampled"),
+    dict(vocab=ODD, dtype="bfloat16", seed=4, ties=True, drafts=[3, 1, 2],
+         row_params=[dict(temperature=1.0, seed=5), dict(temperature=0.0),
+                     dict(temperature=0.9)], draft_logits=2.0, draft_kind="mixed",
+         mode="verify_sampled"),
+    dict(vocab=ALIGNED, dtype="float32", seed=5, ties=False, drafts=[2, 2],
+         row_params=[T, T], draft_logits=0.1, draft_kind="random", mode="verify_sampled"),
+    # the vocab's edges, -inf rows, a request whose drafts are placeholders
+    dict(vocab=ODD, dtype="float32", seed=6, ties=False, drafts=[2, 2],
+         row_params=[T, dict(temperature=1.2, seed=2)], draft_kind="edge",
+         neg_inf_rows=(1,), mode="verify_sampled"),
+    dict(vocab=ODD, dtype="float32", seed=7, ties=False, drafts=[2, 2],
+         row_params=[T, T], draft_kind="top", placeholder=1, draft_logits=0.3,
+         mode="verify_sampled"),
+    # NaN: gathered, V2's own; what stays V2's
+    dict(vocab=ALIGNED, dtype="float32", seed=8, ties=False, drafts=[2, 1],
+         row_params=[T, T], nan_column=20000, mode="NaN"),
+    dict(vocab=ODD, dtype="float32", seed=9, ties=False, drafts=[2],
+         row_params=[dict(temperature=0.8, min_p=0.1)], mode="min_p"),
+    dict(vocab=ODD, dtype="float32", seed=10, ties=False, drafts=[2],
+         row_params=[dict(temperature=0.8, logprobs=2)], mode="logprobs"),
+]
+
+
+def test_sampled_verification_equals_v2s(vllm_v2_ranks):
+    from harness.vllm_verify_v2 import verify_cases
+
+    results = vllm_v2_ranks.run(verify_cases, 2, CASES)
+    _check(results)
+    # the cases reach both outcomes: some drafts accepted, some rejected
+    accepted = [a for res in results for r in res for a in r["accepted"]]
+    assert 0 in accepted and any(a >= 2 for a in accepted), accepted
+
+
+ROW = st.fixed_dictionaries({
+    "temperature": st.sampled_from([0.0, 0.3, 0.8, 1.0, 1.7]),
+    "seed": st.one_of(st.none(), st.integers(-2**40, 2**40)),
+})
+
+
+@settings(max_examples=2, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(vocab=st.integers(8200, 24600), dtype=st.sampled_from(["float32", "bfloat16"]),
+       rows=st.lists(ROW, min_size=1, max_size=3), ties=st.booleans(),
+       seed=st.integers(0, 2**16), steps=st.lists(st.integers(1, 3), min_size=3, max_size=3),
+       noise=st.sampled_from([None, 0.2, 3.0]),
+       kind=st.sampled_from(["top", "random", "mixed", "edge"]))
+def test_sampled_verification_examples(vllm_v2_ranks, vocab, dtype, rows, ties, seed, steps,
+                                       noise, kind):
+    """Odd vocab sizes (block boundaries anywhere in the shards), temperatures, seeds
+    (and none: V2's numpy draw), greedy rows mixed in, one-hot and cached drafts."""
+    from harness.vllm_verify_v2 import verify_cases
+
+    sampled = any(r["temperature"] != 0.0 for r in rows)
+    case = dict(vocab=vocab, dtype=dtype, seed=seed, ties=ties, drafts=steps[:len(rows)],
+                row_params=rows, draft_logits=noise, draft_kind=kind,
+                mode="verify_sampled" if sampled else "verify")
+    results = vllm_v2_ranks.run(verify_cases, 2, [case])
+    if sampled:
+        _check(results)
+    else:  # all greedy: strict greedy verification, commfold's other mode
+        for r in results[0]:
+            assert r["ours"] == r["theirs"] and r["notes"] == ["verify"], r["case"]
+
+
+def test_decision_names_the_mode():
+    from commfold.vllm.decision import V2Step, decide_v2
+
+    step = V2Step(temperatures=(0.8, 0.0), top_k_or_p=False, needs_processing=True,
+                  logprobs=False, processing=("temperature",))
+    assert decide_v2(step, spec=True, structured=False, verify="standard")[0] == \
+        "verify_sampled"
+    for changed, why in ((dict(processing=("temperature", "min_p")), "min_p"),
+                         (dict(logprobs=True), "logprobs"),
+                         (dict(processing=("penalties",)), "penalties")):
+        mode, reason = decide_v2(V2Step(**{**step.__dict__, **changed}), spec=True,
+                                 structured=False, verify="standard")
+        assert mode is None and why in reason, reason
+    assert decide_v2(step, spec=True, structured=False, verify="block")[0] is None
+    assert decide_v2(step, spec=False, structured=False)[0] == "sample"
+
+
+@pytest.mark.parametrize("shard,vocab,world", [
+    (16384, 32768, 2), (10016, 20011, 2), (3000, 11000, 4), (8192, 8192, 1),
+    (65536 + 64, 128256, 2), (2000, 7999, 4)])
+def test_layout_covers_every_block_once(shard, vocab, world):
+    """Each 8192-column block is computed by one rank, from its own columns and the
+    heads the next ranks send."""
+    from commfold.vllm.shard_verify import BLOCK, Layout
+
+    lay = Layout(shard, vocab, world)
+    owned = [b for q in range(world) for b in range(lay.first[q], lay.first[q + 1])]
+    assert owned == list(range(-(-vocab // BLOCK)))
+    for q in range(world):
+        lo, hi = lay.span(q)
+        mine = max(0, min((q + 1) * shard, vocab) - lo)
+        later = sum(min(lay.need[p], max(0, hi - max(lo, p * shard)))
+                    for p in range(q + 1, world))
+        assert lo >= q * shard and (hi - lo <= mine or mine + later >= hi - lo), q
