@@ -69,10 +69,21 @@ CASES = [
          mode="verify_sampled"),
     dict(vocab=ALIGNED, dtype="float32", seed=5, ties=False, drafts=[2, 2],
          row_params=[T, T], draft_logits=0.1, draft_kind="random", mode="verify_sampled"),
+    # drafts the drafter's own distribution rates unlikely: rejected, resampled from
+    # the residual max(p - q, 0)
+    dict(vocab=ODD, dtype="float32", seed=11, ties=False, drafts=[3, 2, 2],
+         row_params=[T, dict(temperature=2.0, seed=4), dict(temperature=0.5)],
+         draft_logits=4.0, draft_kind="random", mode="verify_sampled"),
+    dict(vocab=ALIGNED, dtype="bfloat16", seed=12, ties=True, drafts=[2, 3],
+         row_params=[dict(temperature=1.0, seed=8), dict(temperature=1.3, seed=9)],
+         draft_logits=3.0, draft_kind="mixed", mode="verify_sampled"),
     # the vocab's edges, -inf rows, a request whose drafts are placeholders
     dict(vocab=ODD, dtype="float32", seed=6, ties=False, drafts=[2, 2],
          row_params=[T, dict(temperature=1.2, seed=2)], draft_kind="edge",
          neg_inf_rows=(1,), mode="verify_sampled"),
+    # a resampled row of -inf logits only: V2 draws token 0 (its first block's first)
+    dict(vocab=ODD, dtype="float32", seed=13, ties=False, drafts=[1, 2],
+         row_params=[T, T], draft_kind="random", neg_inf_rows=(0,), mode="verify_sampled"),
     dict(vocab=ODD, dtype="float32", seed=7, ties=False, drafts=[2, 2],
          row_params=[T, T], draft_kind="top", placeholder=1, draft_logits=0.3,
          mode="verify_sampled"),
@@ -94,6 +105,9 @@ def test_sampled_verification_equals_v2s(vllm_v2_ranks):
     # the cases reach both outcomes: some drafts accepted, some rejected
     accepted = [a for res in results for r in res for a in r["accepted"]]
     assert 0 in accepted and any(a >= 2 for a in accepted), accepted
+    # a draft rejected against the drafter's logits (the residual resampled)
+    assert any(a < n for res in results for r in res if r["case"].get("draft_logits")
+               for a, n in zip(r["accepted"], r["case"]["drafts"])), accepted
 
 
 ROW = st.fixed_dictionaries({
@@ -146,18 +160,40 @@ def test_decision_names_the_mode():
 
 @pytest.mark.parametrize("shard,vocab,world", [
     (16384, 32768, 2), (10016, 20011, 2), (3000, 11000, 4), (8192, 8192, 1),
-    (65536 + 64, 128256, 2), (2000, 7999, 4)])
-def test_layout_covers_every_block_once(shard, vocab, world):
+    (64128, 128256, 2), (75968, 151936, 2), (2000, 7999, 4), (5000, 40000, 8)])
+def test_each_block_is_assembled_whole_once(shard, vocab, world):
     """Each 8192-column block is computed by one rank, from its own columns and the
-    heads the next ranks send."""
-    from commfold.vllm.shard_verify import BLOCK, Layout
+    heads the next ranks send (shard_verify._whole_blocks with an all-gather that
+    concatenates what each rank sends)."""
+    import torch
+
+    from commfold.vllm.shard_verify import BLOCK, Layout, _whole_blocks
 
     lay = Layout(shard, vocab, world)
     owned = [b for q in range(world) for b in range(lay.first[q], lay.first[q + 1])]
     assert owned == list(range(-(-vocab // BLOCK)))
+    row = torch.arange(world * shard, dtype=torch.float64)[None]
+    shards = [row[:, q * shard:(q + 1) * shard] for q in range(world)]
+
+    class Comm:
+        def __init__(self, rank):
+            self._rank = rank
+
+        def rank(self):
+            return self._rank
+
+        def world_size(self):
+            return world
+
+        def all_gather(self, x):
+            most = x.shape[1]
+            heads = [torch.zeros_like(x) for _ in range(world)]
+            for q in range(world):
+                heads[q][:, :lay.need[q]] = shards[q][:, :lay.need[q]]
+            assert most == max(lay.need)
+            return torch.cat(heads)
+
     for q in range(world):
         lo, hi = lay.span(q)
-        mine = max(0, min((q + 1) * shard, vocab) - lo)
-        later = sum(min(lay.need[p], max(0, hi - max(lo, p * shard)))
-                    for p in range(q + 1, world))
-        assert lo >= q * shard and (hi - lo <= mine or mine + later >= hi - lo), q
+        got = _whole_blocks(Comm(q), lay, shards[q])
+        assert got[0].tolist() == list(range(lo, hi)) if hi > lo else got.shape[1] == 0, q
