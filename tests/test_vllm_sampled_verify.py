@@ -160,14 +160,15 @@ def test_decision_names_the_mode():
 
 @pytest.mark.parametrize("shard,vocab,world", [
     (16384, 32768, 2), (10016, 20011, 2), (3000, 11000, 4), (8192, 8192, 1),
-    (64128, 128256, 2), (75968, 151936, 2), (2000, 7999, 4), (5000, 40000, 8)])
+    (64128, 128256, 2), (75968, 151936, 2), (2000, 7999, 4), (5000, 40000, 8),
+    (9000, 70000, 8), (70000, 139999, 2)])
 def test_each_block_is_assembled_whole_once(shard, vocab, world):
     """Each 8192-column block is computed by one rank, from its own columns and the
-    heads the next ranks send (shard_verify._whole_blocks with an all-gather that
-    concatenates what each rank sends)."""
+    heads / tails its neighbours send (shard_verify._whole_blocks with an all-gather
+    that concatenates what each rank sends); a split block costs its smaller part."""
     import torch
 
-    from commfold.vllm.shard_verify import BLOCK, Layout, _whole_blocks
+    from commfold.vllm.shard_verify import BLOCK, Layout, _whole_blocks, sent
 
     lay = Layout(shard, vocab, world)
     owned = [b for q in range(world) for b in range(lay.first[q], lay.first[q + 1])]
@@ -186,13 +187,11 @@ def test_each_block_is_assembled_whole_once(shard, vocab, world):
             return world
 
         def all_gather(self, x):
-            most = x.shape[1]
-            heads = [torch.zeros_like(x) for _ in range(world)]
-            for q in range(world):
-                heads[q][:, :lay.need[q]] = shards[q][:, :lay.need[q]]
-            assert most == max(lay.need)
-            return torch.cat(heads)
+            assert torch.equal(x, sent(lay, self._rank, shards[self._rank]))
+            return torch.cat([sent(lay, q, shards[q]) for q in range(world)])
 
+    if shard >= BLOCK:
+        assert lay.width() <= BLOCK // 2 * (2 if world > 2 else 1), lay.width()
     for q in range(world):
         lo, hi = lay.span(q)
         got = _whole_blocks(Comm(q), lay, shards[q])

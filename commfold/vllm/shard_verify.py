@@ -6,10 +6,11 @@ V2's ``rejection_sample`` works in vocab blocks. Each piece here is V2's own ker
 inputs that hold, wherever the kernel reads, the values V2's would hold:
 
 - stats: V2's ``_compute_local_logits_stats_kernel`` on this rank's 8192-column blocks
-  (the blocks whose first column this rank holds). A block running past the shard is
-  completed with its columns from the next ranks, which every rank sends as the head
-  of its shard (one all-gather, only where shard ends are not block-aligned: at most
-  8191 columns per row per rank); the kernel then sees every block whole and computes
+  (the blocks it holds most of). A block split by a shard end is completed with its
+  columns from the neighbouring ranks, which every rank sends as the head and tail of
+  its shard (one all-gather, only where shard ends are not block-aligned: at most
+  4096 columns per row per shard end, shards a block wide or more); the kernel then
+  sees every block whole and computes
   V2's per-block max, sum of exponentials, argmax (greedy rows) and the draft's;
 - one all-gather of those per-block values (24 bytes per block per row, 40 with
   draft logits) plus, per row, the target logit at the next draft token from the rank
@@ -101,26 +102,47 @@ def refusal(rejection_sampler) -> str | None:
 
 class Layout:
     """Which 8192-column blocks of the vocab each rank computes, and the columns it
-    needs from later ranks to do so - the same on every rank (shard size, vocab).
+    needs from its neighbours to do so - the same on every rank (shard size, vocab).
 
-    A block belongs to the rank holding its first column. ``need[q]``: how many
-    columns at the head of rank q's shard an earlier rank's block runs into."""
+    A block belongs to the rank holding most of its columns (the first such rank on a
+    tie), so a block split by a shard end costs the smaller part. ``head[p]`` /
+    ``tail[p]``: how many of rank p's first / last real columns another rank's blocks
+    run into."""
 
     def __init__(self, shard: int, vocab: int, world: int):
         self.shard, self.vocab, self.world = shard, vocab, world
         self.blocks = -(-vocab // BLOCK)
-        self.first = [min(-(-q * shard // BLOCK), self.blocks) for q in range(world)]
-        self.first.append(self.blocks)
-        self.need = []
+        owner = []
+        for b in range(self.blocks):
+            lo, hi = b * BLOCK, min((b + 1) * BLOCK, vocab)
+            held = [max(0, min(hi, (q + 1) * shard) - max(lo, q * shard))
+                    for q in range(world)]
+            owner.append(held.index(max(held)))  # non-decreasing in b
+        self.first = [sum(o < q for o in owner) for q in range(world)] + [self.blocks]
+        self.head, self.tail = [0] * world, [0] * world
         for q in range(world):
-            start, end = q * shard, min((q + 1) * shard, vocab)
-            reach = max([min(self.first[r + 1] * BLOCK, vocab) for r in range(q)
-                         if self.first[r + 1] > self.first[r]] + [start])
-            self.need.append(max(0, min(reach, end) - start))
+            lo, hi = self.span(q)
+            for p in range(world):
+                s, e = self.columns(p)
+                if p == q or min(hi, e) <= max(lo, s):
+                    continue
+                if p > q:
+                    self.head[p] = max(self.head[p], min(hi, e) - s)
+                else:
+                    self.tail[p] = max(self.tail[p], e - max(lo, s))
 
     def span(self, rank: int) -> tuple[int, int]:
         """The global columns [lo, hi) of this rank's blocks."""
         return self.first[rank] * BLOCK, min(self.first[rank + 1] * BLOCK, self.vocab)
+
+    def columns(self, rank: int) -> tuple[int, int]:
+        """The global columns [start, end) of this rank's real (unpadded) logits."""
+        start = rank * self.shard
+        return start, max(start, min(start + self.shard, self.vocab))
+
+    def width(self) -> int:
+        """The columns each rank sends in the exchange of heads and tails."""
+        return max(self.head) + max(self.tail)
 
 
 def verify(rejection_sampler, head: LogitsHead, shard: torch.Tensor, input_batch,
@@ -274,28 +296,42 @@ def verify(rejection_sampler, head: LogitsHead, shard: torch.Tensor, input_batch
 
 
 def _whole_blocks(comm, lay: Layout, shard: torch.Tensor) -> torch.Tensor:
-    """This rank's blocks [rows, hi - lo] of raw logits: its own columns and, where its
-    last block runs past the shard, the next ranks' heads (one all-gather of every
-    rank's head, lay.need wide, where any rank's is needed; the same on every rank)."""
+    """This rank's blocks [rows, hi - lo] of raw logits: its own columns and, where a
+    block runs past the shard, the neighbours' columns (one all-gather of every rank's
+    head and tail, where any is needed: the same on every rank)."""
     rank, world = comm.rank(), comm.world_size()
-    start = rank * lay.shard
     lo, hi = lay.span(rank)
-    mine = max(0, min(start + lay.shard, lay.vocab) - lo)
-    local = shard[:, lo - start:lo - start + mine] if mine > 0 else shard[:, :0]
-    most = max(lay.need)
-    if not most:
-        return local
-    head_cols = shard.new_zeros(shard.shape[0], most)
-    head_cols[:, :lay.need[rank]] = shard[:, :lay.need[rank]]
-    heads = comm.all_gather(head_cols).view(world, shard.shape[0], most)
-    parts, at = [local], lo + mine
-    for q in range(rank + 1, world):
-        take = min(hi - at, lay.need[q])
-        if take <= 0:
-            break
-        parts.append(heads[q, :, :take])
-        at += take
+    start, end = lay.columns(rank)
+    width = lay.width()
+    own = shard[:, max(lo, start) - start:max(min(hi, end), lo, start) - start]
+    if not width or hi <= lo:
+        return own if hi > lo else shard[:, :0]
+    got = comm.all_gather(sent(lay, rank, shard)).view(world, shard.shape[0], width)
+    parts = []
+    for p in range(world):
+        s, e = lay.columns(p)
+        a, b = max(lo, s), min(hi, e)
+        if b <= a:
+            continue
+        if p == rank:
+            parts.append(own)
+        elif p < rank:  # p's tail: its columns [e - tail, e) end the buffer
+            parts.append(got[p, :, width - (e - a):width - (e - b)])
+        else:  # p's head: its columns [s, s + head) start the buffer
+            parts.append(got[p, :, a - s:b - s])
     return torch.cat(parts, dim=1)
+
+
+def sent(lay: Layout, rank: int, shard: torch.Tensor) -> torch.Tensor:
+    """What `rank` sends in the exchange: its first lay.head[rank] columns at the
+    front, its last lay.tail[rank] real columns at the back, zeros between."""
+    width, n, t = lay.width(), lay.head[rank], lay.tail[rank]
+    start, end = lay.columns(rank)
+    out = shard.new_zeros(shard.shape[0], width)
+    out[:, :n] = shard[:, :n]
+    if t:
+        out[:, width - t:] = shard[:, end - start - t:end - start]
+    return out
 
 
 def exchanged_bytes(rows: int, reqs: int, shard: int, vocab: int, world: int,
@@ -306,4 +342,4 @@ def exchanged_bytes(rows: int, reqs: int, shard: int, vocab: int, world: int,
     lay = Layout(shard, vocab, world)
     top = max(lay.first[q + 1] - lay.first[q] for q in range(world))
     k = 4 if draft_logits else 2
-    return rows * max(lay.need) * itemsize + rows * ((k + 2) * top + 2) * 4 + reqs * 16
+    return rows * lay.width() * itemsize + rows * ((k + 2) * top + 2) * 4 + reqs * 16
