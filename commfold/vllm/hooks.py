@@ -12,7 +12,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 
-from commfold.vllm import draft, graph_passes, sampled_pick, step_log, target_pick
+from commfold.vllm import draft, graph_passes, sampled_pick, shard_verify, step_log
+from commfold.vllm import target_pick
 from commfold.vllm import target_pick_v2
 from commfold.vllm.runtime import HookState, Runner, release
 
@@ -71,6 +72,9 @@ HOOKS: tuple[Hook, ...] = (
       for s in target_pick_v2.HOOK_SETS),
     Hook(sampled_pick.HOOK, 2, sampled_pick.POINTS, sampled_pick.state, sampled_pick.install,
          sampled_pick.uninstall, wraps=False),
+    # its kernels' arguments are vLLM 0.32's (0.33 and 0.34 changed them)
+    Hook(shard_verify.HOOK, 2, shard_verify.POINTS, shard_verify.state,
+         shard_verify.install, shard_verify.uninstall, until=(0, 33), wraps=False),
 )
 
 

@@ -42,11 +42,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import torch
 
 from commfold.distributed.collectives import communicator
-from commfold.vllm import hook_points
+from commfold.vllm import hook_points, runtime, target_pick
 from commfold.vllm.hook_points import Pinned
 from commfold.vllm.logits_head import LogitsHead
 
@@ -80,6 +81,23 @@ _SOURCES = {
     _S + "gumbel:gumbel_block_argmax": "5958185b8a498453",
 }
 POINTS = tuple((where, Pinned((("0.32.0", h),))) for where, h in _SOURCES.items())
+
+
+def state(environ=os.environ, runner=None) -> runtime.HookState:
+    """Whether sampled spec-decode steps can be verified on the shards (the target
+    pick's own switch, COMMFOLD_TARGET_PICK, turns it off with it)."""
+    off = None if target_pick.enabled(environ) else f"{target_pick.ENV}=0"
+    return runtime.gate(HOOK, off=off, missing=lambda: hook_points.missing(POINTS),
+                        environ=environ, runner=runner, version=2)
+
+
+def install(environ=os.environ, runner=None) -> bool:
+    """Nothing to wrap (the V2 target pick calls verify()): logs the one line."""
+    return state(environ, runner).log().on
+
+
+def uninstall() -> None:
+    """Nothing was wrapped."""
 
 
 @functools.cache  # vLLM's code does not change within a process
