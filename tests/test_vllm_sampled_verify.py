@@ -196,3 +196,20 @@ def test_each_block_is_assembled_whole_once(shard, vocab, world):
         lo, hi = lay.span(q)
         got = _whole_blocks(Comm(q), lay, shards[q])
         assert got[0].tolist() == list(range(lo, hi)) if hi > lo else got.shape[1] == 0, q
+
+
+@pytest.mark.parametrize("stride,last,eff,width,size", [
+    (20032, False, 20011, 8192, 8193),  # V2's vocab_size odd: ours too, past our block
+    (20032, True, 20011, 11819, 11819),  # our last block ends the vocab: eff's residue
+    (32768, False, 32768, 16384, 16384), (151936, False, 151936, 81920, 81920)])
+def test_the_stats_launch_is_specialized_as_v2s(stride, last, eff, width, size):
+    """V2's stats kernel on our blocks gets V2's row stride and a vocab_size dividing
+    by 16 exactly when V2's does (Triton compiles per divisibility)."""
+    import torch
+
+    from commfold.vllm.shard_verify import like_v2
+
+    whole = torch.arange(2 * width, dtype=torch.float32).view(2, width)
+    buf, got = like_v2(whole, stride, last, eff)
+    assert buf.stride(0) == stride and got == size and (got % 16 == 0) == (eff % 16 == 0)
+    assert torch.equal(buf[:, :width], whole)

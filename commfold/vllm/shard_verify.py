@@ -205,19 +205,22 @@ def verify(rejection_sampler, head: LogitsHead, shard: torch.Tensor, input_batch
     has_draft = draft_logits is not None
     ds0, ds1 = (draft_logits.stride(0), draft_logits.stride(1)) if has_draft else (0, 0)
 
-    local = processed(_whole_blocks(comm, lay, shard)).contiguous()
+    whole = processed(_whole_blocks(comm, lay, shard))
     nan_here = bool(target[:, :max(0, min(head.shard, eff - start))].isnan().any())
-    nb, width = lay.first[rank + 1] - lay.first[rank], hi - lo
+    nb = lay.first[rank + 1] - lay.first[rank]
     f32 = dict(dtype=torch.float32, device=device)
     t_arg = torch.zeros(rows, nb, dtype=torch.int64, device=device)
     stats = [torch.zeros(rows, nb, **f32) for _ in range(4)]  # target, draft max / sum
     if nb and rows:
         own_draft = draft_logits[:, :, lo:] if has_draft else None
         t_max, t_sum, d_max, d_sum = stats
+        # V2's logits: the gathered rows cut to the vocab, or its float32 copy
+        local, size = like_v2(whole, vocab if processing else head.shard * world,
+                              hi == eff, eff)
         ru._compute_local_logits_stats_kernel[(rows, nb)](
             t_arg, t_arg.stride(0), t_max, t_max.stride(0), t_sum, t_sum.stride(0),
             d_max, d_max.stride(0), d_sum, d_sum.stride(0), local, local.stride(0),
-            own_draft, ds0, ds1, mapping, local_pos, temp, width, steps,
+            own_draft, ds0, ds1, mapping, local_pos, temp, size, steps,
             BLOCK_SIZE=BLOCK, HAS_DRAFT_LOGITS=has_draft)
         t_arg += lo  # the kernel's ids count from the buffer's first column
 
@@ -311,6 +314,21 @@ def verify(rejection_sampler, head: LogitsHead, shard: torch.Tensor, input_batch
         vals.stride(0), world, cu, mapping, temp,
         PADDED_RESAMPLE_NUM_BLOCKS=triton.next_power_of_2(world))
     return sampled, num_sampled
+
+
+def like_v2(whole: torch.Tensor, stride: int, last: bool, eff: int):
+    """(buffer, vocab_size) for V2's stats kernel on this rank's blocks `whole`
+    [rows, width] as its launch on the full logits is compiled: Triton specializes a
+    kernel on whether its pointers and integer arguments divide by 16, and that can
+    change how a block's elements are spread over threads - the order of its sum. So
+    the buffer rows have V2's stride (blocks start at multiples of 8192: aligned as
+    V2's) and vocab_size V2's divisibility: `eff`'s. This rank's width ends at eff
+    (`last`: the same residue) or at a multiple of 8192; there, where eff does not
+    divide by 16, one column more - in the block past this rank's, never launched."""
+    rows, width = whole.shape
+    buf = whole.new_empty(rows, max(stride, width))
+    buf[:, :width] = whole
+    return buf, width if last or eff % 16 == 0 else width + 1
 
 
 def _whole_blocks(comm, lay: Layout, shard: torch.Tensor) -> torch.Tensor:
