@@ -10,7 +10,10 @@ greedy and vLLM's ``rejection_sample_method`` "standard" (the target's argmax mu
 equal the draft token). Every other method vLLM defines - "synthetic" (acceptance
 at configured rates), "block" (block verification), "fly" (FLy's lossy,
 entropy-gated acceptance, from vLLM 0.33), adaptive verification - and any method
-commfold does not know run vLLM's code.
+commfold does not know run vLLM's code. On Model Runner V2 a "standard" step with
+sampled requests is verified on the shards as V2's RejectionSampler verifies it
+("verify_sampled", commfold.vllm.shard_verify) when temperature is its only
+processing and it wants no logprobs.
 """
 from __future__ import annotations
 
