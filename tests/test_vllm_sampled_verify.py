@@ -8,6 +8,8 @@ one-hot drafts and with the drafter's cached logits, shard ends on and off V2's
 keeps its path with the reason in the step log."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -213,3 +215,58 @@ def test_the_stats_launch_is_specialized_as_v2s(stride, last, eff, width, size):
     buf, got = like_v2(whole, stride, last, eff)
     assert buf.stride(0) == stride and got == size and (got % 16 == 0) == (eff % 16 == 0)
     assert torch.equal(buf[:, :width], whole)
+
+
+def test_the_verification_is_pinned_to_this_vllms_kernels():
+    """Every V2 function verify() launches or repeats hashes to the source commfold
+    read for vLLM 0.32 (the hook row covers releases before 0.33)."""
+    from commfold.vllm import hook_points, hooks, shard_verify
+
+    assert hook_points.missing(shard_verify.POINTS) == []
+    assert shard_verify.refusal(SimpleNamespace(watermark_key=None)) is None
+    (row,) = [h for h in hooks.HOOKS if h.name == shard_verify.HOOK]
+    assert row.points == shard_verify.POINTS and row.until == (0, 33) and not row.wraps
+
+
+def test_a_moved_kernel_or_watermarks_keep_the_step_vllms(monkeypatch, caplog):
+    """A release whose kernel no pin matches refuses the mode (one warning, the reason
+    per step, from decide_step as the hooks call it); so does a watermarked
+    RejectionSampler."""
+    import logging
+
+    from commfold.vllm import shard_verify, v2_pick
+    from commfold.vllm.hook_points import Pinned
+
+    class RejectionSampler:  # what decide_step reads of V2's
+        watermark_key = None
+        use_block_verification = False
+
+    monkeypatch.setattr(v2_pick, "step_of", lambda *a, **k: None)
+    monkeypatch.setattr(v2_pick, "decide_v2",
+                        lambda *a, **k: ("verify_sampled", "sampled: temperature"))
+    batch = SimpleNamespace(num_reqs=2, num_draft_tokens=4)
+    spec = SimpleNamespace(rejection_sample_method="standard",
+                           enable_adaptive_verification=False)
+    rejection = RejectionSampler()
+
+    def decide():
+        return v2_pick.decide_step(object(), rejection, spec, batch, False, 4096)
+
+    assert decide() == ("verify_sampled", "sampled: temperature")
+    where, _ = shard_verify.POINTS[3]
+    moved = ((where, Pinned((("9.9.9", "0" * 16),))),)
+    monkeypatch.setattr(shard_verify, "POINTS", shard_verify.POINTS[:3] + moved
+                        + shard_verify.POINTS[4:])
+    shard_verify.moved.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, "commfold"):
+            first, again = decide(), decide()
+        assert first == again and first[0] is None and where in first[1], first
+        lines = [r.getMessage() for r in caplog.records if shard_verify.HOOK in r.getMessage()]
+        assert len(lines) == 1, lines
+    finally:
+        shard_verify.moved.cache_clear()
+    monkeypatch.setattr(shard_verify, "POINTS", shard_verify.POINTS[:3] +
+                        shard_verify.POINTS[4:])
+    rejection.watermark_key = 5
+    assert decide() == (None, "watermarked verification")
