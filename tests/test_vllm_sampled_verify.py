@@ -32,13 +32,23 @@ def _check(results):
                 assert r["notes"] == ["verify_sampled"], where
                 assert r["ours_gathers"] == 0, where
                 aligned = case["vocab"] % (2 * 8192) == 0
-                # per-block stats, the resampled pair; the blocks' heads where a
-                # block runs past a shard
-                assert r["calls"] == 2 + (not aligned), (where, r["calls"])
+                min_p = _min_p(case)
+                # per-block stats, the resampled pair; the split blocks' parts where
+                # a block runs past a shard; the row maxima for min_p
+                assert r["calls"] == 2 + (not aligned) + min_p, (where, r["calls"])
                 assert r["bytes"] == _bytes(case), (where, r["bytes"])
             else:
                 assert r["notes"][-1].startswith("vLLM ("), where
                 assert case["mode"] in r["notes"][-1], (where, r["notes"])
+
+
+def _min_p(case) -> bool:
+    """Whether V2 runs its min_p kernel on the step: it processes the logits (a sampled
+    request with a temperature other than 1 or with min_p) and a sampled request has
+    min_p."""
+    rows = [(p.get("temperature", 1.0), p.get("min_p", 0.0)) for p in case["row_params"]]
+    return any(t != 0.0 and (t != 1.0 or m) for t, m in rows) and \
+        any(m and t != 0.0 for t, m in rows)  # V2 keeps no min_p for a greedy request
 
 
 def _bytes(case) -> int:
@@ -49,7 +59,7 @@ def _bytes(case) -> int:
     rows = sum(case["drafts"]) + len(case["drafts"])
     item = 4 if case["dtype"] == "float32" else 2
     return exchanged_bytes(rows, len(case["drafts"]), shard, case["vocab"], 2, item,
-                           case.get("draft_logits") is not None)
+                           case.get("draft_logits") is not None, _min_p(case))
 
 
 T = dict(temperature=0.8, seed=7)
@@ -92,8 +102,15 @@ CASES = [
     # NaN: gathered, V2's own; what stays V2's
     dict(vocab=ALIGNED, dtype="float32", seed=8, ties=False, drafts=[2, 1],
          row_params=[T, T], nan_column=20000, mode="NaN"),
-    dict(vocab=ODD, dtype="float32", seed=9, ties=False, drafts=[2],
-         row_params=[dict(temperature=0.8, min_p=0.1)], mode="min_p"),
+    # min_p: V2's kernel on the shard with the row maximum over the ranks
+    dict(vocab=ODD, dtype="float32", seed=9, ties=False, drafts=[2, 3],
+         row_params=[dict(temperature=0.8, min_p=0.1), dict(temperature=1.0, seed=2)],
+         draft_logits=1.0, draft_kind="mixed", mode="verify_sampled"),
+    dict(vocab=ALIGNED, dtype="bfloat16", seed=14, ties=False, drafts=[3],
+         row_params=[dict(temperature=0.5, seed=6, min_p=0.3)], draft_kind="random",
+         mode="verify_sampled"),
+    dict(vocab=ODD, dtype="float32", seed=15, ties=False, drafts=[2],
+         row_params=[dict(temperature=0.8, presence_penalty=0.5)], mode="penalties"),
     dict(vocab=ODD, dtype="float32", seed=10, ties=False, drafts=[2],
          row_params=[dict(temperature=0.8, logprobs=2)], mode="logprobs"),
 ]
@@ -115,6 +132,7 @@ def test_sampled_verification_equals_v2s(vllm_v2_ranks):
 ROW = st.fixed_dictionaries({
     "temperature": st.sampled_from([0.0, 0.3, 0.8, 1.0, 1.7]),
     "seed": st.one_of(st.none(), st.integers(-2**40, 2**40)),
+    "min_p": st.sampled_from([0.0, 0.0, 0.05, 0.3]),
 })
 
 
@@ -150,7 +168,9 @@ def test_decision_names_the_mode():
                   logprobs=False, processing=("temperature",))
     assert decide_v2(step, spec=True, structured=False, verify="standard")[0] == \
         "verify_sampled"
-    for changed, why in ((dict(processing=("temperature", "min_p")), "min_p"),
+    assert decide_v2(V2Step(**{**step.__dict__, "processing": ("temperature", "min_p")}),
+                     spec=True, structured=False, verify="standard")[0] == "verify_sampled"
+    for changed, why in ((dict(processing=("temperature", "bad_words")), "bad_words"),
                          (dict(logprobs=True), "logprobs"),
                          (dict(processing=("penalties",)), "penalties")):
         mode, reason = decide_v2(V2Step(**{**step.__dict__, **changed}), spec=True,

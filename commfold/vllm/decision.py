@@ -12,8 +12,8 @@ at configured rates), "block" (block verification), "fly" (FLy's lossy,
 entropy-gated acceptance, from vLLM 0.33), adaptive verification - and any method
 commfold does not know run vLLM's code. On Model Runner V2 a "standard" step with
 sampled requests is verified on the shards as V2's RejectionSampler verifies it
-("verify_sampled", commfold.vllm.shard_verify) when temperature is its only
-processing and it wants no logprobs.
+("verify_sampled", commfold.vllm.shard_verify) when temperature and min_p are its
+only processing and it wants no logprobs.
 """
 from __future__ import annotations
 
@@ -235,7 +235,7 @@ def decide_v2(step: V2Step, *, spec: bool, structured: bool,
 
 
 # V2's processing of a sampled spec-decode step commfold.vllm.shard_verify does on a shard
-SPEC_LOCAL = ("temperature",)
+SPEC_LOCAL = ("temperature", "min_p")
 
 
 def verify_sampled(step: V2Step) -> tuple[str | None, str]:

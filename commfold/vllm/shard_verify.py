@@ -29,8 +29,10 @@ Draft probabilities: V2 reads the drafter's cached logits (``speculator.draft_lo
 [max_reqs, steps, vocab], written by V2's Gumbel kernel from the drafter's gathered
 logits: full-vocab and alike on every rank) or, without them, a one-hot draft; both
 are used as V2 uses them. Target logits are processed as V2 processes them before
-verifying (a float32 copy with V2's ``apply_temperature``) when a request asks for
-processing, and only temperature is taken here (decision.SPEC_LOCAL).
+verifying (a float32 copy with V2's ``apply_temperature``, then V2's min_p kernel on
+the columns and one more holding the row's maximum over all ranks: one all-gather of
+a float32 per row) when a request asks for processing; only temperature and min_p are
+taken here (decision.SPEC_LOCAL).
 
 A step whose shard holds NaN on any rank (a flag in the stats exchange), or whose
 resampled values do, returns None on every rank: the step is gathered and V2's
@@ -78,6 +80,9 @@ _SOURCES = {
     _R + "RejectionSampler._verify_in_chunks": "acb5a106c1116ff4",
     _S + "sampler:Sampler.apply_sampling_params": "916e3cbb9e097267",
     _S + "states:SamplingStates.apply_temperature": "ffe54d3d2d9d5175",
+    _S + "states:SamplingStates.apply_min_p": "c99c35f9cf0d0a5a",
+    _S + "min_p:apply_min_p": "eea404553e370af0",
+    _S + "min_p:_min_p_kernel": "49b881391668b33b",
     _S + "gumbel:gumbel_block_argmax": "5958185b8a498453",
 }
 POINTS = tuple((where, Pinned((("0.32.0", h),))) for where, h in _SOURCES.items())
@@ -183,17 +188,37 @@ def verify(rejection_sampler, head: LogitsHead, shard: torch.Tensor, input_batch
         input_batch.expanded_idx_mapping, input_batch.expanded_local_pos,
         sampler.req_states.prefill_len.gpu)
     mapping, local_pos = input_batch.expanded_idx_mapping, input_batch.expanded_local_pos
-    processing = bool(np.any(sampler.needs_logits_processing[input_batch.idx_mapping_np]))
+    idx_np = input_batch.idx_mapping_np
+    processing = bool(np.any(sampler.needs_logits_processing[idx_np]))
+    min_p = processing and not np.all(states.min_p.np[idx_np] == 0.0)
+    row_max = None  # min_p: the processed rows' maxima over every rank
 
     def processed(x: torch.Tensor) -> torch.Tensor:
-        """V2's processing of target logits (elementwise: any columns alike)."""
+        """V2's processing of target logits: elementwise (temperature; min_p given the
+        row maximum over all ranks), so any columns alike."""
         if not processing:
             return x
-        x = x.to(torch.float32, copy=True)  # V2's float32 copy, then its temperature
-        states.apply_temperature(x, mapping, input_batch.idx_mapping_np)
-        return x
+        buf = x.new_empty(x.shape[0], x.shape[1] + 1, dtype=torch.float32)
+        buf[:, :-1] = x  # V2's float32 copy, then its temperature
+        states.apply_temperature(buf[:, :-1], mapping, idx_np)
+        if row_max is not None:  # V2's min_p kernel, the row's maximum in one column
+            buf[:, -1] = row_max
+            apply_min_p(buf, mapping, states.min_p.gpu)
+        return buf[:, :-1]
 
-    target = processed(shard)
+    # this rank's real columns (no padding: V2's rows are cut to the vocab)
+    real = shard[:, :max(0, min(head.shard, head.vocab - rank * head.shard))]
+    target = processed(real)
+    if min_p:
+        from vllm.v1.worker.gpu.sample.min_p import apply_min_p
+
+        local_max = target.amax(-1) if target.shape[1] else \
+            target.new_full(target.shape[:1], float("-inf"))
+        maxima = comm.all_gather(local_max).view(world, -1)
+        if bool(maxima.isnan().any()):
+            return None
+        row_max = maxima.amax(0)
+        target = processed(real)
     rows, device = target.shape[0], target.device
     vocab = head.vocab  # V2's target_logits width
     eff = vocab if draft_logits is None else min(vocab, draft_logits.shape[-1])
@@ -371,11 +396,12 @@ def sent(lay: Layout, rank: int, shard: torch.Tensor) -> torch.Tensor:
 
 
 def exchanged_bytes(rows: int, reqs: int, shard: int, vocab: int, world: int,
-                    itemsize: int, draft_logits: bool) -> int:
+                    itemsize: int, draft_logits: bool, min_p: bool = False) -> int:
     """What one rank sends in verify()'s collectives for a step of `rows` logits rows
     and `reqs` requests (raw logits of `itemsize` bytes; vLLM's gather sends
-    rows * shard * itemsize)."""
+    rows * shard * itemsize); min_p: a request of the step uses it."""
     lay = Layout(shard, vocab, world)
     top = max(lay.first[q + 1] - lay.first[q] for q in range(world))
     k = 4 if draft_logits else 2
-    return rows * lay.width() * itemsize + rows * ((k + 2) * top + 2) * 4 + reqs * 16
+    return rows * lay.width() * itemsize + rows * ((k + 2) * top + 2 + min_p) * 4 + \
+        reqs * 16
