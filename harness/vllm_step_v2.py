@@ -103,9 +103,64 @@ def runner(model, vocab: int, params: list, steps: int, logprobs_mode: str = "ra
     return SimpleNamespace(
         model=model, sampler=sampler, rejection_sampler=rejection, batch_sharder=None,
         speculator=SimpleNamespace(draft_logits=None), speculative_config=spec,
-        structured_outputs_worker=None, vocab_size=vocab, lora_config=None,
+        structured_outputs_worker=grammar_worker(vocab, steps + 1), vocab_size=vocab,
+        lora_config=None,
         parallel_config=SimpleNamespace(pipeline_parallel_size=1),
         model_state=default_state(model, spec) if model_state else None)
+
+
+def grammar_worker(vocab: int, query_len: int):
+    """V2's StructuredOutputsWorker, built as the runner builds it (up to vLLM 0.33
+    it also takes the bonus tokens per step: one). Its module's PIN_MEMORY is set
+    False, as vLLM's CPU platform has it: the release tier's vLLM (a CUDA wheel)
+    resolves no platform in these ranks and would pin the bitmask's row mapping."""
+    import inspect
+
+    from vllm.v1.worker.gpu import structured_outputs
+    from vllm.v1.worker.gpu.structured_outputs import StructuredOutputsWorker
+
+    structured_outputs.PIN_MEMORY = False
+
+    kw = dict(max_num_logits=MAX_REQS * query_len, vocab_size=vocab,
+              device=torch.device("cpu"), mask_stride=query_len)
+    if "num_bonus_tokens" in inspect.signature(StructuredOutputsWorker).parameters:
+        kw["num_bonus_tokens"] = 1
+    return StructuredOutputsWorker(**kw)
+
+
+def grammar_output(case: dict, batch, worker):
+    """V2's GrammarOutput for case["grammar"] (None without): {"reqs": the requests
+    with a grammar, "rows": kinds of bitmask rows, cycled over the rows V2's `worker`
+    maps (up to vLLM 0.33: a request's drafts + 1; from 0.34: its mask stride) -
+    "random" (bits at random, the case's seed, "density" of them set), "none" (every
+    token masked), "low" (only tokens below vocab / 3: one shard), "few" (three
+    tokens across the vocab), "all"}; the bits past the vocab in the last word at
+    random too (V2 never reads them)."""
+    import itertools
+
+    from vllm.v1.core.sched.output import GrammarOutput
+
+    spec = case.get("grammar")
+    if spec is None:
+        return None
+    vocab = case["vocab"]
+    if hasattr(worker, "num_bonus_tokens"):
+        count = sum(int(batch.num_draft_tokens_per_req[r]) + 1 for r in spec["reqs"])
+    else:
+        count = len(spec["reqs"]) * worker.mask_stride
+    words = -(-vocab // 32)
+    g = torch.Generator().manual_seed(case["seed"] + 5)
+    rows = []
+    for kind in itertools.islice(itertools.cycle(spec["rows"]), count):
+        bits = torch.rand(words * 32, generator=g) < spec.get("density", 0.5)
+        allow = torch.arange(words * 32)
+        inside = {"random": bits, "none": torch.zeros_like(bits),
+                  "low": bits & (allow < vocab // 3), "all": torch.ones_like(bits),
+                  "few": torch.isin(allow, torch.tensor([5, vocab // 2 + 1, vocab - 1]))}[kind]
+        bits = torch.where(allow < vocab, inside, bits)
+        packed = (bits.view(words, 32).long() << torch.arange(32)).sum(-1)
+        rows.append(torch.where(packed >= 2**31, packed - 2**32, packed).int())
+    return GrammarOutput([f"r{i}" for i in spec["reqs"]], torch.stack(rows).numpy())
 
 
 def default_state(model, spec):
@@ -123,19 +178,21 @@ def default_state(model, spec):
     return state
 
 
-def hooked_sample(original, r, hidden, batch, case: dict | None = None):
+def hooked_sample(original, r, hidden, batch, case: dict | None = None, grammar=None):
     """V2's sample on runner `r` under the installed vLLM's hook set (its output).
+    grammar: V2's GrammarOutput of the step (grammar_output), None without.
     case (model state set only): "structured" - the batch holds a structured-output
-    request; "rebatch" - sample() gets another batch object than the one decided on
+    request (set with a grammar too, unless "unmarked"); "rebatch" - sample() gets
+    another batch object than the one decided on
     (as a context-parallel batch restored for sampling)."""
     import dataclasses
 
     from commfold.vllm import target_pick_state, target_pick_v2
 
     if target_pick_v2.hook_set() is target_pick_v2.HOOK_SETS[0]:
-        return target_pick_v2._sample(original)(r, hidden, batch, None)[0]
+        return target_pick_v2._sample(original)(r, hidden, batch, grammar)[0]
     case = case or {}
-    if case.get("structured"):
+    if case.get("structured") or (grammar is not None and not case.get("unmarked")):
         batch = dataclasses.replace(batch, has_structured_output_reqs=True)
     target_pick_state.install()
     try:
@@ -143,7 +200,7 @@ def hooked_sample(original, r, hidden, batch, case: dict | None = None):
         r.sampler, r.rejection_sampler = state.custom_sampler(r.sampler)  # at load
         decided = dataclasses.replace(batch) if case.get("rebatch") else batch
         state.preprocess_state(decided, None, None, None)  # in execute_model
-        return original(r, hidden, batch, None)[0]
+        return original(r, hidden, batch, grammar)[0]
     finally:
         target_pick_state.uninstall()
 
@@ -250,7 +307,6 @@ def step_cases(world: int, cases: list[dict]) -> list[dict]:
 
     triton_cpu.install()
     import vllm.v1.worker.cpu.shm  # noqa: F401  (what vLLM's CPU worker imports first)
-    from vllm import SamplingParams
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
     from commfold.vllm import step_log as vllm_comm_log
@@ -271,16 +327,15 @@ def step_cases(world: int, cases: list[dict]) -> list[dict]:
                    nan_column=case.get("nan_column"), tied=case.get("tied", False),
                    soft_cap=case.get("soft_cap"), neg_inf_rows=case.get("neg_inf_rows", ()))
         drafts = case.get("drafts") or [[] for _ in range(case["rows"])]
-        params = [SamplingParams(**p) for p in case["row_params"]] if "row_params" in case \
-            else [SamplingParams(**case.get("params", {}) or dict(temperature=0.0))
-                  for _ in drafts]
+        params = [_params(p) for p in case["row_params"]] if "row_params" in case \
+            else [_params(case.get("params", {}) or dict(temperature=0.0)) for _ in drafts]
         histories = _histories(case, len(drafts))
         steps = max(len(d) for d in drafts)
         batch = input_batch(drafts, case.get("placeholder"))
         if case.get("positions"):  # per request, added to its rows' positions
             batch.positions += torch.tensor(case["positions"])[batch.expanded_idx_mapping]
         h = vllm_step.hidden(batch.num_tokens, dtype, case["seed"] + 1, case["ties"],
-                             case.get("special"))
+                             case.get("special")) * case.get("scale", 1.0)
         if case.get("accept"):  # drafts from the target's argmax (some accepted)
             full = model.compute_logits(h).float().argmax(-1)
             ids = batch.input_ids
@@ -294,14 +349,15 @@ def step_cases(world: int, cases: list[dict]) -> list[dict]:
         theirs_runner = runner(model, case["vocab"], params, steps, mode, states, histories)
         np.random.seed(case["seed"])
         ours_runner = runner(model, case["vocab"], params, steps, mode, states, histories)
+        grammar = grammar_output(case, batch, theirs_runner.structured_outputs_worker)
         with record_collectives() as vllm_log:
-            theirs = original(theirs_runner, h, batch, None)[0]
+            theirs = original(theirs_runner, h, batch, grammar)[0]
         notes: list[str] = []
         note = vllm_comm_log.note
         vllm_comm_log.note = lambda key, value, notes=notes: notes.append(value)
         try:
             with record_collectives() as ours_log:
-                ours = hooked_sample(original, ours_runner, h, batch, case)
+                ours = hooked_sample(original, ours_runner, h, batch, case, grammar)
         finally:
             vllm_comm_log.note = note
         shard = model.head[0].weight.shape[0]
@@ -317,6 +373,15 @@ def step_cases(world: int, cases: list[dict]) -> list[dict]:
             ranks=_ranks(model.compute_logits(h[batch.logits_indices]), ours),
             score_diff=_score_diff(ours, theirs)))
     return out
+
+
+def _params(p: dict):
+    """SamplingParams(**p), a "structured_outputs" dict as vLLM's params object."""
+    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+    if isinstance(p.get("structured_outputs"), dict):
+        p = dict(p, structured_outputs=StructuredOutputsParams(**p["structured_outputs"]))
+    return SamplingParams(**p)
 
 
 def _histories(case: dict, reqs: int) -> list | None:

@@ -173,7 +173,14 @@ def test_each_method_on_model_runner_v2(release, method):
      "logits processing: a thinking"),
     (dict(temperatures=(0.0, 0.7), processing=("custom",)), "logits processing: a custom"),
     (dict(temperatures=(0.7,), logprobs=True, logprob_token_ids=True), "logprob_token_ids"),
-    (dict(top_k_or_p=True), "top-k / top-p"),
+    (dict(top_k_or_p=True), "top-k / top-p on unprocessed logits"),
+    (dict(top_k_or_p=True, needs_processing=True, processing=("top_p",),
+          fused_sampler=True), "top-k / top-p: V2 samples this step with its fused"),
+    (dict(top_k_or_p=True, needs_processing=True, processing=("top_p",),
+          split_top_p=True), "top-p: CUDA's split top-p kernels"),
+    (dict(temperatures=(0.8,), top_k_or_p=True, needs_processing=True,
+          processing=("top_k",), logprobs=True, num_logprobs=2, vocab=1280,
+          logprobs_mode="processed_logits"), "processed logprobs after top-k / top-p"),
     (dict(logprobs=True, logprob_token_ids=True), "logprob_token_ids"),
     (dict(logprobs=True, num_logprobs=21, vocab=151936), "logprobs=21 (local up to 20)"),
     (dict(logprobs=True, num_logprobs=20, vocab=1200), "logprobs=20 with vocab 1200 < 64 k"),
@@ -191,7 +198,11 @@ def test_v2_steps_that_stay_vllms(change, why):
     mode, reason = decide_v2(step, spec=False, structured=False)
     assert mode is None and reason.startswith(why), reason
     assert decide_v2(GREEDY_V2, spec=False, structured=False) == ("greedy", "all greedy")
-    assert decide_v2(GREEDY_V2, spec=False, structured=True) == (None, "structured output")
+    # structured output: its bitmask on the shards (commfold.vllm.shard_grammar), except
+    # under spec decoding
+    assert decide_v2(GREEDY_V2, spec=False, structured=True) == ("greedy", "all greedy")
+    mode, reason = decide_v2(GREEDY_V2, spec=True, structured=True, verify="standard")
+    assert mode is None and reason.startswith("structured output under spec"), reason
 
 
 @pytest.mark.parametrize("change,want", [
@@ -210,8 +221,9 @@ def test_v2_steps_that_stay_vllms(change, why):
 def test_v2_sampled_steps(change, want):
     """A step with a sampled request or processed logits is drawn whole from the
     shards when all its processing is local; under spec decoding V2's probabilistic
-    verification is taken ("verify_sampled") only with temperature its one processing
-    and no logprobs; top-k / top-p stay vLLM's."""
+    verification is taken ("verify_sampled") only with temperature and min_p its
+    processing, no top-k / top-p and no logprobs; with top-k / top-p too (the cut's
+    bounds, commfold.vllm.shard_top_k_top_p)."""
     import dataclasses
 
     from commfold.vllm.decision import SPEC_LOCAL
@@ -224,8 +236,38 @@ def test_v2_sampled_steps(change, want):
     if not local:
         assert why.startswith(("sampled verification with logits processing",
                                "logprobs under spec decoding")), why
-    topk = dataclasses.replace(step, top_k_or_p=True)
-    assert decide_v2(topk, spec=False, structured=False)[1].startswith("top-k / top-p")
+    cut = dataclasses.replace(step, top_k_or_p=True, needs_processing=True,
+                              processing=(*step.processing, "top_k", "top_p"))
+    mode, why = decide_v2(cut, spec=False, structured=False)
+    if want[0] is None or step.logprobs_mode.startswith("processed"):
+        assert mode is None, why
+    else:
+        assert mode == want[0] and "top_k, top_p" in why, why
+
+
+def test_fused_sampler_steps_are_vllms_unless_the_option_says_gumbel():
+    """A step V2 would draw with FlashInfer's (or XPU's) fused top-k / top-p sampler
+    draws otherwise than V2's Gumbel kernel: vLLM's, unless the user's option takes it
+    on the Gumbel path; the option reads from the environment through Config."""
+    import dataclasses
+
+    from commfold.config import Config
+    from commfold.vllm.graph_passes import EnvError, config_from_env
+
+    step = dataclasses.replace(GREEDY_V2, temperatures=(0.9,), top_k_or_p=True,
+                               needs_processing=True, processing=("top_p",),
+                               fused_sampler=True)
+    mode, why = decide_v2(step, spec=False, structured=False)
+    assert mode is None and "COMMFOLD_FUSED_SAMPLER_STEPS=gumbel" in why, why
+    on = dataclasses.replace(step, fused_on_gumbel=True)
+    assert decide_v2(on, spec=False, structured=False) == ("sample", "sampled: top_p")
+    assert config_from_env({"COMMFOLD_FUSED_SAMPLER_STEPS": "gumbel"}) == \
+        Config(fused_sampler_steps="gumbel")
+    assert config_from_env({}).fused_sampler_steps == "vllm"
+    with pytest.raises(EnvError, match="set it to vllm"):
+        config_from_env({"COMMFOLD_FUSED_SAMPLER_STEPS": "flashinfer"})
+    with pytest.raises(ValueError, match="fused_sampler_steps must be one of"):
+        Config(fused_sampler_steps="fast")
 
 
 @pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs", "raw_logits",

@@ -2,11 +2,13 @@
 kernels in its interpreter: harness.triton_cpu), TP=2, a tiny Llama with seeded
 weights in bf16, commfold off and then on through the plugin (COMMFOLD_VLLM=1), in one
 subprocess: greedy tokens identical; the mixed batch (temperature sampling, a
-penalty) identical to vLLM's, the logprobs batch's tokens too and its logprobs V2's
-(ids and ranks; values within float32 rounding); every step's collectives logged on
-both ranks by V2's step log; the target pick local on the greedy steps (one pair
-exchange, no vocab-wide gather) and the logprobs steps (two small all-gathers, and two
-for the prompt logprobs), and vLLM's own on the others, with the reason noted.
+penalty) identical to vLLM's, the JSON-schema batches (structured output, greedy and
+sampled: the grammar bitmask on the shards) too, the logprobs batch's tokens too and
+its logprobs V2's (ids and ranks; values within float32 rounding); every step's
+collectives logged on both ranks by V2's step log; the target pick local on the
+greedy steps (one pair exchange, no vocab-wide gather) and the logprobs steps (two
+small all-gathers, and two for the prompt logprobs), and vLLM's own on the others,
+with the reason noted.
 
 Opt-in (an engine pair is ~3 minutes on 2 cores): `slow`, run with
 `python -m pytest -m slow tests/test_vllm_engine_v2.py`."""
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.tiny_models import JSON_TEXTS
 from harness.vllm_models import (SIZES, TOKENS_MARK, engine_env, logprob_mismatches,
                                  require_vllm_installed, write_model)
 
@@ -34,7 +37,7 @@ VOCAB_SHARD = 512
 @pytest.fixture(scope="module")
 def v2_pair(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("v2")
-    model = write_model(tmp / "model", "llama", weights=True)
+    model = write_model(tmp / "model", "llama", weights=True, texts=JSON_TEXTS)
     env = engine_env(tmp, v2=True)
     runs = [{"env": {"COMMFOLD_COMM_LOG_DIR": str(tmp / f"log-{name}"),
                      "COMMFOLD_VLLM": "1" if name == "on" else ""},
@@ -54,8 +57,9 @@ def test_v2_engine_tokens_identical(v2_pair):
     assert on["greedy"] == off["greedy"] and all(len(t) == 12 for t in on["greedy"])
     assert [r["tokens"] for r in on["mixed"]] == [r["tokens"] for r in off["mixed"]]
     assert [r["tokens"] for r in on["logprobs"]] == [r["tokens"] for r in off["logprobs"]]
-    for batch in ("sampled", "top_p"):  # seeded: V2's draws, bit for bit
+    for batch in ("sampled", "top_p", "json", "json_sampled"):  # seeded: V2's draws
         assert [r["tokens"] for r in on[batch]] == [r["tokens"] for r in off[batch]], batch
+    assert all(r["tokens"] for r in on["json"] + on["json_sampled"])
     # the sampled batch's logprobs (of the drawn token, top 3): ids and ranks V2's,
     # values to the forward's rounding
     assert logprob_mismatches(on["sampled"], off["sampled"], 1e-2, False) == []
@@ -78,11 +82,19 @@ def test_v2_step_log_and_target_pick(v2_pair):
         picks = [s.info.get("target_pick") for s in r0 if s.info["tokens"]]
         if run == "off":
             assert set(picks) == {None}, picks
+            assert not any(s.info.get("grammar") for s in r0), run
         else:
             assert {"greedy", "logprobs", "sample", "sample_logprobs",
                     "vLLM (paused)"} <= set(picks), picks
-            assert any(p and p.startswith("vLLM (top-k / top-p") for p in picks), picks
+            # top_p over the dummy weights' flat rows: the mass reaches past the candidates
+            assert any(p and p.startswith("vLLM (top-") for p in picks), picks
             assert any(s.info.get("prompt_logprobs") == "logprobs" for s in r0), run
+            # the JSON-schema batches' steps: the grammar bitmask on the shards, the
+            # pick local (a greedy batch, a sampled one)
+            masked = [s.info.get("target_pick") for s in r0 if s.info.get("grammar")]
+            assert {"sample", "greedy"} <= set(masked), masked
+            assert all(s.info.get("grammar") == "bitmask on the shard" for s in r0
+                       if s.info.get("grammar")), run
         for s in r0:
             if not s.info["tokens"]:
                 continue
@@ -92,9 +104,10 @@ def test_v2_step_log_and_target_pick(v2_pair):
                 assert s.vocab_gathers(VOCAB_SHARD) == [], (run, s)
                 assert sampling.calls() == sampling.calls("all_gather") == 1, (run, s)
             elif pick in ("sample", "sample_logprobs"):  # the pair exchange, the row
-                # maxima where a request has min_p, two for the scores of logprobs
+                # maxima where a request has min_p, a top-k / top-p cut's bounds, two
+                # for the scores of logprobs
                 assert s.vocab_gathers(VOCAB_SHARD) == [], (run, s)
-                assert 1 <= sampling.calls() == sampling.calls("all_gather") <= 4, (run, s)
+                assert 1 <= sampling.calls() == sampling.calls("all_gather") <= 5, (run, s)
             elif pick == "logprobs":  # two small all-gathers (rows done whole: none here)
                 assert s.vocab_gathers(VOCAB_SHARD) == [], (run, s)
                 assert sampling.calls() == sampling.calls("all_gather") == 2, (run, s)

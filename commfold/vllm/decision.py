@@ -181,10 +181,16 @@ class V2Step:
     # the logits processing the step's requests ask for (``processing_of``): kinds
     # in SAMPLED_LOCAL run on the shard, every other keeps the step vLLM's
     processing: tuple[str, ...] = ()
+    # V2 would sample the step with a fused top-k / top-p sampler (FlashInfer's, XPU's)
+    fused_sampler: bool = False
+    fused_on_gumbel: bool = False  # the user's option: take such steps on the Gumbel path
+    # a top-p-only row on CUDA in a batch V2 sends through its split top-p kernels
+    split_top_p: bool = False
 
 
 # V2's processing of a sampled step that commfold.vllm.sampled_pick does on a shard
-SAMPLED_LOCAL = ("temperature", "min_p", "penalties", "logit_bias", "bad_words")
+SAMPLED_LOCAL = ("temperature", "min_p", "penalties", "logit_bias", "bad_words", "top_k",
+                 "top_p")
 # the rest, and why each stays vLLM's
 SAMPLED_LEFT = {
     "thinking_budget": "a thinking budget",
@@ -201,16 +207,19 @@ def decide_v2(step: V2Step, *, spec: bool, structured: bool,
     a sampled request or processed logits (greedy ones too: V2 draws every row of a
     step with one Gumbel kernel) is "sample" / "sample_logprobs" - the whole step,
     commfold.vllm.sampled_pick - when all its processing is in SAMPLED_LOCAL and it is
-    no spec-decode step; under spec decoding "verify_sampled" (``verify_sampled``)."""
-    refusal = step_refusal(structured, step.nan_check, spec, verify)
+    no spec-decode step; under spec decoding "verify_sampled" (``verify_sampled``).
+    Structured output: its bitmask applied on the shards first,
+    unless ``structured_refusal`` says why not."""
+    refusal = structured_refusal(structured, spec) or \
+        step_refusal(False, step.nan_check, spec, verify)
     if refusal is not None:
         return None, refusal
     if step.sampler != "Sampler":
         return None, f"sampler {step.sampler} (commfold knows V2's Sampler)"
     if not step.temperatures:
         return None, "no requests"
-    if step.top_k_or_p:
-        return None, "top-k / top-p (V2's apply_top_k_top_p reads the whole row)"
+    if step.top_k_or_p and (why := truncation_refusal(step)) is not None:
+        return None, why
     if step.trace_replay:
         return None, "trace replay"
     if step.sampling_mask:
@@ -234,6 +243,34 @@ def decide_v2(step: V2Step, *, spec: bool, structured: bool,
     return ("verify" if spec else "greedy"), "all greedy"
 
 
+FUSED_OPTION = "COMMFOLD_FUSED_SAMPLER_STEPS"  # =gumbel: take fused-sampler steps (graph_passes)
+
+
+def truncation_refusal(step: V2Step) -> str | None:
+    """Why a step with top-k / top-p stays V2's (commfold.vllm.shard_top_k_top_p takes
+    the rest, by bounds of the kernel's cut); None when it may be taken."""
+    if step.fused_sampler and not step.fused_on_gumbel:
+        return ("top-k / top-p: V2 samples this step with its fused sampler (FlashInfer "
+                f"or XPU), which draws otherwise; {FUSED_OPTION}=gumbel takes it on "
+                "V2's Gumbel path: equal in distribution, not in tokens")
+    if step.split_top_p:
+        return "top-p: CUDA's split top-p kernels (their cut is not bounded here)"
+    if not step.needs_processing:
+        return "top-k / top-p on unprocessed logits (greedy requests only)"
+    if step.logprobs and step.logprobs_mode.startswith("processed"):
+        return "processed logprobs after top-k / top-p (they read the cut's exact edge)"
+    return None
+
+
+def structured_refusal(structured: bool, spec: bool) -> str | None:
+    """Why a V2 step stays vLLM's for structured output (None: its grammar bitmask is
+    applied on the shards, commfold.vllm.shard_grammar, and the step decided as any
+    other)."""
+    if structured and spec:
+        return "structured output under spec decoding (V2's verification)"
+    return None
+
+
 # V2's processing of a sampled spec-decode step commfold.vllm.shard_verify does on a shard
 SPEC_LOCAL = ("temperature", "min_p")
 
@@ -246,6 +283,8 @@ def verify_sampled(step: V2Step) -> tuple[str | None, str]:
     left = [SAMPLED_LEFT.get(p, p) for p in step.processing if p not in SPEC_LOCAL]
     if left:
         return None, "sampled verification with logits processing: " + ", ".join(left)
+    if step.top_k_or_p:
+        return None, "top-k / top-p under spec decoding (V2 cuts before verifying)"
     if step.logprobs:
         return None, "logprobs under spec decoding"
     return "verify_sampled", "sampled: " + ", ".join(step.processing or ("no processing",))

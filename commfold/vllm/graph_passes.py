@@ -9,7 +9,7 @@ import copy
 import os
 import sys
 
-from commfold.config import ALL_PASSES, Config, unknown_passes
+from commfold.config import ALL_PASSES, FUSED_SAMPLER_STEPS, Config, unknown_passes
 from commfold.manager import CommfoldPass
 from commfold.vllm import hook_points, runtime
 from commfold.vllm.runtime import HookState
@@ -19,6 +19,7 @@ ENV_PASSES = "COMMFOLD_PASSES"
 ENV_REPLICATE = "COMMFOLD_REPLICATE_MAX_BYTES"
 ENV_REPLICATE_HEAD = "COMMFOLD_REPLICATE_HEAD_MAX_BYTES"
 ENV_COST_RULE = "COMMFOLD_FUSE_COST_RULE"
+ENV_FUSED_SAMPLER = "COMMFOLD_FUSED_SAMPLER_STEPS"
 PASS_KEY = "post_grad_custom_post_pass"
 INDUCTOR_PASS_MODULE = "vllm.compilation.passes.inductor_pass"
 PASSES_HOOK = "graph passes"
@@ -63,6 +64,14 @@ def config_from_env(environ=os.environ) -> Config:
                            "all-reduce + RMSNorm site) or 1 (the default: not where the "
                            "fused op was measured slower)")
         options["fuse_cost_rule"] = rule == "1"
+    fused = environ.get(ENV_FUSED_SAMPLER, "").strip()
+    if fused:
+        if fused not in FUSED_SAMPLER_STEPS:
+            raise EnvError(f"commfold: {ENV_FUSED_SAMPLER}={fused!r}: set it to vllm (the "
+                           "default: vLLM's fused top-k / top-p sampler draws those steps) "
+                           "or gumbel (commfold draws them from the shards on V2's Gumbel "
+                           "path: equal in distribution)")
+        options["fused_sampler_steps"] = fused
     return Config(**options)
 
 

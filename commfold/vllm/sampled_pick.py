@@ -8,7 +8,9 @@ shard's real columns, or needs one small exchange:
 
 - a float32 copy of the shard, as V2 copies the row, when a request needs processing;
 - logit_bias, allowed_token_ids, min_tokens: V2's ``apply_logit_bias`` kernel on the
-  shard, each request's token id lists cut to the shard's ids (as shard columns);
+  shard, each request's token id lists cut to the shard's ids (as shard columns); a
+  structured request's stop tokens restored on a row masked whole as V2 restores them
+  (commfold.vllm.stop_restore: one all-gather of the row maxima);
 - penalties: V2's ``apply_penalties`` kernel on the shard, its per-request statistics
   (output counts, the prompt's packed bit mask) sliced to the shard's columns - the
   bit mask re-packed when the shard does not start on a 32-token word;
@@ -36,7 +38,7 @@ from typing import NamedTuple
 import torch
 
 from commfold.distributed.collectives import communicator
-from commfold.vllm import hook_points, runtime, target_pick
+from commfold.vllm import hook_points, runtime, stop_restore, target_pick
 from commfold.vllm.hook_points import Pinned
 from commfold.vllm.logits_head import LogitsHead
 
@@ -69,8 +71,33 @@ _SOURCES = {
     "states:SamplingStates.apply_temperature": ("ffe54d3d2d9d5175",) * 3,
     "states:SamplingStates.apply_min_p": ("c99c35f9cf0d0a5a",) * 3,
 }
+_OPS = "vllm.v1.sample.ops."
+# what the top-k / top-p bounds were read from (commfold.vllm.shard_top_k_top_p): the
+# kernel's search and cut, the wrappers choosing it, V2's choice of a fused sampler
+_CUT_SOURCES = {
+    _OPS + "topk_topp_sampler:apply_top_k_top_p": ("ae859da2fa282663", "6571bb1e50de9e4b",
+                                                  "6571bb1e50de9e4b"),
+    _OPS + "topk_topp_sampler:apply_top_k_top_p_pytorch": ("275eb41831b2e439",) * 3,
+    _OPS + "topk_topp_triton:apply_top_k_top_p_triton": ("33fe1d4c4f6bb1a0",
+                                                        "1d95f757d07a89e6",
+                                                        "1d95f757d07a89e6"),
+    _OPS + "topk_topp_triton:_topk_topp_kernel": ("486473afb70590a0", "4dedabf709310b12",
+                                                 "4dedabf709310b12"),
+    _OPS + "topk_topp_triton:_update_min_larger_stats": ("ddb2b9cc3af1f22a",) * 3,
+    _S + "states:SamplingStates.apply_top_k_top_p": ("1bc7d3ad202b0f7f",
+                                                     "7e87a39f7cec8223",
+                                                     "7e87a39f7cec8223"),
+    _S + "states:SamplingStates.get_top_k_top_p": ("b4896a813edbcae1", "01ea69b582b7a972",
+                                                   "01ea69b582b7a972"),
+    _S + "sampler:Sampler._sample_random": ("848d69f5745ac142", "0ce9ddc3916c9203",
+                                            "0ce9ddc3916c9203"),
+}
 POINTS = tuple((_S + where, Pinned(tuple(zip(_RELEASES, hashes))))
-               for where, hashes in _SOURCES.items())
+               for where, hashes in _SOURCES.items()) + tuple(
+    (where, Pinned(tuple(zip(_RELEASES, hashes)))) for where, hashes in _CUT_SOURCES.items()
+) + tuple(  # the kernel's tiles (shard_top_k_top_p.block_size)
+    (_OPS + "topk_topp_triton:", f"block_size, block_size_trunc, num_warps = {tiles}")
+    for tiles in ("256, 128, 4", "4096, 2048, 4", "8192, 4096, 8"))
 
 
 def state(environ=os.environ, runner=None) -> runtime.HookState:
@@ -88,6 +115,18 @@ def install(environ=os.environ, runner=None) -> bool:
 
 def uninstall() -> None:
     """Nothing was wrapped."""
+
+
+@functools.cache  # read once per process, as the plugin reads its options
+def fused_on_gumbel() -> bool:
+    """The user's option (Config.fused_sampler_steps, COMMFOLD_FUSED_SAMPLER_STEPS):
+    take steps V2 would draw with a fused top-k / top-p sampler on its Gumbel path."""
+    from commfold.vllm.graph_passes import config_from_env
+
+    try:
+        return config_from_env().fused_sampler_steps == "gumbel"
+    except ValueError:  # the plugin said what to fix when it read the options
+        return False
 
 
 @functools.cache  # vLLM's code does not change within a process
@@ -108,12 +147,13 @@ class Drawn(NamedTuple):
     processed: torch.Tensor  # [rows, shard]: the processed shard (V2's processed_logits)
 
 
-def draw(sampler, head: LogitsHead, shard: torch.Tensor, input_batch) -> Drawn | None:
-    """V2's sampled tokens for the step from this rank's `shard` [rows, head.shard],
-    or None where a row holds NaN (every rank alike). Every rank calls it together."""
+def draw(sampler, head: LogitsHead, shard: torch.Tensor, input_batch) -> Drawn | str:
+    """V2's sampled tokens for the step from this rank's `shard` [rows, head.shard], or
+    why the step goes to V2's samplers (NAN: a row holds NaN; a top-k / top-p cut
+    that could not be settled) - every rank alike. Every rank calls it together."""
     import numpy as np  # not at import: commfold imports without numpy
 
-    from commfold.vllm import shard_gumbel
+    from commfold.vllm import shard_gumbel, shard_top_k_top_p
 
     comm = communicator(head.comm)
     start = comm.rank() * head.shard
@@ -128,14 +168,40 @@ def draw(sampler, head: LogitsHead, shard: torch.Tensor, input_batch) -> Drawn |
                           device=shard.device)  # one spare column for min_p
         buf[:, :head.shard].copy_(shard)
         if not _process(sampler, buf, n_local, start, input_batch, comm):
-            return None
+            return NAN
         processed = buf[:, :head.shard]
-    value, index = shard_gumbel.block_maxima(
-        processed[:, :n_local], start, mapping, states.temperature.gpu, states.seeds.gpu,
-        pos, bool(getattr(sampler, "use_fp64_gumbel", False)))
+    work = processed[:, :n_local]
+    near = None
+    if truncates(states, idx_np):  # V2's top-k / top-p: bounds of its cut
+        bounds = shard_top_k_top_p.cut(comm, work, states.top_k.gpu[mapping],
+                                       states.top_p.gpu[mapping], head.vocab, head.shard)
+        if isinstance(bounds, str):
+            return bounds
+        cut, wide = bounds.rows[:, None], work.double()
+        below = cut & (wide <= bounds.keep[:, None])
+        near = torch.where(below & (wide >= bounds.drop[:, None]), work, float("-inf"))
+        work = torch.where(below, float("-inf"), work)
+
+    def maxima(logits):
+        return shard_gumbel.block_maxima(
+            logits, start, mapping, states.temperature.gpu, states.seeds.gpu, pos,
+            bool(getattr(sampler, "use_fp64_gumbel", False)))
+
+    value, index = maxima(work)
     value = value.masked_fill(processed[:, :n_local].isnan().any(-1), float("nan"))
-    tokens = first_max(comm, value, index)
-    return None if tokens is None else Drawn(tokens, processed)
+    rival = None if near is None else maxima(near)[0]
+    tokens = first_max(comm, value, index, rival)
+    return tokens if isinstance(tokens, str) else Drawn(tokens, processed)
+
+
+NAN = "NaN logits: V2's own pick"
+BOUNDARY = "top-k / top-p: a token at the cut's edge could be drawn"
+
+
+def truncates(states, idx_np) -> bool:
+    """Whether V2 applies top-k or top-p to a request of the step (its own test)."""
+    return bool((states.top_k.np[idx_np] != states.vocab_size).any()
+                or (states.top_p.np[idx_np] != 1.0).any())
 
 
 def _process(sampler, buf, n_local: int, start: int, input_batch, comm) -> bool:
@@ -147,8 +213,14 @@ def _process(sampler, buf, n_local: int, start: int, input_batch, comm) -> bool:
     mapping = input_batch.expanded_idx_mapping
     work = buf[:, :n_local]
     bias = _state(sampler, "LogitBiasState")
-    if n_local and bias is not None and np.any(bias.use_logit_bias[idx_np]):
-        _logit_bias(bias, work, start, input_batch)
+    if bias is not None and np.any(bias.use_logit_bias[idx_np]):
+        saved = work.clone() if stop_restore.restoring(bias, idx_np) else None
+        if n_local and saved is not None:  # the stop logits V2 may restore
+            _logit_bias(bias, saved, start, input_batch, stops=False)
+        if n_local:
+            _logit_bias(bias, work, start, input_batch)
+        if saved is not None:  # every rank alike (V2's per-request flags)
+            stop_restore.restore(bias, work, saved, start, input_batch, comm)
     penalties = sampler.penalties_state
     if n_local and np.any(penalties.use_penalty[idx_np]):
         from vllm.v1.worker.gpu.sample.penalties import apply_penalties
@@ -183,12 +255,13 @@ def _state(sampler, name: str):
     return next((p for p in sampler.logits_processors if type(p).__name__ == name), None)
 
 
-def _logit_bias(bias, work, start: int, input_batch) -> None:
+def _logit_bias(bias, work, start: int, input_batch, stops: bool = True) -> None:
     """V2's apply_logit_bias on this rank's columns: its allowed ids, biased ids and
     min_tokens stop ids kept per request where they fall in the shard, as shard
     columns. A request whose allowed ids all lie elsewhere gets the spare column
     past the shard (V2's kernel then masks every shard column, as on the full row).
-    V2's restore of all-masked rows (structured output only) is never asked here."""
+    stops=False: without min_tokens' stop ids (V2's restore of all-masked rows,
+    structured output with min_tokens: commfold.vllm.stop_restore)."""
     import numpy as np
 
     from vllm.v1.worker.gpu.sample.logit_bias import apply_logit_bias
@@ -201,6 +274,7 @@ def _logit_bias(bias, work, start: int, input_batch) -> None:
                                          slots, start, n, values=bias.logit_bias.gpu)
     stop_n, stop_ids, _ = shard_ids(bias.num_stop_token_ids.np, bias.stop_token_ids.gpu,
                                     slots, start, n)
+    stop_n = stop_n if stops else torch.zeros_like(stop_n)
     apply_logit_bias(work, input_batch.expanded_idx_mapping,
                      input_batch.positions[input_batch.logits_indices], allowed_n, allowed,
                      bias_n, bias_ids, values, bias.min_lens.gpu, stop_n,
@@ -283,14 +357,25 @@ def shard_bits(mask: torch.Tensor, start: int, n: int, idx_np) -> torch.Tensor:
     return out
 
 
-def first_max(comm, value: torch.Tensor, index: torch.Tensor) -> torch.Tensor | None:
+def first_max(comm, value: torch.Tensor, index: torch.Tensor,
+              rival: torch.Tensor | None = None) -> torch.Tensor | str:
     """The global index of the first maximum over ranks of each row's (value, index)
-    (one all-gather of an int64 pair per row per rank); None where a value is NaN."""
+    (one all-gather of an int64 pair per row per rank); NAN where a value is NaN.
+    rival: each row's best value among tokens a top-k / top-p cut may or may not keep
+    (-inf: none), gathered with the pair: BOUNDARY where one is not below the row's
+    maximum (which token V2 draws then hangs on the cut's exact edge)."""
     bits = _BITS[value.dtype]
-    pair = torch.stack([value.view(bits).to(torch.int64), index], dim=-1)
-    pairs = comm.all_gather(pair).view(comm.world_size(), -1, 2)
+    columns = [value.view(bits).to(torch.int64), index]
+    if rival is not None:
+        columns.append(rival.view(bits).to(torch.int64))
+    pairs = comm.all_gather(torch.stack(columns, dim=-1)).view(comm.world_size(), -1,
+                                                                len(columns))
     values = pairs[..., 0].to(bits).view(value.dtype)
     if bool(values.isnan().any()):
-        return None
+        return NAN
+    if rival is not None:
+        rivals = pairs[..., 2].to(bits).view(value.dtype).amax(0)
+        if bool(((rivals >= values.amax(0)) & (rivals > float("-inf"))).any()):
+            return BOUNDARY
     winner = values.argmax(dim=0, keepdim=True)  # the first rank holding the maximum
     return pairs[..., 1].gather(0, winner).squeeze(0)

@@ -14,13 +14,18 @@ points V2 declares for it (``vllm/v1/worker/gpu/model_states/interface.py``):
 The decision (commfold.vllm.decision.decide_v2 via commfold.vllm.v2_pick.decide_step:
 a pure function of the step's sampling parameters, the same on every rank) is made
 before the logits exist, in a wrapper around the state's ``preprocess_state(input_batch,
-...)`` (V2's hook on every real batch before the forward), so ``sample`` never applies
-the structured-output grammar bitmask to a shard: a batch holding a structured-output
-request (``has_structured_output_reqs``, which vLLM's scheduler sets for every step
-it gives a grammar bitmask) stays vLLM's. The proxies know the shard by identity: any
-other logits (vLLM's dummy sampler run, a step left to vLLM) go to vLLM's sampler
-untouched; a shard reaching them with another batch than the one decided on (a
-context-parallel batch restored for sampling) is gathered and given to vLLM.
+...)`` (V2's hook on every real batch before the forward). ``sample`` then applies the
+structured-output grammar bitmask to what compute_sample_logits returned: V2's
+``StructuredOutputsWorker.apply_grammar_bitmask`` is wrapped so that, given a shard
+commfold returned, it masks the shard's columns with the bitmask re-packed for them
+(commfold.vllm.shard_grammar). A batch is decided as structured from
+``has_structured_output_reqs`` (which vLLM's scheduler sets for every step it gives a
+grammar bitmask); a bitmask reaching the shard of a batch decided otherwise decides it
+again, and a step that then stays vLLM's is gathered and masked by V2's method on the
+full row. The proxies know the shard by identity: any other logits (vLLM's dummy
+sampler run, a step left to vLLM) go to vLLM's sampler untouched; a shard reaching
+them with another batch than the one decided on (a context-parallel batch restored
+for sampling) is gathered and given to vLLM.
 
 Acts only where the model's state keeps the base methods: a state class that
 overrides ``compute_sample_logits`` or ``custom_sampler`` (a diffusion state), a
@@ -39,9 +44,10 @@ so the token is V2's whatever its kernels do with NaN (commfold.vllm.v2_pick).
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 
-from commfold.vllm import hook_points, pick_cost, step_log, v2_pick
+from commfold.vllm import hook_points, pick_cost, shard_grammar, step_log, v2_pick
 from commfold.vllm.pause import paused
 from commfold.vllm.hook_points import Pinned
 from commfold.vllm.logits_head import LogitsHead
@@ -92,6 +98,12 @@ def install() -> None:
     for name, make in (("__init__", _init), ("custom_sampler", _custom_sampler),
                        ("compute_sample_logits", _compute_sample_logits)):
         hook_points.wrap(ModelState, name, make, KEY)
+    try:  # where it moved, structured steps keep vLLM's logits (shard_grammar.refusal)
+        from vllm.v1.worker.gpu.structured_outputs import StructuredOutputsWorker
+
+        hook_points.wrap(StructuredOutputsWorker, "apply_grammar_bitmask", _grammar, KEY)
+    except (ImportError, AttributeError):
+        log.info("commfold: V2's StructuredOutputsWorker.apply_grammar_bitmask not found")
 
 
 def uninstall() -> None:
@@ -142,6 +154,9 @@ class _Step:
     why: str
 
 
+_picks: weakref.WeakSet = weakref.WeakSet()  # every StatePick (the bitmask's wrapper)
+
+
 class StatePick:
     """One model state's pick: its head, vLLM's samplers, this step's decision."""
 
@@ -150,6 +165,8 @@ class StatePick:
         self.spec_config = spec_config
         self.decided: _Step | None = None  # preprocess_state -> compute_sample_logits
         self.shard = None  # (tensor, step): compute_sample_logits -> the samplers
+        self.given_back = None  # the step's masked full logits where grammar() gave it up
+        _picks.add(self)
 
     def decide(self, input_batch) -> None:
         if self.head is None:
@@ -166,6 +183,7 @@ class StatePick:
     def logits(self, hidden, vllms):
         """This rank's shard on a step decided for commfold, else vllms()."""
         step, self.decided, self.shard = self.decided, None, None
+        self.given_back = None
         if self.head is None:
             mode, why = None, "no target pick head for this model"
         elif step is None:
@@ -187,13 +205,35 @@ class StatePick:
         self.shard = (shard, step)
         return shard
 
+    def grammar(self, apply_bitmask, input_batch, request_ids, bitmask) -> None:
+        """V2's grammar bitmask (apply_bitmask: V2's method) on the held shard
+        (commfold.vllm.shard_grammar). A batch not decided as structured is decided
+        again with it; a step that then stays vLLM's is gathered here and masked by
+        V2's method as V2 masks it, for vLLM's samplers (every rank alike)."""
+        shard, step = self.shard
+        if not step.batch.has_structured_output_reqs:
+            mode, why = v2_pick.decide_step(self.sampler, self.rejection_sampler,
+                                            self.spec_config, step.batch, structured=True,
+                                            vocab=self.head.vocab)
+            if mode is None:
+                self.given_back = self.head.gather(shard)
+                apply_bitmask(self.given_back, input_batch, request_ids, bitmask)
+                self.shard = (shard, _Step(step.batch, None, why))
+                return
+        shard_grammar.apply(apply_bitmask, self.head, shard, input_batch, request_ids,
+                            bitmask)
+
     def sample(self, logits, input_batch, vllms):
         """The SamplerOutput for `logits`: commfold's when they are the shard of the
         step decided on, else vllms(full logits)."""
         held, self.shard = self.shard, None
+        full, self.given_back = self.given_back, None
         if held is None or logits is not held[0]:
             return vllms(logits)
         shard, step = held
+        if full is not None:  # given up with the grammar bitmask (grammar())
+            step_log.note("target_pick", f"vLLM ({step.why})")
+            return vllms(full)
         if input_batch is not step.batch:
             step_log.note("target_pick", "vLLM (another batch than the one decided on)")
             return vllms(self.head.gather(shard))
@@ -290,6 +330,20 @@ def _compute_sample_logits(original):
             return original(self, hidden_states)
         return pick.logits(hidden_states, lambda: original(self, hidden_states))
     return compute_sample_logits
+
+
+def _grammar(original):
+    def apply_grammar_bitmask(self, logits, input_batch, grammar_req_ids, grammar_bitmask,
+                              *args, **kwargs):
+        pick = next((p for p in list(_picks)
+                     if p.shard is not None and p.shard[0] is logits), None)
+        if pick is None:  # vLLM's logits
+            return original(self, logits, input_batch, grammar_req_ids, grammar_bitmask,
+                            *args, **kwargs)
+        pick.grammar(lambda shard, batch, ids, mask: original(self, shard, batch, ids, mask,
+                                                              *args, **kwargs),
+                     input_batch, grammar_req_ids, grammar_bitmask)
+    return apply_grammar_bitmask
 
 
 def hook_points_missing() -> list[str]:

@@ -25,10 +25,13 @@ from the shard with V2's own Gumbel noise: commfold.vllm.sampled_pick), and, up 
 verification from the shards: commfold.vllm.shard_verify). Prompt logprobs (V2's
 ``compute_prompt_logprobs_with_chunking``, after ``sample``: k <= 20, 64 k <= vocab)
 are scored the same way per chunk of prompt positions (decide_v2_prompt), in both
-sets. Anything else, and batch-sharded sampling unless the step qualifies (up to 0.33
-commfold's pick moves 16 bytes per row from each peer, its all-to-all a row's whole
-vocab shard; from 0.34 its all-to-all runs before any extension point, so batch-sharded
-sampling is left alone), runs V2's own code.
+sets. A structured-output step is any of these after its grammar bitmask is applied
+to the shard by V2's own method (commfold.vllm.shard_grammar; not under spec
+decoding). Anything else, and batch-sharded
+sampling unless the step qualifies (up to 0.33 commfold's pick moves 16 bytes per row
+from each peer, its all-to-all a row's whole vocab shard; from 0.34 its all-to-all
+runs before any extension point, so batch-sharded sampling is left alone), runs V2's
+own code.
 
 A step whose gathered maxima hold NaN is gathered and given to V2's samplers (the
 token is V2's, whatever its kernels do with NaN). Ties and -inf rows: the first
@@ -52,7 +55,7 @@ import torch
 
 from commfold import cost
 from commfold.vllm import hook_points, runtime, step_log, target_pick, target_pick_state
-from commfold.vllm import pick_cost, v2_pick
+from commfold.vllm import pick_cost, shard_grammar, v2_pick
 from commfold.vllm.pause import paused
 from commfold.vllm.decision import decide_v2_prompt
 from commfold.vllm.hook_points import Pinned
@@ -269,6 +272,11 @@ def _sample(original):
         if shard is None:
             self._commfold_head = None
             return original(self, hidden_states, input_batch, grammar_output)
+        if grammar_output is not None:  # as sample() masks the full row, on the shard
+            shard_grammar.apply(self.structured_outputs_worker.apply_grammar_bitmask, head,
+                                shard, input_batch,
+                                grammar_output.structured_output_request_ids,
+                                grammar_output.grammar_bitmask)
         with step_log.phase("sampling"):
             out = v2_pick.pick(self.sampler, self.rejection_sampler, head, shard,
                                input_batch, mode,
@@ -282,8 +290,8 @@ def _sample(original):
 def _vllm_samplers(runner, logits, input_batch):
     """The tail of V2's sample() on gathered logits (steps commfold gives back). The
     rejection sampler gets the drafts' logits and nothing more: up to 0.33 its
-    ``invalid_drafts`` (a grammar's, and commfold takes no structured-output step)
-    defaults to None, and 0.34 has no such argument."""
+    ``invalid_drafts`` (a grammar's, and commfold takes no structured-output step
+    under spec decoding) defaults to None, and 0.34 has no such argument."""
     if input_batch.num_draft_tokens == 0 or runner.rejection_sampler is None:
         return runner.sampler(logits, input_batch)
     return runner.rejection_sampler(logits, input_batch, runner.speculator.draft_logits)

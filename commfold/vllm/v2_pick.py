@@ -18,6 +18,9 @@ RejectionSampler for a step commfold.vllm.decision.decide_v2 qualifies.
 - ``verify_sampled``: a spec-decode step with sampled requests, V2's probabilistic
   ("standard") rejection sampling on the shards (commfold.vllm.shard_verify).
 
+Structured output: the hooks mask the shard with the step's grammar bitmask first
+(commfold.vllm.shard_grammar), so every mode above reads V2's masked logits.
+
 NaN: a step whose gathered maxima hold NaN (the same on every rank) is gathered and
 given to V2's own samplers, so its token is V2's whatever rule V2's kernels apply to
 NaN (``vllm_samplers``).
@@ -28,7 +31,7 @@ import weakref
 
 import torch
 
-from commfold.vllm import sampled_pick, shard_verify, step_log
+from commfold.vllm import sampled_pick, shard_grammar, shard_verify, step_log
 from commfold.vllm.decision import V2Step, decide_v2, verify_method
 from commfold.vllm.logits_head import LogitsHead
 
@@ -88,7 +91,37 @@ def step_of(sampler, input_batch, vocab: int = 0) -> V2Step:
         trace_replay=getattr(sampler, "trace_replay_state", None) is not None,
         sampling_mask=bool(getattr(sampler, "return_sampling_mask", False)),
         nan_check=bool(getattr(sampler, "compute_nans", False)),
-        processing=processing_of(sampler, idx))
+        processing=processing_of(sampler, idx),
+        fused_sampler=fused_sampler(sampler, idx, dims is not None),
+        fused_on_gumbel=sampled_pick.fused_on_gumbel(),
+        split_top_p=split_top_p(states, idx, len(input_batch.expanded_idx_mapping)))
+
+
+def fused_sampler(sampler, idx, logprobs: bool) -> bool:
+    """Whether V2's Sampler.sample would draw the step with its fused top-k / top-p
+    sampler (FlashInfer's or XPU's) rather than its Gumbel kernel: V2's own test."""
+    if not (getattr(sampler, "use_flashinfer", False)
+            or getattr(sampler, "use_xpu_sampler", False)):
+        return False
+    states = sampler.sampling_states
+    truncates = bool((states.top_k.np[idx] != states.vocab_size).any()
+                     or (states.top_p.np[idx] != 1.0).any())
+    processed = logprobs and str(sampler.logprobs_mode).startswith("processed")
+    return truncates and not (processed or states.any_greedy(idx)
+                              or states.any_explicit_seed(idx))
+
+
+def split_top_p(states, idx, rows: int) -> bool:
+    """Whether vLLM's top-k / top-p kernel sends a top-p-only row of the step through
+    its split top-p kernels (CUDA-like platforms, batches of up to 64 rows)."""
+    only_p = (states.top_p.np[idx] != 1.0) & (states.top_k.np[idx] == states.vocab_size)
+    if not only_p.any():
+        return False
+    from vllm.platforms import current_platform
+    from vllm.v1.sample.ops import topk_topp_triton
+
+    return bool(current_platform.is_cuda_alike()) and \
+        rows <= getattr(topk_topp_triton, "_SPLIT_MAX_BATCH", 64)
 
 
 _PROCESSORS = {"PenaltiesState": "penalties", "LogitBiasState": "logit_bias",
@@ -117,6 +150,10 @@ def processing_of(sampler, idx) -> tuple[str, ...]:
         kinds.append("temperature")
     if (states.min_p.np[idx] != 0.0).any():
         kinds.append("min_p")
+    if (states.top_k.np[idx] != states.vocab_size).any():
+        kinds.append("top_k")
+    if (states.top_p.np[idx] != 1.0).any():
+        kinds.append("top_p")
     return tuple(kinds)
 
 
@@ -145,6 +182,8 @@ def decide_step(sampler, rejection_sampler, spec_config, input_batch, structured
                           structured=structured, verify=verify)
     if mode in SAMPLED and (moved := sampled_pick.refusal()) is not None:
         return None, moved
+    if mode is not None and structured and (moved := shard_grammar.refusal()) is not None:
+        return None, moved
     if mode == VERIFY_SAMPLED and (moved := shard_verify.refusal(rejection_sampler)):
         return None, moved
     return mode, why
@@ -168,12 +207,12 @@ def pick(sampler, rejection_sampler, head: LogitsHead, shard, input_batch, mode:
         verified = shard_verify.verify(rejection_sampler, head, shard, input_batch,
                                        draft_logits)
         if verified is None:  # NaN on a rank: the same on every rank
-            return _nan_step(head, shard, vllm_samplers)
+            return _given_back(head, shard, vllm_samplers, sampled_pick.NAN)
         sampled, num_sampled = verified
     elif mode in SAMPLED:
         drawn = sampled_pick.draw(sampler, head, shard, input_batch)
-        if drawn is None:  # a NaN in the gathered values: the same on every rank
-            return _nan_step(head, shard, vllm_samplers)
+        if isinstance(drawn, str):  # from gathered values: the same on every rank
+            return _given_back(head, shard, vllm_samplers, drawn)
         tokens = drawn.tokens
         if mode == "sample_logprobs":
             if sampler.logprobs_mode.startswith("processed"):
@@ -188,7 +227,7 @@ def pick(sampler, rejection_sampler, head: LogitsHead, shard, input_batch, mode:
         else:
             values, tokens = local_argmax(shard, head.vocab, head.comm)
         if values.isnan().any():  # gathered maxima: the same on every rank
-            return _nan_step(head, shard, vllm_samplers)
+            return _given_back(head, shard, vllm_samplers, sampled_pick.NAN)
     prefill_len = sampler.req_states.prefill_len.gpu
     if mode == "verify":
         sampled, num_sampled = verify(rejection_sampler, input_batch, tokens, prefill_len)
@@ -207,8 +246,9 @@ def pick(sampler, rejection_sampler, head: LogitsHead, shard, input_batch, mode:
                          num_nans=None, num_sampled=num_sampled, num_rejected=num_rejected)
 
 
-def _nan_step(head: LogitsHead, shard, vllm_samplers):
-    step_log.note("target_pick", "vLLM (NaN logits: V2's own pick)")
+def _given_back(head: LogitsHead, shard, vllm_samplers, why: str):
+    """The step gathered and sampled by V2's own samplers, the reason in the step log."""
+    step_log.note("target_pick", f"vLLM ({why})")
     return vllm_samplers(head.gather(shard))
 
 

@@ -1,0 +1,90 @@
+"""Model Runner V2's structured-output grammar bitmask on this rank's logits shard.
+
+V2 masks a structured-output request's logits rows before its samplers
+(``GPUModelRunner.sample`` calls ``StructuredOutputsWorker.apply_grammar_bitmask``
+on the full-vocab logits): the scheduler's bitmask is packed int32 [rows,
+ceil(vocab / 32)], token t allowed where bit t % 32 of word t // 32 is set, and V2's
+``_apply_grammar_bitmask_kernel`` writes -inf at every column whose bit is clear.
+Each column's outcome depends on its own bit only, so the shard's columns are masked
+here by V2's own method, given the shard's columns [start, start + n) as its logits
+and the bitmask re-packed for them (``sampled_pick.shard_bits``: a shard starting
+inside a 32-token word is shifted across words). The masked shard then equals V2's
+masked row's columns bit for bit, and V2's greedy argmax / Gumbel draw over it is
+what commfold.vllm.sampled_pick and local_argmax repeat. No collective.
+
+What stays vLLM's (commfold.vllm.decision.structured_refusal): structured output under
+spec decoding (V2's verification of drafts against the grammar's rows). min_tokens on
+a structured-output request, whose stop tokens V2 restores on a row the grammar masked
+whole, is commfold.vllm.stop_restore's.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from commfold.distributed.collectives import communicator
+from commfold.vllm import hook_points, step_log
+from commfold.vllm.hook_points import Pinned
+from commfold.vllm.logits_head import LogitsHead
+from commfold.vllm.sampled_pick import shard_bits
+
+_S = "vllm.v1.worker.gpu.structured_outputs:"
+# what the shard's mask rests on, each function's whole source per release: V2's
+# method maps bitmask rows to logits rows and masks columns [0, logits.shape[-1])
+# of the logits it is given, column by column
+POINTS = (
+    (f"{_S}StructuredOutputsWorker.apply_grammar_bitmask", Pinned((
+        ("0.32.0", "12e8b5af02c8e662"), ("0.33.0", "5b26217798fb01d5"),
+        ("0.34.0", "5b26217798fb01d5")))),
+    (f"{_S}_apply_grammar_bitmask_kernel", Pinned((
+        ("0.32.0", "ef24e990a2f13653"), ("0.33.0", "ef24e990a2f13653"),
+        ("0.34.0", "ef24e990a2f13653")))),
+    ("vllm.v1.worker.gpu.model_runner:GPUModelRunner.sample",
+     "self.structured_outputs_worker.apply_grammar_bitmask("),
+)
+NOTE = "bitmask on the shard"  # the step log's "grammar" entry for a masked shard
+
+log = logging.getLogger("commfold")
+
+
+@functools.cache  # vLLM's code does not change within a process
+def refusal() -> str | None:
+    """Why structured-output steps stay V2's in this process (a point moved), else
+    None; logged once."""
+    gone = hook_points.missing(POINTS)
+    if not gone:
+        return None
+    log.warning("commfold: structured output on the shards off: vLLM changed %s",
+                "; ".join(gone))
+    return f"structured output: vLLM changed {gone[0].split(' ')[0]} (commfold doctor)"
+
+
+def shard_mask(bitmask, start: int, n: int):
+    """V2's packed grammar bitmask (numpy int32 [rows, words]) for the columns
+    [start, start + n): the same shape, shard column j at bit j % 32 of word j // 32,
+    the words past the shard's zero (V2's worker copies it into a buffer of that
+    width; its kernel reads no column past the logits it is given)."""
+    import numpy as np
+
+    full = torch.from_numpy(np.ascontiguousarray(bitmask, dtype=np.int32))
+    words = -(-n // 32)
+    out = torch.zeros_like(full)
+    out[:, :words] = shard_bits(full, start, n, np.arange(full.shape[0]))[:, :words]
+    return out.numpy()
+
+
+def apply(apply_bitmask, head: LogitsHead, shard: torch.Tensor, input_batch,
+          request_ids: list, bitmask) -> None:
+    """Mask this rank's `shard` [rows, head.shard] in place as V2 masks the full row:
+    apply_bitmask is V2's StructuredOutputsWorker.apply_grammar_bitmask (bound, or
+    the original a hook wraps), called with the shard's real columns."""
+    if not request_ids or shard.shape[0] == 0:
+        return
+    start = communicator(head.comm).rank() * head.shard
+    n = max(0, min(head.shard, head.vocab - start))
+    if n:
+        apply_bitmask(shard[:, :n], input_batch, request_ids, shard_mask(bitmask, start, n))
+    step_log.note("grammar", NOTE)
+
