@@ -59,6 +59,7 @@ def install() -> None:
     _range_of_tensors()
     _compute_units()
     _comparisons_of_int1()
+    _libdevice_log1p()
 
 
 def _argmax_of_all_nan() -> None:
@@ -84,6 +85,29 @@ def _argmax_of_all_nan() -> None:
 
     min_max._all_nan_safe = True
     interpreter.ReduceOps.min_max = min_max
+
+
+def _libdevice_log1p() -> None:
+    """Triton's interpreter has no libdevice (its functions are stubs returning None);
+    V2's resample kernel takes ``tldevice.log1p`` of the draft / target ratio when it
+    verifies against the drafter's cached logits. Here log1p is numpy's, elementwise
+    in the tensor's dtype (on a GPU CUDA's; either way the same for V2's kernels and
+    for commfold's calls of them)."""
+    import numpy as np
+    import triton.language as tl
+    from triton.language.extra import libdevice
+    from triton.runtime import interpreter
+
+    if getattr(libdevice.log1p, "_interpreted", False):
+        return
+
+    def log1p(x):
+        data = x.handle.data
+        return tl.core.tensor(interpreter.TensorHandle(
+            np.log1p(data).astype(data.dtype), x.handle.dtype), x.type)
+
+    log1p._interpreted = True
+    libdevice.log1p = log1p
 
 
 def _range_of_tensors() -> None:

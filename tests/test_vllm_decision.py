@@ -220,15 +220,22 @@ def test_v2_steps_that_stay_vllms(change, why):
 ])
 def test_v2_sampled_steps(change, want):
     """A step with a sampled request or processed logits is drawn whole from the
-    shards when all its processing is local; never under spec decoding (V2's
-    probabilistic verification stays vLLM's); with top-k / top-p too (the cut's bounds,
-    commfold.vllm.shard_top_k_top_p)."""
+    shards when all its processing is local; under spec decoding V2's probabilistic
+    verification is taken ("verify_sampled") only with temperature and min_p its
+    processing, no top-k / top-p and no logprobs; with top-k / top-p too (the cut's
+    bounds, commfold.vllm.shard_top_k_top_p)."""
     import dataclasses
+
+    from commfold.vllm.decision import SPEC_LOCAL
 
     step = dataclasses.replace(GREEDY_V2, **change)
     assert decide_v2(step, spec=False, structured=False) == want
-    assert decide_v2(step, spec=True, structured=False, verify="standard") == (
-        None, "sampling (temperature > 0)")
+    mode, why = decide_v2(step, spec=True, structured=False, verify="standard")
+    local = set(step.processing) <= set(SPEC_LOCAL) and not step.logprobs
+    assert mode == ("verify_sampled" if local else None), why
+    if not local:
+        assert why.startswith(("sampled verification with logits processing",
+                               "logprobs under spec decoding")), why
     cut = dataclasses.replace(step, top_k_or_p=True, needs_processing=True,
                               processing=(*step.processing, "top_k", "top_p"))
     mode, why = decide_v2(cut, spec=False, structured=False)

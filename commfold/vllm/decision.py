@@ -10,7 +10,10 @@ greedy and vLLM's ``rejection_sample_method`` "standard" (the target's argmax mu
 equal the draft token). Every other method vLLM defines - "synthetic" (acceptance
 at configured rates), "block" (block verification), "fly" (FLy's lossy,
 entropy-gated acceptance, from vLLM 0.33), adaptive verification - and any method
-commfold does not know run vLLM's code.
+commfold does not know run vLLM's code. On Model Runner V2 a "standard" step with
+sampled requests is verified on the shards as V2's RejectionSampler verifies it
+("verify_sampled", commfold.vllm.shard_verify) when temperature and min_p are its
+only processing and it wants no logprobs.
 """
 from __future__ import annotations
 
@@ -204,7 +207,8 @@ def decide_v2(step: V2Step, *, spec: bool, structured: bool,
     a sampled request or processed logits (greedy ones too: V2 draws every row of a
     step with one Gumbel kernel) is "sample" / "sample_logprobs" - the whole step,
     commfold.vllm.sampled_pick - when all its processing is in SAMPLED_LOCAL and it is
-    no spec-decode step. Structured output: its bitmask applied on the shards first,
+    no spec-decode step; under spec decoding "verify_sampled" (``verify_sampled``).
+    Structured output: its bitmask applied on the shards first,
     unless ``structured_refusal`` says why not."""
     refusal = structured_refusal(structured, spec) or \
         step_refusal(False, step.nan_check, spec, verify)
@@ -225,7 +229,7 @@ def decide_v2(step: V2Step, *, spec: bool, structured: bool,
                       "a thinking budget or a custom processor)")
     sampled = step.needs_processing or any(t != 0.0 for t in step.temperatures)
     if sampled and spec:
-        return None, "sampling (temperature > 0)"
+        return verify_sampled(step)
     if sampled:
         left = [SAMPLED_LEFT.get(p, p) for p in step.processing if p not in SAMPLED_LOCAL]
         if left:
@@ -265,6 +269,25 @@ def structured_refusal(structured: bool, spec: bool) -> str | None:
     if structured and spec:
         return "structured output under spec decoding (V2's verification)"
     return None
+
+
+# V2's processing of a sampled spec-decode step commfold.vllm.shard_verify does on a shard
+SPEC_LOCAL = ("temperature", "min_p")
+
+
+def verify_sampled(step: V2Step) -> tuple[str | None, str]:
+    """(mode, reason) for a spec-decode step with a sampled request (verification
+    already known "standard"): "verify_sampled" - V2's rejection sampling of the whole
+    step on the shards (commfold.vllm.shard_verify) - when its processing is in
+    SPEC_LOCAL and it wants no logprobs."""
+    left = [SAMPLED_LEFT.get(p, p) for p in step.processing if p not in SPEC_LOCAL]
+    if left:
+        return None, "sampled verification with logits processing: " + ", ".join(left)
+    if step.top_k_or_p:
+        return None, "top-k / top-p under spec decoding (V2 cuts before verifying)"
+    if step.logprobs:
+        return None, "logprobs under spec decoding"
+    return "verify_sampled", "sampled: " + ", ".join(step.processing or ("no processing",))
 
 
 def sampled_logprobs(step: V2Step) -> tuple[str | None, str]:

@@ -12,8 +12,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 
-from commfold.vllm import (draft, graph_passes, sampled_pick, shard_grammar, step_log,
-                           target_pick)
+from commfold.vllm import (draft, graph_passes, sampled_pick, shard_grammar, shard_verify,
+                           step_log, target_pick)
 from commfold.vllm import target_pick_v2
 from commfold.vllm.runtime import HookState, Runner, release
 
@@ -74,6 +74,9 @@ HOOKS: tuple[Hook, ...] = (
          sampled_pick.uninstall, wraps=False),
     Hook(shard_grammar.HOOK, 2, shard_grammar.POINTS, shard_grammar.state,
          shard_grammar.install, shard_grammar.uninstall, wraps=False),
+    # its kernels' arguments are vLLM 0.32's (0.33 and 0.34 changed them)
+    Hook(shard_verify.HOOK, 2, shard_verify.POINTS, shard_verify.state,
+         shard_verify.install, shard_verify.uninstall, until=(0, 33), wraps=False),
 )
 
 

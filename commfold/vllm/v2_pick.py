@@ -14,7 +14,9 @@ RejectionSampler for a step commfold.vllm.decision.decide_v2 qualifies.
   gathered and scored by V2's own function;
 - ``sample`` / ``sample_logprobs``: a step with sampled requests or processed logits,
   drawn as V2's Gumbel kernel draws it (commfold.vllm.sampled_pick), logprobs of the
-  drawn token scored as above from the raw or the processed shard.
+  drawn token scored as above from the raw or the processed shard;
+- ``verify_sampled``: a spec-decode step with sampled requests, V2's probabilistic
+  ("standard") rejection sampling on the shards (commfold.vllm.shard_verify).
 
 Structured output: the hooks mask the shard with the step's grammar bitmask first
 (commfold.vllm.shard_grammar), so every mode above reads V2's masked logits.
@@ -29,12 +31,13 @@ import weakref
 
 import torch
 
-from commfold.vllm import sampled_pick, shard_grammar, step_log
+from commfold.vllm import sampled_pick, shard_grammar, shard_verify, step_log
 from commfold.vllm.decision import V2Step, decide_v2, verify_method
 from commfold.vllm.logits_head import LogitsHead
 
 _REJECT = "vllm.v1.worker.gpu.spec_decode.rejection_sampler"
 SAMPLED = ("sample", "sample_logprobs")  # commfold.vllm.sampled_pick's modes
+VERIFY_SAMPLED = "verify_sampled"  # commfold.vllm.shard_verify's
 # what the pick's exactness rests on inside V2's kernels and helpers, whichever hook
 # set hands it the step (hook_points: (module:Attr.path, text))
 PICK_POINTS = (
@@ -181,13 +184,16 @@ def decide_step(sampler, rejection_sampler, spec_config, input_batch, structured
         return None, moved
     if mode is not None and structured and (moved := shard_grammar.refusal()) is not None:
         return None, moved
+    if mode == VERIFY_SAMPLED and (moved := shard_verify.refusal(rejection_sampler)):
+        return None, moved
     return mode, why
 
 
 def pick(sampler, rejection_sampler, head: LogitsHead, shard, input_batch, mode: str,
-         vllm_samplers):
+         vllm_samplers, draft_logits=None):
     """V2's SamplerOutput for the step, from this rank's logits shard. vllm_samplers
-    (full logits -> SamplerOutput) runs V2's own samplers on a step given back."""
+    (full logits -> SamplerOutput) runs V2's own samplers on a step given back;
+    draft_logits: the drafter's cached logits V2's RejectionSampler gets (or None)."""
     from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
     from vllm.v1.worker.gpu.sample.output import SamplerOutput
 
@@ -197,7 +203,13 @@ def pick(sampler, rejection_sampler, head: LogitsHead, shard, input_batch, mode:
     logits_mode = sampler.logprobs_mode in ("raw_logits", "processed_logits")
     idx = input_batch.idx_mapping_np
     scored = shard  # the logits logprobs are scored from
-    if mode in SAMPLED:
+    if mode == VERIFY_SAMPLED:
+        verified = shard_verify.verify(rejection_sampler, head, shard, input_batch,
+                                       draft_logits)
+        if verified is None:  # NaN on a rank: the same on every rank
+            return _given_back(head, shard, vllm_samplers, sampled_pick.NAN)
+        sampled, num_sampled = verified
+    elif mode in SAMPLED:
         drawn = sampled_pick.draw(sampler, head, shard, input_batch)
         if isinstance(drawn, str):  # from gathered values: the same on every rank
             return _given_back(head, shard, vllm_samplers, drawn)
@@ -219,7 +231,7 @@ def pick(sampler, rejection_sampler, head: LogitsHead, shard, input_batch, mode:
     prefill_len = sampler.req_states.prefill_len.gpu
     if mode == "verify":
         sampled, num_sampled = verify(rejection_sampler, input_batch, tokens, prefill_len)
-    else:
+    elif mode != VERIFY_SAMPLED:
         sampled = tokens.view(-1, 1)
         num_sampled = input_batch.seq_lens.new_ones(input_batch.num_reqs)
     num_sampled, num_rejected = get_num_sampled_and_rejected(

@@ -1,0 +1,407 @@
+"""Model Runner V2's probabilistic verification ("standard" rejection sampling of a
+step with sampled requests) from this rank's logits shard, bit for bit as V2's
+RejectionSampler, without the full-vocab all-gather.
+
+V2's ``rejection_sample`` works in vocab blocks. Each piece here is V2's own kernel on
+inputs that hold, wherever the kernel reads, the values V2's would hold:
+
+- stats: V2's ``_compute_local_logits_stats_kernel`` on this rank's 8192-column blocks
+  (the blocks it holds most of). A block split by a shard end is completed with its
+  columns from the neighbouring ranks, which every rank sends as the head and tail of
+  its shard (one all-gather, only where shard ends are not block-aligned: at most
+  4096 columns per row per shard end, shards a block wide or more); the kernel then
+  sees every block whole and computes
+  V2's per-block max, sum of exponentials, argmax (greedy rows) and the draft's;
+- one all-gather of those per-block values (24 bytes per block per row, 40 with
+  draft logits) plus, per row, the target logit at the next draft token from the rank
+  holding it: every rank then holds V2's per-block arrays whole and runs V2's own
+  ``_rejection_kernel`` (its combine of the blocks, in its order; the acceptance
+  test ``log p > log u + log q``; greedy rows' argmax) on a target buffer that holds
+  only the draft-token entries the kernel reads: the accepted lengths and the
+  rejected rows' log-sum-exps come out bit-identical, the same on every rank;
+- resampling: V2's ``_resample_kernel`` over the full vocab width with this rank's
+  columns of the resampled rows and -inf elsewhere (those lanes draw -inf), the
+  Gumbel keys global token ids as in V2's; each rank's first maximum, one (value bits,
+  token) pair per request per rank exchanged, and V2's ``_insert_resampled_kernel``
+  picks the first maximum over ranks (in column order: V2's first maximum).
+
+Draft probabilities: V2 reads the drafter's cached logits (``speculator.draft_logits``,
+[max_reqs, steps, vocab], written by V2's Gumbel kernel from the drafter's gathered
+logits: full-vocab and alike on every rank) or, without them, a one-hot draft; both
+are used as V2 uses them. Target logits are processed as V2 processes them before
+verifying (a float32 copy with V2's ``apply_temperature``, then V2's min_p kernel on
+the columns and one more holding the row's maximum over all ranks: one all-gather of
+a float32 per row) when a request asks for processing; only temperature and min_p are
+taken here (decision.SPEC_LOCAL).
+
+A step whose shard holds NaN on any rank (a flag in the stats exchange), or whose
+resampled values do, returns None on every rank: the step is gathered and V2's
+RejectionSampler takes it. Its kernels' argument lists are vLLM 0.32's: each function
+used or repeated is pinned by its whole source (``POINTS``); on another release the
+mode is refused with a line and the step stays V2's.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+from commfold.distributed.collectives import communicator
+from commfold.vllm import hook_points, runtime, target_pick
+from commfold.vllm.hook_points import Pinned
+from commfold.vllm.logits_head import LogitsHead
+
+log = logging.getLogger("commfold")
+
+HOOK = "target pick: sampled verification"
+BLOCK = 8192  # rejection_sample's VOCAB_BLOCK_SIZE (pinned with it)
+RESAMPLE_BLOCK = 1024  # rejection_sample's RESAMPLE_BLOCK_SIZE
+_U = "vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils:"
+_R = "vllm.v1.worker.gpu.spec_decode.rejection_sampler:"
+_S = "vllm.v1.worker.gpu.sample."
+# what verify() calls or repeats, each function's whole source in vLLM 0.32.0 (0.33
+# and 0.34 changed the kernels' arguments: the stats kernel takes num_logits, the
+# rejection kernel FLy's, 0.34 a DraftLogitsCache row mapping)
+_SOURCES = {
+    _U + "rejection_sample": "d194f0c309af49e7",
+    _U + "_compute_local_logits_stats_kernel": "261fe4b34aa59da7",
+    _U + "_compute_max_and_sumexp": "43c66e339b97269e",
+    _U + "_rejection_kernel": "8608bf4a5824c4c7",
+    _U + "_compute_global_logsumexp": "b1562cf51b6da272",
+    _U + "_compute_global_logprobs_and_logsumexp": "ff77cb0149ecbe68",
+    _U + "_compute_global_target_argmax": "5a9c0f160580eb3d",
+    _U + "_resample_kernel": "5887d960adbf09cf",
+    _U + "_seeded_resample_argmax": "afb6e4e2512edf62",
+    _U + "_insert_resampled_kernel": "04e08d4a4c0ffa2f",
+    _R + "RejectionSampler.__call__": "e99b3bc562159cf7",
+    _R + "RejectionSampler._verify": "99b80e0119dd3836",
+    _R + "RejectionSampler._verify_in_chunks": "acb5a106c1116ff4",
+    _S + "sampler:Sampler.apply_sampling_params": "916e3cbb9e097267",
+    _S + "states:SamplingStates.apply_temperature": "ffe54d3d2d9d5175",
+    _S + "states:SamplingStates.apply_min_p": "c99c35f9cf0d0a5a",
+    _S + "min_p:apply_min_p": "eea404553e370af0",
+    _S + "min_p:_min_p_kernel": "49b881391668b33b",
+    _S + "gumbel:gumbel_block_argmax": "5958185b8a498453",
+}
+POINTS = tuple((where, Pinned((("0.32.0", h),))) for where, h in _SOURCES.items())
+
+
+def state(environ=os.environ, runner=None) -> runtime.HookState:
+    """Whether sampled spec-decode steps can be verified on the shards (the target
+    pick's own switch, COMMFOLD_TARGET_PICK, turns it off with it)."""
+    off = None if target_pick.enabled(environ) else f"{target_pick.ENV}=0"
+    return runtime.gate(HOOK, off=off, missing=lambda: hook_points.missing(POINTS),
+                        environ=environ, runner=runner, version=2)
+
+
+def install(environ=os.environ, runner=None) -> bool:
+    """Nothing to wrap (the V2 target pick calls verify()): logs the one line."""
+    return state(environ, runner).log().on
+
+
+def uninstall() -> None:
+    """Nothing was wrapped."""
+
+
+@functools.cache  # vLLM's code does not change within a process
+def moved() -> str | None:
+    """Why sampled verification stays V2's in this process (a point moved), else None."""
+    gone = hook_points.missing(POINTS)
+    if not gone:
+        return None
+    log.warning("commfold: %s off: vLLM changed what it repeats: %s", HOOK, "; ".join(gone))
+    return f"vLLM changed {gone[0].split(' ')[0]} (commfold doctor)"
+
+
+def refusal(rejection_sampler) -> str | None:
+    """Why this engine's sampled verification stays V2's (engine configuration and
+    vLLM's code: the same on every rank), else None."""
+    if getattr(rejection_sampler, "watermark_key", None) is not None:
+        return "watermarked verification"
+    return moved()
+
+
+class Layout:
+    """Which 8192-column blocks of the vocab each rank computes, and the columns it
+    needs from its neighbours to do so - the same on every rank (shard size, vocab).
+
+    A block belongs to the rank holding most of its columns (the first such rank on a
+    tie), so a block split by a shard end costs the smaller part. ``head[p]`` /
+    ``tail[p]``: how many of rank p's first / last real columns another rank's blocks
+    run into."""
+
+    def __init__(self, shard: int, vocab: int, world: int):
+        self.shard, self.vocab, self.world = shard, vocab, world
+        self.blocks = -(-vocab // BLOCK)
+        owner = []
+        for b in range(self.blocks):
+            lo, hi = b * BLOCK, min((b + 1) * BLOCK, vocab)
+            held = [max(0, min(hi, (q + 1) * shard) - max(lo, q * shard))
+                    for q in range(world)]
+            owner.append(held.index(max(held)))  # non-decreasing in b
+        self.first = [sum(o < q for o in owner) for q in range(world)] + [self.blocks]
+        self.head, self.tail = [0] * world, [0] * world
+        for q in range(world):
+            lo, hi = self.span(q)
+            for p in range(world):
+                s, e = self.columns(p)
+                if p == q or min(hi, e) <= max(lo, s):
+                    continue
+                if p > q:
+                    self.head[p] = max(self.head[p], min(hi, e) - s)
+                else:
+                    self.tail[p] = max(self.tail[p], e - max(lo, s))
+
+    def span(self, rank: int) -> tuple[int, int]:
+        """The global columns [lo, hi) of this rank's blocks."""
+        return self.first[rank] * BLOCK, min(self.first[rank + 1] * BLOCK, self.vocab)
+
+    def columns(self, rank: int) -> tuple[int, int]:
+        """The global columns [start, end) of this rank's real (unpadded) logits."""
+        start = rank * self.shard
+        return start, max(start, min(start + self.shard, self.vocab))
+
+    def width(self) -> int:
+        """The columns each rank sends in the exchange of heads and tails."""
+        return max(self.head) + max(self.tail)
+
+
+def verify(rejection_sampler, head: LogitsHead, shard: torch.Tensor, input_batch,
+           draft_logits: torch.Tensor | None):
+    """V2's (sampled [reqs, steps + 1], num_sampled [reqs] int32) for the step, as its
+    RejectionSampler's ``rejection_sample`` gives them, from this rank's `shard`
+    [rows, head.shard]; None where a rank's shard or the resampled values hold NaN
+    (every rank alike). Every rank calls it together."""
+    import numpy as np  # not at import: commfold imports without numpy
+    from vllm.triton_utils import triton
+    from vllm.v1.worker.gpu.spec_decode import rejection_sampler_utils as ru
+    from vllm.v1.worker.gpu.spec_decode.rejection_sampler import gather_draft_sampled
+
+    sampler = rejection_sampler.sampler
+    states = sampler.sampling_states
+    comm = communicator(head.comm)
+    rank, world = comm.rank(), comm.world_size()
+    draft, pos = gather_draft_sampled(
+        input_batch.input_ids, input_batch.positions, input_batch.logits_indices,
+        input_batch.expanded_idx_mapping, input_batch.expanded_local_pos,
+        sampler.req_states.prefill_len.gpu)
+    mapping, local_pos = input_batch.expanded_idx_mapping, input_batch.expanded_local_pos
+    idx_np = input_batch.idx_mapping_np
+    processing = bool(np.any(sampler.needs_logits_processing[idx_np]))
+    min_p = processing and not np.all(states.min_p.np[idx_np] == 0.0)
+    row_max = None  # min_p: the processed rows' maxima over every rank
+
+    def processed(x: torch.Tensor) -> torch.Tensor:
+        """V2's processing of target logits: elementwise (temperature; min_p given the
+        row maximum over all ranks), so any columns alike."""
+        if not processing:
+            return x
+        buf = x.new_empty(x.shape[0], x.shape[1] + 1, dtype=torch.float32)
+        buf[:, :-1] = x  # V2's float32 copy, then its temperature
+        states.apply_temperature(buf[:, :-1], mapping, idx_np)
+        if row_max is not None:  # V2's min_p kernel, the row's maximum in one column
+            buf[:, -1] = row_max
+            apply_min_p(buf, mapping, states.min_p.gpu)
+        return buf[:, :-1]
+
+    # this rank's real columns (no padding: V2's rows are cut to the vocab)
+    real = shard[:, :max(0, min(head.shard, head.vocab - rank * head.shard))]
+    target = processed(real)
+    if min_p:
+        from vllm.v1.worker.gpu.sample.min_p import apply_min_p
+
+        local_max = target.amax(-1) if target.shape[1] else \
+            target.new_full(target.shape[:1], float("-inf"))
+        maxima = comm.all_gather(local_max).view(world, -1)
+        if bool(maxima.isnan().any()):
+            return None
+        row_max = maxima.amax(0)
+        target = processed(real)
+    rows, device = target.shape[0], target.device
+    vocab = head.vocab  # V2's target_logits width
+    eff = vocab if draft_logits is None else min(vocab, draft_logits.shape[-1])
+    lay = Layout(head.shard, eff, world)
+    start = rank * head.shard
+    lo, hi = lay.span(rank)
+    steps = rejection_sampler.num_speculative_steps
+    temp, seeds = states.temperature.gpu, states.seeds.gpu
+    has_draft = draft_logits is not None
+    ds0, ds1 = (draft_logits.stride(0), draft_logits.stride(1)) if has_draft else (0, 0)
+
+    whole = processed(_whole_blocks(comm, lay, shard))
+    nan_here = bool(target[:, :max(0, min(head.shard, eff - start))].isnan().any())
+    nb = lay.first[rank + 1] - lay.first[rank]
+    f32 = dict(dtype=torch.float32, device=device)
+    t_arg = torch.zeros(rows, nb, dtype=torch.int64, device=device)
+    stats = [torch.zeros(rows, nb, **f32) for _ in range(4)]  # target, draft max / sum
+    if nb and rows:
+        own_draft = draft_logits[:, :, lo:] if has_draft else None
+        t_max, t_sum, d_max, d_sum = stats
+        # V2's logits: the gathered rows cut to the vocab, or its float32 copy
+        local, size = like_v2(whole, vocab if processing else head.shard * world,
+                              hi == eff, eff)
+        ru._compute_local_logits_stats_kernel[(rows, nb)](
+            t_arg, t_arg.stride(0), t_max, t_max.stride(0), t_sum, t_sum.stride(0),
+            d_max, d_max.stride(0), d_sum, d_sum.stride(0), local, local.stride(0),
+            own_draft, ds0, ds1, mapping, local_pos, temp, size, steps,
+            BLOCK_SIZE=BLOCK, HAS_DRAFT_LOGITS=has_draft)
+        t_arg += lo  # the kernel's ids count from the buffer's first column
+
+    # the target logit at each row's next draft token, from the rank holding it
+    nxt = torch.cat([draft[1:], draft.new_full((1,), -1)]).to(torch.int64)
+    held = (nxt >= start) & (nxt < min(start + head.shard, vocab))
+    at_draft = torch.zeros(rows, **f32)
+    if bool(held.any()):
+        sel = held.nonzero()[:, 0]
+        at_draft[sel] = target[sel, nxt[sel] - start].float()
+
+    # one exchange (int32 words): per-block stats, the draft-token logit, a NaN flag
+    floats = stats if has_draft else stats[:2]
+    top = max(lay.first[q + 1] - lay.first[q] for q in range(world))
+    k = len(floats)
+    payload = torch.zeros(rows, (k + 2) * top + 2, dtype=torch.int32, device=device)
+    for i, x in enumerate(floats):
+        payload[:, i * top:i * top + nb] = x.view(torch.int32)
+    payload[:, k * top:k * top + 2 * nb] = t_arg.view(torch.int32)
+    payload[:, -2] = at_draft.view(torch.int32)
+    payload[:, -1] = int(nan_here)
+    got = comm.all_gather(payload).view(world, rows, -1)
+    if bool(got[:, :, -1].any()):
+        return None
+    blocks = lay.blocks
+    full = [torch.zeros(rows, blocks, **f32) for _ in range(4)]
+    argmax = torch.zeros(rows, blocks, dtype=torch.int64, device=device)
+    for q in range(world):
+        b0, b1 = lay.first[q], lay.first[q + 1]
+        for i in range(k):
+            full[i][:, b0:b1] = got[q, :, i * top:i * top + b1 - b0].contiguous().view(
+                torch.float32)
+        argmax[:, b0:b1] = got[q, :, k * top:k * top + 2 * (b1 - b0)].contiguous().view(
+            torch.int64)
+    owner = (nxt.clamp(min=0) // head.shard).clamp(max=world - 1)
+    values = got[:, :, -2].contiguous().view(torch.float32)  # [world, rows]
+    at_draft = values.gather(0, owner[None].to(device)).squeeze(0)
+
+    # V2's rejection kernel on what it reads: the draft-token entries and the blocks
+    t_buf = torch.empty(rows, vocab, **f32)
+    ok = nxt >= 0
+    t_buf[ok.nonzero()[:, 0], nxt[ok]] = at_draft[ok]
+    cu, idx_mapping = input_batch.cu_num_logits, input_batch.idx_mapping
+    reqs = cu.shape[0] - 1
+    padded = triton.next_power_of_2(blocks)
+    sampled = draft.new_empty(reqs, steps + 1, dtype=torch.int64)
+    num_sampled = sampled.new_empty(reqs, dtype=torch.int32)
+    t_lse, d_lse = torch.empty(reqs, **f32), torch.empty(reqs, **f32)
+    t_max_a, t_sum_a, d_max_a, d_sum_a = full
+    ru._rejection_kernel[(reqs,)](
+        sampled, sampled.stride(0), num_sampled, t_lse, d_lse, t_buf, t_buf.stride(0),
+        argmax, argmax.stride(0), t_max_a, t_max_a.stride(0), t_sum_a, t_sum_a.stride(0),
+        draft, draft_logits, ds0, ds1, d_max_a, d_max_a.stride(0), d_sum_a,
+        d_sum_a.stride(0), cu, idx_mapping, temp, seeds, pos, None, None, None, 0, blocks,
+        PADDED_VOCAB_NUM_BLOCKS=padded, HAS_DRAFT_LOGITS=has_draft, SYNTHETIC_MODE=False,
+        USE_BLOCK_VERIFICATION=False, num_warps=1)
+
+    # V2's resample kernel over the full width, this rank's columns, -inf elsewhere
+    again = (cu[:-1].to(torch.int64) + num_sampled.to(torch.int64)).to(device)
+    t_buf[again] = float("-inf")
+    n_cols = max(0, min(start + head.shard, eff) - start)
+    if n_cols:
+        t_buf[again, start:start + n_cols] = target[again, :n_cols].float()
+    use_fp64 = bool(sampler.use_fp64_gumbel)
+    r_blocks = -(-eff // RESAMPLE_BLOCK)
+    # rows the kernel skips (greedy, rejected: the argmax already stored) keep -inf
+    r_idx = torch.zeros(reqs, r_blocks, dtype=torch.int64, device=device)
+    r_val = torch.full((reqs, r_blocks), float("-inf"), device=device,
+                       dtype=torch.float64 if use_fp64 else torch.float32)
+    ru._resample_kernel[(reqs, r_blocks)](
+        r_idx, r_idx.stride(0), r_val, r_val.stride(0), t_buf, t_buf.stride(0), t_lse,
+        draft_logits, ds0, ds1, d_lse, num_sampled, cu, mapping, draft, temp, seeds, pos,
+        None, None, 0, None, None, 0, 0, eff, BLOCK_SIZE=RESAMPLE_BLOCK,
+        HAS_DRAFT_LOGITS=has_draft, USE_FP64=use_fp64, USE_BLOCK_VERIFICATION=False,
+        CONTEXT_WIDTH=1, WATERMARK=False, DEDUPLICATE_CONTEXTS=False)
+    best = r_val.argmax(dim=-1, keepdim=True)  # the first block holding the maximum
+    value = r_val.gather(-1, best).squeeze(-1)
+    value = value.masked_fill(r_val.isnan().any(-1), float("nan"))
+    token = r_idx.gather(-1, best).squeeze(-1)
+
+    # one (value bits, token) pair per request per rank; V2's insert picks the first
+    bits = torch.int64 if use_fp64 else torch.int32
+    pair = torch.stack([value.view(bits).to(torch.int64), token], dim=-1)
+    pairs = comm.all_gather(pair).view(world, reqs, 2)
+    vals = pairs[..., 0].to(bits).view(value.dtype).t().contiguous()
+    if bool(vals.isnan().any()):
+        return None
+    toks = pairs[..., 1].t().contiguous()
+    ru._insert_resampled_kernel[(reqs,)](
+        sampled, sampled.stride(0), num_sampled, toks, toks.stride(0), vals,
+        vals.stride(0), world, cu, mapping, temp,
+        PADDED_RESAMPLE_NUM_BLOCKS=triton.next_power_of_2(world))
+    return sampled, num_sampled
+
+
+def like_v2(whole: torch.Tensor, stride: int, last: bool, eff: int):
+    """(buffer, vocab_size) for V2's stats kernel on this rank's blocks `whole`
+    [rows, width] as its launch on the full logits is compiled: Triton specializes a
+    kernel on whether its pointers and integer arguments divide by 16, and that can
+    change how a block's elements are spread over threads - the order of its sum. So
+    the buffer rows have V2's stride (blocks start at multiples of 8192: aligned as
+    V2's) and vocab_size V2's divisibility: `eff`'s. This rank's width ends at eff
+    (`last`: the same residue) or at a multiple of 8192; there, where eff does not
+    divide by 16, one column more - in the block past this rank's, never launched."""
+    rows, width = whole.shape
+    buf = whole.new_empty(rows, max(stride, width))
+    buf[:, :width] = whole
+    return buf, width if last or eff % 16 == 0 else width + 1
+
+
+def _whole_blocks(comm, lay: Layout, shard: torch.Tensor) -> torch.Tensor:
+    """This rank's blocks [rows, hi - lo] of raw logits: its own columns and, where a
+    block runs past the shard, the neighbours' columns (one all-gather of every rank's
+    head and tail, where any is needed: the same on every rank)."""
+    rank, world = comm.rank(), comm.world_size()
+    lo, hi = lay.span(rank)
+    start, end = lay.columns(rank)
+    width = lay.width()
+    own = shard[:, max(lo, start) - start:max(min(hi, end), lo, start) - start]
+    if not width or hi <= lo:
+        return own if hi > lo else shard[:, :0]
+    got = comm.all_gather(sent(lay, rank, shard)).view(world, shard.shape[0], width)
+    parts = []
+    for p in range(world):
+        s, e = lay.columns(p)
+        a, b = max(lo, s), min(hi, e)
+        if b <= a:
+            continue
+        if p == rank:
+            parts.append(own)
+        elif p < rank:  # p's tail: its columns [e - tail, e) end the buffer
+            parts.append(got[p, :, width - (e - a):width - (e - b)])
+        else:  # p's head: its columns [s, s + head) start the buffer
+            parts.append(got[p, :, a - s:b - s])
+    return torch.cat(parts, dim=1)
+
+
+def sent(lay: Layout, rank: int, shard: torch.Tensor) -> torch.Tensor:
+    """What `rank` sends in the exchange: its first lay.head[rank] columns at the
+    front, its last lay.tail[rank] real columns at the back, zeros between."""
+    width, n, t = lay.width(), lay.head[rank], lay.tail[rank]
+    start, end = lay.columns(rank)
+    out = shard.new_zeros(shard.shape[0], width)
+    out[:, :n] = shard[:, :n]
+    if t:
+        out[:, width - t:] = shard[:, end - start - t:end - start]
+    return out
+
+
+def exchanged_bytes(rows: int, reqs: int, shard: int, vocab: int, world: int,
+                    itemsize: int, draft_logits: bool, min_p: bool = False) -> int:
+    """What one rank sends in verify()'s collectives for a step of `rows` logits rows
+    and `reqs` requests (raw logits of `itemsize` bytes; vLLM's gather sends
+    rows * shard * itemsize); min_p: a request of the step uses it."""
+    lay = Layout(shard, vocab, world)
+    top = max(lay.first[q + 1] - lay.first[q] for q in range(world))
+    k = 4 if draft_logits else 2
+    return rows * lay.width() * itemsize + rows * ((k + 2) * top + 2 + min_p) * 4 + \
+        reqs * 16

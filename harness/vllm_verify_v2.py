@@ -1,0 +1,114 @@
+"""Spec-decode steps with sampled requests through Model Runner V2's own
+``GPUModelRunner.sample`` (its real Sampler, RejectionSampler, InputBatch on vLLM's
+real ParallelLMHead + LogitsProcessor), once as vLLM ships it and once under
+commfold's hook (commfold.vllm.shard_verify), in a vLLM TP group of spawned ranks.
+Built on harness.vllm_step_v2's runner and batch; adds the drafter's cached logits
+(V2's ``speculator.draft_logits``) and drafts chosen to be accepted or rejected.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from harness.vllm_step_v2 import MAX_REQS
+
+
+def draft_logits(logits: torch.Tensor, batch, steps: int, noise: float, seed: int,
+                 dtype) -> torch.Tensor:
+    """V2's draft logits cache [MAX_REQS, steps, vocab] (filled with 0.0, as V2 fills
+    it): request r's step i holds the target's logits of its row i plus noise."""
+    g = torch.Generator().manual_seed(seed + 5)
+    cache = torch.zeros(MAX_REQS, steps, logits.shape[1], dtype=dtype)
+    cu = batch.cu_num_logits_np
+    for r in range(len(cu) - 1):
+        for i in range(int(cu[r + 1] - cu[r]) - 1):
+            row = logits[int(cu[r]) + i].float()
+            cache[r, i] = (row + noise * torch.randn(row.shape, generator=g)).to(dtype)
+    return cache
+
+
+def _drafts(case: dict, model, batch, h) -> None:
+    """Drafts of the case's kind written into the batch's input ids: "top" the
+    target's most likely token at the row before (mostly accepted), "random" uniform
+    ids (mostly rejected), "mixed" alternating, "edge" the last vocab id and 0."""
+    kind = case.get("draft_kind", "mixed")
+    full = model.compute_logits(h[batch.logits_indices]).float()
+    g = torch.Generator().manual_seed(case["seed"] + 9)
+    ids, cu = batch.input_ids, batch.cu_num_logits_np
+    for r in range(len(cu) - 1):
+        lo, n = int(cu[r]), int(cu[r + 1] - cu[r]) - 1
+        for i in range(n):
+            top = int(full[lo + i].argmax())
+            rand = int(torch.randint(0, case["vocab"], (1,), generator=g))
+            pick = {"top": top, "random": rand, "mixed": top if (r + i) % 3 != 2 else rand,
+                    "edge": case["vocab"] - 1 if i % 2 == 0 else 0}[kind]
+            ids[lo + 1 + i] = pick
+
+
+def verify_cases(world: int, cases: list[dict]) -> list[dict]:
+    """In a spawned rank: each case's spec-decode step through V2's sample, as vLLM
+    ships it and under commfold's hook; tokens, counts, the hook's decision, the
+    collectives (calls, bytes, vocab-wide gathers). case: vocab, dtype, seed, ties,
+    drafts (per request its number of drafts), row_params, draft_logits (noise scale,
+    None: one-hot drafts), draft_kind, placeholder."""
+    from harness import triton_cpu
+
+    triton_cpu.install()
+    import vllm.v1.worker.cpu.shm  # noqa: F401  (what vLLM's CPU worker imports first)
+    from vllm import SamplingParams
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    from commfold.distributed.comm_log import record_collectives
+    from commfold.vllm import step_log
+    from harness import vllm_step
+    from harness.vllm_step_v2 import _vocab_gathers, hooked_sample, input_batch, runner, valid
+    from harness.vllm_tp import init_vllm_tp
+
+    tp = init_vllm_tp(world, shm=False, reuse=True)
+    original = GPUModelRunner.__dict__["sample"]
+    out = []
+    for case in cases:
+        dtype = getattr(torch, case["dtype"])
+        model = vllm_step.TinyLM(case["vocab"], dtype, case["seed"], case["ties"],
+                                 nan_column=case.get("nan_column"),
+                                 neg_inf_rows=case.get("neg_inf_rows", ()))
+        drafts = [[7] * n for n in case["drafts"]]
+        params = [SamplingParams(**p) for p in case["row_params"]]
+        steps = max(case["drafts"])
+        batch = input_batch(drafts, case.get("placeholder"))
+        h = vllm_step.hidden(batch.num_tokens, dtype, case["seed"] + 1, case["ties"],
+                             case.get("special"))
+        _drafts(case, model, batch, h)
+        cache = None
+        if case.get("draft_logits") is not None:
+            full = model.compute_logits(h[batch.logits_indices])
+            cache = draft_logits(full, batch, steps, case["draft_logits"], case["seed"],
+                                 dtype)
+        runners = []
+        for _ in range(2):
+            np.random.seed(case["seed"])  # V2 draws an unseeded request's seed from numpy
+            r = runner(model, case["vocab"], params, steps)
+            r.speculator.draft_logits = cache
+            runners.append(r)
+        with record_collectives() as vllm_log:
+            theirs = original(runners[0], h, batch, None)[0]
+        notes: list[str] = []
+        note = step_log.note
+        step_log.note = lambda key, value, notes=notes: notes.append(value)
+        try:
+            with record_collectives() as ours_log:
+                ours = hooked_sample(original, runners[1], h, batch)
+        finally:
+            step_log.note = note
+        shard = model.head[0].weight.shape[0]
+        out.append(dict(
+            case=case, rank=tp.rank_in_group, notes=notes, ours=valid(ours),
+            theirs=valid(theirs),
+            counts=(ours.num_sampled.tolist(), ours.num_rejected.tolist()),
+            vllm_counts=(theirs.num_sampled.tolist(), theirs.num_rejected.tolist()),
+            dtype=(ours.sampled_token_ids.dtype, theirs.sampled_token_ids.dtype),
+            accepted=[k - 1 for k in theirs.num_sampled.tolist()],
+            ours_gathers=_vocab_gathers(ours_log, shard), calls=ours_log.calls(),
+            bytes=ours_log.bytes(), vllm_bytes=vllm_log.bytes(),
+            vllm_gathers=_vocab_gathers(vllm_log, shard)))
+    return out

@@ -1,0 +1,292 @@
+"""commfold's probabilistic verification of spec-decode steps with sampled requests on
+Model Runner V2 (commfold.vllm.shard_verify) against V2's own ``GPUModelRunner.sample``
+and RejectionSampler - V2's Triton kernels in Triton's interpreter - on 2 gloo ranks:
+the same step both ways must give the same sampled tokens (accepted drafts, the
+resampled token at the first rejection, the bonus token) and counts bit for bit, with
+one-hot drafts and with the drafter's cached logits, shard ends on and off V2's
+8192-column blocks; the collectives counted (no vocab-wide gather); what stays V2's
+keeps its path with the reason in the step log."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from harness.vllm_models import require_vllm_installed
+
+pytestmark = require_vllm_installed(group="module")
+
+ALIGNED = 32768  # shards of 16384 columns at TP=2: two whole 8192-column blocks each
+ODD = 20011  # padded to 20032, shards of 10016: block 1 straddles the ranks
+
+
+def _check(results):
+    from harness.vllm_step_v2 import same_step
+
+    for res in results:
+        for r in res:
+            case, where = r["case"], same_step(r)
+            if case["mode"] == "verify_sampled":
+                assert r["notes"] == ["verify_sampled"], where
+                assert r["ours_gathers"] == 0, where
+                aligned = case["vocab"] % (2 * 8192) == 0
+                min_p = _min_p(case)
+                # per-block stats, the resampled pair; the split blocks' parts where
+                # a block runs past a shard; the row maxima for min_p
+                assert r["calls"] == 2 + (not aligned) + min_p, (where, r["calls"])
+                assert r["bytes"] == _bytes(case), (where, r["bytes"])
+            else:
+                assert r["notes"][-1].startswith("vLLM ("), where
+                assert case["mode"] in r["notes"][-1], (where, r["notes"])
+
+
+def _min_p(case) -> bool:
+    """Whether V2 runs its min_p kernel on the step: it processes the logits (a sampled
+    request with a temperature other than 1 or with min_p) and a sampled request has
+    min_p."""
+    rows = [(p.get("temperature", 1.0), p.get("min_p", 0.0)) for p in case["row_params"]]
+    return any(t != 0.0 and (t != 1.0 or m) for t, m in rows) and \
+        any(m and t != 0.0 for t, m in rows)  # V2 keeps no min_p for a greedy request
+
+
+def _bytes(case) -> int:
+    """What shard_verify.exchanged_bytes says a rank sends for the case's step."""
+    from commfold.vllm.shard_verify import exchanged_bytes
+
+    shard = -(-case["vocab"] // 64) * 64 // 2  # vLLM pads the vocab to 64
+    rows = sum(case["drafts"]) + len(case["drafts"])
+    item = 4 if case["dtype"] == "float32" else 2
+    return exchanged_bytes(rows, len(case["drafts"]), shard, case["vocab"], 2, item,
+                           case.get("draft_logits") is not None, _min_p(case))
+
+
+T = dict(temperature=0.8, seed=7)
+CASES = [
+    # one-hot drafts, aligned blocks, mostly accepted / mostly rejected / mixed
+    dict(vocab=ALIGNED, dtype="float32", seed=1, ties=False, drafts=[3, 2],
+         row_params=[T, dict(temperature=1.0, seed=3)], draft_kind="top",
+         mode="verify_sampled"),
+    dict(vocab=ALIGNED, dtype="bfloat16", seed=2, ties=False, drafts=[3, 3, 1],
+         row_params=[T, dict(temperature=0.0), dict(temperature=1.5)],
+         draft_kind="mixed", mode="verify_sampled"),
+    # the drafter's cached logits (draft probabilities), shards off the blocks
+    dict(vocab=ODD, dtype="float32", seed=3, ties=False, drafts=[2, 3],
+         row_params=[T, dict(temperature=0.6, seed=11)], draft_logits=0.5,
+         draft_kind="top", mode="verify_sampled"),
+    dict(vocab=ODD, dtype="bfloat16", seed=4, ties=True, drafts=[3, 1, 2],
+         row_params=[dict(temperature=1.0, seed=5), dict(temperature=0.0),
+                     dict(temperature=0.9)], draft_logits=2.0, draft_kind="mixed",
+         mode="verify_sampled"),
+    dict(vocab=ALIGNED, dtype="float32", seed=5, ties=False, drafts=[2, 2],
+         row_params=[T, T], draft_logits=0.1, draft_kind="random", mode="verify_sampled"),
+    # drafts the drafter's own distribution rates unlikely: rejected, resampled from
+    # the residual max(p - q, 0)
+    dict(vocab=ODD, dtype="float32", seed=11, ties=False, drafts=[3, 2, 2],
+         row_params=[T, dict(temperature=2.0, seed=4), dict(temperature=0.5)],
+         draft_logits=4.0, draft_kind="random", mode="verify_sampled"),
+    dict(vocab=ALIGNED, dtype="bfloat16", seed=12, ties=True, drafts=[2, 3],
+         row_params=[dict(temperature=1.0, seed=8), dict(temperature=1.3, seed=9)],
+         draft_logits=3.0, draft_kind="mixed", mode="verify_sampled"),
+    # the vocab's edges, -inf rows, a request whose drafts are placeholders
+    dict(vocab=ODD, dtype="float32", seed=6, ties=False, drafts=[2, 2],
+         row_params=[T, dict(temperature=1.2, seed=2)], draft_kind="edge",
+         neg_inf_rows=(1,), mode="verify_sampled"),
+    # a resampled row of -inf logits only: V2 draws token 0 (its first block's first)
+    dict(vocab=ODD, dtype="float32", seed=13, ties=False, drafts=[1, 2],
+         row_params=[T, T], draft_kind="random", neg_inf_rows=(0,), mode="verify_sampled"),
+    dict(vocab=ODD, dtype="float32", seed=7, ties=False, drafts=[2, 2],
+         row_params=[T, T], draft_kind="top", placeholder=1, draft_logits=0.3,
+         mode="verify_sampled"),
+    # NaN: gathered, V2's own; what stays V2's
+    dict(vocab=ALIGNED, dtype="float32", seed=8, ties=False, drafts=[2, 1],
+         row_params=[T, T], nan_column=20000, mode="NaN"),
+    # min_p: V2's kernel on the shard with the row maximum over the ranks
+    dict(vocab=ODD, dtype="float32", seed=9, ties=False, drafts=[2, 3],
+         row_params=[dict(temperature=0.8, min_p=0.1), dict(temperature=1.0, seed=2)],
+         draft_logits=1.0, draft_kind="mixed", mode="verify_sampled"),
+    dict(vocab=ALIGNED, dtype="bfloat16", seed=14, ties=False, drafts=[3],
+         row_params=[dict(temperature=0.5, seed=6, min_p=0.3)], draft_kind="random",
+         mode="verify_sampled"),
+    dict(vocab=ODD, dtype="float32", seed=15, ties=False, drafts=[2],
+         row_params=[dict(temperature=0.8, presence_penalty=0.5)], mode="penalties"),
+    dict(vocab=ODD, dtype="float32", seed=10, ties=False, drafts=[2],
+         row_params=[dict(temperature=0.8, logprobs=2)], mode="logprobs"),
+]
+
+
+def test_sampled_verification_equals_v2s(vllm_v2_ranks):
+    from harness.vllm_verify_v2 import verify_cases
+
+    results = vllm_v2_ranks.run(verify_cases, 2, CASES)
+    _check(results)
+    # the cases reach both outcomes: some drafts accepted, some rejected
+    accepted = [a for res in results for r in res for a in r["accepted"]]
+    assert 0 in accepted and any(a >= 2 for a in accepted), accepted
+    # a draft rejected against the drafter's logits (the residual resampled)
+    assert any(a < n for res in results for r in res if r["case"].get("draft_logits")
+               for a, n in zip(r["accepted"], r["case"]["drafts"])), accepted
+
+
+ROW = st.fixed_dictionaries({
+    "temperature": st.sampled_from([0.0, 0.3, 0.8, 1.0, 1.7]),
+    "seed": st.one_of(st.none(), st.integers(-2**40, 2**40)),
+    "min_p": st.sampled_from([0.0, 0.0, 0.05, 0.3]),
+})
+
+
+@settings(max_examples=2, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(vocab=st.integers(8200, 24600), dtype=st.sampled_from(["float32", "bfloat16"]),
+       rows=st.lists(ROW, min_size=1, max_size=3), ties=st.booleans(),
+       seed=st.integers(0, 2**16), steps=st.lists(st.integers(1, 3), min_size=3, max_size=3),
+       noise=st.sampled_from([None, 0.2, 3.0]),
+       kind=st.sampled_from(["top", "random", "mixed", "edge"]))
+def test_sampled_verification_examples(vllm_v2_ranks, vocab, dtype, rows, ties, seed, steps,
+                                       noise, kind):
+    """Odd vocab sizes (block boundaries anywhere in the shards), temperatures, seeds
+    (and none: V2's numpy draw), greedy rows mixed in, one-hot and cached drafts."""
+    from harness.vllm_verify_v2 import verify_cases
+
+    sampled = any(r["temperature"] != 0.0 for r in rows)
+    case = dict(vocab=vocab, dtype=dtype, seed=seed, ties=ties, drafts=steps[:len(rows)],
+                row_params=rows, draft_logits=noise, draft_kind=kind,
+                mode="verify_sampled" if sampled else "verify")
+    results = vllm_v2_ranks.run(verify_cases, 2, [case])
+    if sampled:
+        _check(results)
+    else:  # all greedy: strict greedy verification, commfold's other mode
+        for r in results[0]:
+            assert r["ours"] == r["theirs"] and r["notes"] == ["verify"], r["case"]
+
+
+def test_decision_names_the_mode():
+    from commfold.vllm.decision import V2Step, decide_v2
+
+    step = V2Step(temperatures=(0.8, 0.0), top_k_or_p=False, needs_processing=True,
+                  logprobs=False, processing=("temperature",))
+    assert decide_v2(step, spec=True, structured=False, verify="standard")[0] == \
+        "verify_sampled"
+    assert decide_v2(V2Step(**{**step.__dict__, "processing": ("temperature", "min_p")}),
+                     spec=True, structured=False, verify="standard")[0] == "verify_sampled"
+    for changed, why in ((dict(processing=("temperature", "bad_words")), "bad_words"),
+                         (dict(logprobs=True), "logprobs"),
+                         (dict(processing=("penalties",)), "penalties")):
+        mode, reason = decide_v2(V2Step(**{**step.__dict__, **changed}), spec=True,
+                                 structured=False, verify="standard")
+        assert mode is None and why in reason, reason
+    assert decide_v2(step, spec=True, structured=False, verify="block")[0] is None
+    assert decide_v2(step, spec=False, structured=False)[0] == "sample"
+
+
+@pytest.mark.parametrize("shard,vocab,world", [
+    (16384, 32768, 2), (10016, 20011, 2), (3000, 11000, 4), (8192, 8192, 1),
+    (64128, 128256, 2), (75968, 151936, 2), (2000, 7999, 4), (5000, 40000, 8),
+    (9000, 70000, 8), (70000, 139999, 2)])
+def test_each_block_is_assembled_whole_once(shard, vocab, world):
+    """Each 8192-column block is computed by one rank, from its own columns and the
+    heads / tails its neighbours send (shard_verify._whole_blocks with an all-gather
+    that concatenates what each rank sends); a split block costs its smaller part."""
+    import torch
+
+    from commfold.vllm.shard_verify import BLOCK, Layout, _whole_blocks, sent
+
+    lay = Layout(shard, vocab, world)
+    owned = [b for q in range(world) for b in range(lay.first[q], lay.first[q + 1])]
+    assert owned == list(range(-(-vocab // BLOCK)))
+    row = torch.arange(world * shard, dtype=torch.float64)[None]
+    shards = [row[:, q * shard:(q + 1) * shard] for q in range(world)]
+
+    class Comm:
+        def __init__(self, rank):
+            self._rank = rank
+
+        def rank(self):
+            return self._rank
+
+        def world_size(self):
+            return world
+
+        def all_gather(self, x):
+            assert torch.equal(x, sent(lay, self._rank, shards[self._rank]))
+            return torch.cat([sent(lay, q, shards[q]) for q in range(world)])
+
+    if shard >= BLOCK:
+        assert lay.width() <= BLOCK // 2 * (2 if world > 2 else 1), lay.width()
+    for q in range(world):
+        lo, hi = lay.span(q)
+        got = _whole_blocks(Comm(q), lay, shards[q])
+        assert got[0].tolist() == list(range(lo, hi)) if hi > lo else got.shape[1] == 0, q
+
+
+@pytest.mark.parametrize("stride,last,eff,width,size", [
+    (20032, False, 20011, 8192, 8193),  # V2's vocab_size odd: ours too, past our block
+    (20032, True, 20011, 11819, 11819),  # our last block ends the vocab: eff's residue
+    (32768, False, 32768, 16384, 16384), (151936, False, 151936, 81920, 81920)])
+def test_the_stats_launch_is_specialized_as_v2s(stride, last, eff, width, size):
+    """V2's stats kernel on our blocks gets V2's row stride and a vocab_size dividing
+    by 16 exactly when V2's does (Triton compiles per divisibility)."""
+    import torch
+
+    from commfold.vllm.shard_verify import like_v2
+
+    whole = torch.arange(2 * width, dtype=torch.float32).view(2, width)
+    buf, got = like_v2(whole, stride, last, eff)
+    assert buf.stride(0) == stride and got == size and (got % 16 == 0) == (eff % 16 == 0)
+    assert torch.equal(buf[:, :width], whole)
+
+
+def test_the_verification_is_pinned_to_this_vllms_kernels():
+    """Every V2 function verify() launches or repeats hashes to the source commfold
+    read for vLLM 0.32 (the hook row covers releases before 0.33)."""
+    from commfold.vllm import hook_points, hooks, shard_verify
+
+    assert hook_points.missing(shard_verify.POINTS) == []
+    assert shard_verify.refusal(SimpleNamespace(watermark_key=None)) is None
+    (row,) = [h for h in hooks.HOOKS if h.name == shard_verify.HOOK]
+    assert row.points == shard_verify.POINTS and row.until == (0, 33) and not row.wraps
+
+
+def test_a_moved_kernel_or_watermarks_keep_the_step_vllms(monkeypatch, caplog):
+    """A release whose kernel no pin matches refuses the mode (one warning, the reason
+    per step, from decide_step as the hooks call it); so does a watermarked
+    RejectionSampler."""
+    import logging
+
+    from commfold.vllm import shard_verify, v2_pick
+    from commfold.vllm.hook_points import Pinned
+
+    class RejectionSampler:  # what decide_step reads of V2's
+        watermark_key = None
+        use_block_verification = False
+
+    monkeypatch.setattr(v2_pick, "step_of", lambda *a, **k: None)
+    monkeypatch.setattr(v2_pick, "decide_v2",
+                        lambda *a, **k: ("verify_sampled", "sampled: temperature"))
+    batch = SimpleNamespace(num_reqs=2, num_draft_tokens=4)
+    spec = SimpleNamespace(rejection_sample_method="standard",
+                           enable_adaptive_verification=False)
+    rejection = RejectionSampler()
+
+    def decide():
+        return v2_pick.decide_step(object(), rejection, spec, batch, False, 4096)
+
+    assert decide() == ("verify_sampled", "sampled: temperature")
+    where, _ = shard_verify.POINTS[3]
+    moved = ((where, Pinned((("9.9.9", "0" * 16),))),)
+    monkeypatch.setattr(shard_verify, "POINTS", shard_verify.POINTS[:3] + moved
+                        + shard_verify.POINTS[4:])
+    shard_verify.moved.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, "commfold"):
+            first, again = decide(), decide()
+        assert first == again and first[0] is None and where in first[1], first
+        lines = [r.getMessage() for r in caplog.records if shard_verify.HOOK in r.getMessage()]
+        assert len(lines) == 1, lines
+    finally:
+        shard_verify.moved.cache_clear()
+    monkeypatch.setattr(shard_verify, "POINTS", shard_verify.POINTS[:3] +
+                        shard_verify.POINTS[4:])
+    rejection.watermark_key = 5
+    assert decide() == (None, "watermarked verification")
