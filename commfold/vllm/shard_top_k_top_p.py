@@ -35,7 +35,7 @@ from typing import NamedTuple
 import torch
 
 K_LIMIT = 1024  # the largest top_k taken on shards (its k + 1 values per rank gathered)
-P_CANDIDATES = 256  # the values per rank gathered for top-p's prefix mass
+P_CANDIDATES = 1024  # the values per rank gathered for top-p's prefix mass
 SHARD_FRACTION = 4  # ... and never more than a quarter of a rank's shard
 TERNARY = (2.0 / 3.0) ** 18  # the top-k search's last interval, of its first
 BISECT = 0.5 ** 18  # the top-p search's last interval, of the largest probability
