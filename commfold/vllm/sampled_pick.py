@@ -103,9 +103,7 @@ POINTS = tuple((_S + where, Pinned(tuple(zip(_RELEASES, hashes))))
 def state(environ=os.environ, runner=None) -> runtime.HookState:
     """Whether sampled V2 steps can be drawn on the shards (the target pick's own
     switch, COMMFOLD_TARGET_PICK, turns them off with it)."""
-    off = None if target_pick.enabled(environ) else f"{target_pick.ENV}=0"
-    return runtime.gate(HOOK, off=off, missing=lambda: hook_points.missing(POINTS),
-                        environ=environ, runner=runner, version=2)
+    return target_pick.mode_state(HOOK, POINTS, environ, runner)
 
 
 def install(environ=os.environ, runner=None) -> bool:

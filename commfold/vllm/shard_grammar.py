@@ -52,9 +52,7 @@ HOOK = "target pick: structured output"
 def state(environ=os.environ, runner=None) -> runtime.HookState:
     """Whether structured-output V2 steps can be masked on the shards (the target
     pick's own switch, COMMFOLD_TARGET_PICK, turns them off with it)."""
-    off = None if target_pick.enabled(environ) else f"{target_pick.ENV}=0"
-    return runtime.gate(HOOK, off=off, missing=lambda: hook_points.missing(POINTS),
-                        environ=environ, runner=runner, version=2)
+    return target_pick.mode_state(HOOK, POINTS, environ, runner)
 
 
 def install(environ=os.environ, runner=None) -> bool:

@@ -91,9 +91,7 @@ POINTS = tuple((where, Pinned((("0.32.0", h),))) for where, h in _SOURCES.items(
 def state(environ=os.environ, runner=None) -> runtime.HookState:
     """Whether sampled spec-decode steps can be verified on the shards (the target
     pick's own switch, COMMFOLD_TARGET_PICK, turns it off with it)."""
-    off = None if target_pick.enabled(environ) else f"{target_pick.ENV}=0"
-    return runtime.gate(HOOK, off=off, missing=lambda: hook_points.missing(POINTS),
-                        environ=environ, runner=runner, version=2)
+    return target_pick.mode_state(HOOK, POINTS, environ, runner)
 
 
 def install(environ=os.environ, runner=None) -> bool:

@@ -119,6 +119,15 @@ def enabled(environ=os.environ) -> bool:
     return environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def mode_state(hook: str, points, environ=os.environ, runner=None) -> runtime.HookState:
+    """The state of a mode of the V2 target pick that wraps nothing (sampled steps,
+    structured output, sampled verification): on while the V2 functions it repeats
+    hold their pins (`points`); this hook's switch turns it off with the pick."""
+    off = None if enabled(environ) else f"{ENV}=0"
+    return runtime.gate(hook, off=off, missing=lambda: hook_points.missing(points),
+                        environ=environ, runner=runner, version=2)
+
+
 # --- one runner's picker -----------------------------------------------------------
 
 @dataclass
