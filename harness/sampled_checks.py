@@ -26,7 +26,7 @@ def check(results):
             note = r["notes"][-1] if r["notes"] else ""
             if case.get("edge") and EDGE in note:
                 mode = EDGE
-            if case.get("any_reason") and note.startswith("vLLM (top-"):
+            if case.get("any_reason") and note.startswith(("vLLM (top-", "vLLM (top_k=")):
                 mode = note
             if mode in ("sample", "sample_logprobs", "greedy", "logprobs"):
                 assert r["notes"] == [mode], where
