@@ -82,8 +82,7 @@ def step_of(sampler, input_batch, vocab: int = 0) -> V2Step:
     dims = sampler.get_logprobs_dims(idx)
     return V2Step(
         temperatures=tuple(float(t) for t in states.temperature.np[idx]),
-        top_k_or_p=bool((states.top_k.np[idx] != states.vocab_size).any()
-                        or (states.top_p.np[idx] != 1.0).any()),
+        top_k_or_p=sampled_pick.truncates(states, idx),
         needs_processing=bool(sampler.needs_logits_processing[idx].any()),
         logprobs=dims is not None, num_logprobs=dims[0] if dims else 0,
         logprob_token_ids=bool(dims and dims[1]), logprobs_mode=str(sampler.logprobs_mode),
@@ -104,10 +103,8 @@ def fused_sampler(sampler, idx, logprobs: bool) -> bool:
             or getattr(sampler, "use_xpu_sampler", False)):
         return False
     states = sampler.sampling_states
-    truncates = bool((states.top_k.np[idx] != states.vocab_size).any()
-                     or (states.top_p.np[idx] != 1.0).any())
     processed = logprobs and str(sampler.logprobs_mode).startswith("processed")
-    return truncates and not (processed or states.any_greedy(idx)
+    return sampled_pick.truncates(states, idx) and not (processed or states.any_greedy(idx)
                               or states.any_explicit_seed(idx))
 
 
