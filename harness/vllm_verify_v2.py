@@ -41,7 +41,8 @@ def _drafts(case: dict, model, batch, h) -> None:
             top = int(full[lo + i].argmax())
             rand = int(torch.randint(0, case["vocab"], (1,), generator=g))
             pick = {"top": top, "random": rand, "mixed": top if (r + i) % 3 != 2 else rand,
-                    "edge": case["vocab"] - 1 if i % 2 == 0 else 0}[kind]
+                    "edge": case["vocab"] - 1 if i % 2 == 0 else 0,
+                    "fixed": case.get("fixed", [0] * (r + 1))[r]}[kind]
             ids[lo + 1 + i] = pick
 
 
@@ -50,18 +51,19 @@ def verify_cases(world: int, cases: list[dict]) -> list[dict]:
     ships it and under commfold's hook; tokens, counts, the hook's decision, the
     collectives (calls, bytes, vocab-wide gathers). case: vocab, dtype, seed, ties,
     drafts (per request its number of drafts), row_params, draft_logits (noise scale,
-    None: one-hot drafts), draft_kind, placeholder."""
+    None: one-hot drafts), draft_kind, placeholder, history (harness.vllm_step_v2's)."""
     from harness import triton_cpu
 
     triton_cpu.install()
     import vllm.v1.worker.cpu.shm  # noqa: F401  (what vLLM's CPU worker imports first)
-    from vllm import SamplingParams
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
     from commfold.distributed.comm_log import record_collectives
     from commfold.vllm import step_log
     from harness import vllm_step
-    from harness.vllm_step_v2 import _vocab_gathers, hooked_sample, input_batch, runner, valid
+    from harness.vllm_step_v2 import (_histories, _logprobs, _params, _score_diff,
+                                      _vocab_gathers, hooked_sample, input_batch, runner,
+                                      valid)
     from harness.vllm_tp import init_vllm_tp
 
     tp = init_vllm_tp(world, shm=False, reuse=True)
@@ -73,7 +75,7 @@ def verify_cases(world: int, cases: list[dict]) -> list[dict]:
                                  nan_column=case.get("nan_column"),
                                  neg_inf_rows=case.get("neg_inf_rows", ()))
         drafts = [[7] * n for n in case["drafts"]]
-        params = [SamplingParams(**p) for p in case["row_params"]]
+        params = [_params(p) for p in case["row_params"]]
         steps = max(case["drafts"])
         batch = input_batch(drafts, case.get("placeholder"))
         h = vllm_step.hidden(batch.num_tokens, dtype, case["seed"] + 1, case["ties"],
@@ -87,7 +89,9 @@ def verify_cases(world: int, cases: list[dict]) -> list[dict]:
         runners = []
         for _ in range(2):
             np.random.seed(case["seed"])  # V2 draws an unseeded request's seed from numpy
-            r = runner(model, case["vocab"], params, steps)
+            r = runner(model, case["vocab"], params, steps,
+                       case.get("logprobs_mode", "raw_logprobs"),
+                       histories=_histories(case, len(params)))
             r.speculator.draft_logits = cache
             runners.append(r)
         with record_collectives() as vllm_log:
@@ -110,5 +114,21 @@ def verify_cases(world: int, cases: list[dict]) -> list[dict]:
             accepted=[k - 1 for k in theirs.num_sampled.tolist()],
             ours_gathers=_vocab_gathers(ours_log, shard), calls=ours_log.calls(),
             bytes=ours_log.bytes(), vllm_bytes=vllm_log.bytes(),
-            vllm_gathers=_vocab_gathers(vllm_log, shard)))
+            vllm_gathers=_vocab_gathers(vllm_log, shard),
+            logprobs=_logprobs(ours), vllm_logprobs=_logprobs(theirs),
+            ranks=_ranks(model.compute_logits(h[batch.logits_indices]), ours, theirs,
+                         runners[0].sampler, batch), score_diff=_score_diff(ours, theirs)))
     return out
+
+
+def _ranks(logits, out, theirs, sampler, batch):
+    """The ranks V2's rank kernel computes on a GPU for the tokens `out` scores (column
+    0 of its logprob ids: each verified row's token): counted in torch on the raw
+    logits, or V2's own where it scores processed (float32) logits; None without."""
+    if out.logprobs_tensors is None:
+        return None
+    if sampler.logprobs_mode.startswith("processed") and \
+            bool(sampler.needs_logits_processing[batch.idx_mapping_np].any()):
+        return theirs.logprobs_tensors.selected_token_ranks.tolist()
+    tokens = out.logprobs_tensors.logprob_token_ids[:, :1].long()
+    return (logits >= logits.gather(1, tokens)).sum(-1).tolist()

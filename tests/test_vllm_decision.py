@@ -221,8 +221,8 @@ def test_v2_steps_that_stay_vllms(change, why):
 def test_v2_sampled_steps(change, want):
     """A step with a sampled request or processed logits is drawn whole from the
     shards when all its processing is local; under spec decoding V2's probabilistic
-    verification is taken ("verify_sampled") only with temperature and min_p its
-    processing, no top-k / top-p and no logprobs; with top-k / top-p too (the cut's
+    verification is taken ("verify_sampled") with its processing in SPEC_LOCAL (no
+    top-k / top-p) and logprobs as in sampled steps; with top-k / top-p too (the cut's
     bounds, commfold.vllm.shard_top_k_top_p)."""
     import dataclasses
 
@@ -231,11 +231,9 @@ def test_v2_sampled_steps(change, want):
     step = dataclasses.replace(GREEDY_V2, **change)
     assert decide_v2(step, spec=False, structured=False) == want
     mode, why = decide_v2(step, spec=True, structured=False, verify="standard")
-    local = set(step.processing) <= set(SPEC_LOCAL) and not step.logprobs
+    local = set(step.processing) <= set(SPEC_LOCAL) and want[0] is not None
     assert mode == ("verify_sampled" if local else None), why
-    if not local:
-        assert why.startswith(("sampled verification with logits processing",
-                               "logprobs under spec decoding")), why
+    assert why == want[1], why
     cut = dataclasses.replace(step, top_k_or_p=True, needs_processing=True,
                               processing=(*step.processing, "top_k", "top_p"))
     mode, why = decide_v2(cut, spec=False, structured=False)
@@ -274,14 +272,17 @@ def test_fused_sampler_steps_are_vllms_unless_the_option_says_gumbel():
                                   "processed_logits"])
 def test_v2_greedy_logprobs_are_picked_locally(mode):
     """V2 scores its top logits as logprobs or as logits: every mode local for a greedy
-    step (nothing processes its logits); not under spec decoding."""
+    step (nothing processes its logits); under spec decoding with strict verification
+    ("verify": V2 scores each verified row's token)."""
     import dataclasses
 
     step = dataclasses.replace(GREEDY_V2, logprobs=True, num_logprobs=20, vocab=1280,
                                logprobs_mode=mode)
     assert decide_v2(step, spec=False, structured=False) == ("logprobs", "greedy, logprobs=20")
     assert decide_v2(step, spec=True, structured=False, verify="standard") == (
-        None, "logprobs under spec decoding")
+        "verify", "greedy, logprobs=20")
+    many = dataclasses.replace(step, num_logprobs=21)  # the greedy limits hold there too
+    assert decide_v2(many, spec=True, structured=False, verify="standard")[0] is None
 
 
 @pytest.mark.parametrize("k,mode,vocab,want", [

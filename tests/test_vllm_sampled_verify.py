@@ -22,33 +22,60 @@ ALIGNED = 32768  # shards of 16384 columns at TP=2: two whole 8192-column blocks
 ODD = 20011  # padded to 20032, shards of 10016: block 1 straddles the ranks
 
 
+def _logprobs(case) -> bool:
+    """Whether a request of the case asks for logprobs."""
+    return any(p.get("logprobs") is not None for p in case["row_params"])
+
+
 def _check(results):
-    from harness.vllm_step_v2 import same_step
+    from harness.vllm_step_v2 import logprobs_agree, same_step
 
     for res in results:
         for r in res:
             case, where = r["case"], same_step(r)
-            if case["mode"] == "verify_sampled":
+            assert logprobs_agree(r), (where, r["logprobs"], r["vllm_logprobs"], r["ranks"])
+            if r["logprobs"] is not None:  # logits exact; logprobs: V2's own sum order
+                limit = 0 if "logits" in case.get("logprobs_mode", "") else 4
+                assert r["score_diff"] <= limit, (where, r["score_diff"])
+            # scoring: local_topk_scores' two small exchanges
+            scoring = 2 * _logprobs(case)
+            if case["mode"] == "verify":  # all greedy: strict verification
+                assert r["notes"] == ["verify"] and r["ours_gathers"] == 0, where
+                assert r["calls"] == 1 + scoring, (where, r["calls"])
+            elif case["mode"] == "verify_sampled":
                 assert r["notes"] == ["verify_sampled"], where
                 assert r["ours_gathers"] == 0, where
                 aligned = case["vocab"] % (2 * 8192) == 0
                 min_p = _min_p(case)
                 # per-block stats, the resampled pair; the split blocks' parts where
                 # a block runs past a shard; the row maxima for min_p
-                assert r["calls"] == 2 + (not aligned) + min_p, (where, r["calls"])
-                assert r["bytes"] == _bytes(case), (where, r["bytes"])
+                assert r["calls"] == 2 + (not aligned) + min_p + scoring, (where, r["calls"])
+                if not scoring:
+                    assert r["bytes"] == _bytes(case), (where, r["bytes"])
             else:
                 assert r["notes"][-1].startswith("vLLM ("), where
                 assert case["mode"] in r["notes"][-1], (where, r["notes"])
 
 
+def _processes(case) -> bool:
+    """Whether V2 processes the step's logits: a request with penalties, bias, allowed
+    ids, min_tokens or bad words, or a sampled one with a temperature other than 1 or
+    min_p (V2 keeps neither for a greedy request)."""
+    other = ("frequency_penalty", "presence_penalty", "logit_bias", "allowed_token_ids",
+             "min_tokens", "_bad_words_token_ids")
+
+    def row(p):
+        t = p.get("temperature", 1.0)
+        return any(p.get(k) for k in other) or p.get("repetition_penalty", 1.0) != 1.0 \
+            or (t != 0.0 and (t != 1.0 or bool(p.get("min_p"))))
+    return any(row(p) for p in case["row_params"])
+
+
 def _min_p(case) -> bool:
-    """Whether V2 runs its min_p kernel on the step: it processes the logits (a sampled
-    request with a temperature other than 1 or with min_p) and a sampled request has
-    min_p."""
-    rows = [(p.get("temperature", 1.0), p.get("min_p", 0.0)) for p in case["row_params"]]
-    return any(t != 0.0 and (t != 1.0 or m) for t, m in rows) and \
-        any(m and t != 0.0 for t, m in rows)  # V2 keeps no min_p for a greedy request
+    """Whether V2 runs its min_p kernel on the step: it processes the logits and a
+    sampled request has min_p (V2 keeps no min_p for a greedy request)."""
+    return _processes(case) and any(p.get("min_p") and p.get("temperature", 1.0) != 0.0
+                                    for p in case["row_params"])
 
 
 def _bytes(case) -> int:
@@ -59,10 +86,25 @@ def _bytes(case) -> int:
     rows = sum(case["drafts"]) + len(case["drafts"])
     item = 4 if case["dtype"] == "float32" else 2
     return exchanged_bytes(rows, len(case["drafts"]), shard, case["vocab"], 2, item,
-                           case.get("draft_logits") is not None, _min_p(case))
+                           case.get("draft_logits") is not None, _min_p(case),
+                           _processes(case))
+
+
+def _bad_words(case: dict, reqs: int) -> list[list[int]]:
+    """Bad words for a case with a history (harness.vllm_step_v2's, drawn alike): each
+    request's last output token followed by a token on either shard (V2 masks that
+    token where the request's output, drafts included, ends with the prefix), a word
+    that matches nothing, single tokens."""
+    from harness.vllm_step_v2 import _histories
+
+    v = case["vocab"]
+    lasts = [ids[-1] for _, ids in _histories(case, reqs)]
+    return [[t, 100 + i] for i, t in enumerate(lasts)] + \
+        [[t, v - 100 + i] for i, t in enumerate(lasts)] + [[v - 1, v - 2, 5], [33], [v - 300]]
 
 
 T = dict(temperature=0.8, seed=7)
+FIXED = [150, 15000, 9000, 19990]
 CASES = [
     # one-hot drafts, aligned blocks, mostly accepted / mostly rejected / mixed
     dict(vocab=ALIGNED, dtype="float32", seed=1, ties=False, drafts=[3, 2],
@@ -109,10 +151,63 @@ CASES = [
     dict(vocab=ALIGNED, dtype="bfloat16", seed=14, ties=False, drafts=[3],
          row_params=[dict(temperature=0.5, seed=6, min_p=0.3)], draft_kind="random",
          mode="verify_sampled"),
-    dict(vocab=ODD, dtype="float32", seed=15, ties=False, drafts=[2],
-         row_params=[dict(temperature=0.8, presence_penalty=0.5)], mode="penalties"),
-    dict(vocab=ODD, dtype="float32", seed=10, ties=False, drafts=[2],
-         row_params=[dict(temperature=0.8, logprobs=2)], mode="logprobs"),
+    # penalties from the output so far and the step's drafts (V2 passes its draft
+    # tokens), on a drafter's logits and one-hot
+    dict(vocab=ODD, dtype="float32", seed=15, ties=False, drafts=[2, 3], history=8,
+         row_params=[dict(temperature=0.8, seed=1, repetition_penalty=1.6,
+                          frequency_penalty=0.4, presence_penalty=0.3),
+                     dict(temperature=1.0, seed=2, presence_penalty=-2.0)],
+         draft_logits=0.5, draft_kind="top", mode="verify_sampled"),
+    # one token drafted again and again, biased to be accepted (p ~ 0.9) until the
+    # penalty for the drafts before it (V2 counts them) makes it unlikely (~ 0.02);
+    # the tokens on either shard
+    dict(vocab=ODD, dtype="float32", seed=19, ties=False, drafts=[3, 3, 3, 3],
+         row_params=[dict(temperature=1.0, seed=s, repetition_penalty=2.0,
+                          logit_bias={t: 12.0}) for s, t in enumerate(FIXED)],
+         draft_kind="fixed", fixed=FIXED, mode="verify_sampled"),
+    dict(vocab=ALIGNED, dtype="bfloat16", seed=16, ties=True, drafts=[3, 1], history=12,
+         row_params=[dict(temperature=0.0, repetition_penalty=3.0),
+                     dict(temperature=0.7, seed=4, frequency_penalty=1.5, min_p=0.05)],
+         draft_kind="mixed", mode="verify_sampled"),
+    # logit bias on both shards, allowed ids across them (drafts outside rejected),
+    # min_tokens' stop ids masked
+    dict(vocab=ODD, dtype="bfloat16", seed=17, ties=False, drafts=[3, 2, 2],
+         row_params=[dict(temperature=0.8, seed=1, logit_bias={3: 2.0, 19000: 5.5}),
+                     dict(temperature=0.9, seed=2,
+                          allowed_token_ids=[5, 17, 300, 10015, 10016, 20010]),
+                     dict(temperature=1.0, seed=3, min_tokens=5,
+                          stop_token_ids=list(range(0, ODD, 181)))],
+         draft_logits=1.0, draft_kind="mixed", mode="verify_sampled"),
+]
+# bad words (matched through the output so far; their masked tokens biased far above
+# the rest, so a word left unmasked is accepted or resampled)
+BAD = dict(vocab=ODD, dtype="float32", seed=18, ties=False, drafts=[2, 2], history=6,
+           draft_kind="random", mode="verify_sampled")
+CASES += [dict(BAD, row_params=[
+    dict(temperature=0.8, seed=3 + i, _bad_words_token_ids=_bad_words(BAD, 2),
+         logit_bias={100: 60.0, 101: 60.0, ODD - 100: 55.0, ODD - 99: 55.0})
+    for i in range(2)])]
+# logprobs of each verified row's token (V2 scores the accepted drafts, the
+# resampled or bonus token, and 0 past them), top ones beside; raw and processed
+CASES += [
+    dict(vocab=ODD, dtype="float32", seed=10, ties=False, drafts=[2, 3],
+         row_params=[dict(temperature=0.8, seed=1, logprobs=2),
+                     dict(temperature=1.0, seed=2, logprobs=0)],
+         draft_logits=0.5, draft_kind="mixed", mode="verify_sampled"),
+    dict(vocab=ALIGNED, dtype="bfloat16", seed=20, ties=True, drafts=[3, 1],
+         row_params=[dict(temperature=0.7, seed=3, logprobs=3, presence_penalty=0.5),
+                     dict(temperature=0.0, logprobs=1)], history=5,
+         draft_kind="top", logprobs_mode="processed_logprobs", mode="verify_sampled"),
+    dict(vocab=ODD, dtype="float32", seed=21, ties=False, drafts=[2, 2], history=3,
+         row_params=[dict(temperature=0.9, seed=4, frequency_penalty=0.5, logprobs=4),
+                     dict(temperature=1.2, seed=5, logprobs=1)],
+         draft_kind="random", logprobs_mode="processed_logits", mode="verify_sampled"),
+    dict(vocab=ODD, dtype="bfloat16", seed=22, ties=True, drafts=[3, 2],
+         row_params=[dict(temperature=0.0, logprobs=2), dict(temperature=0.0)],
+         draft_kind="mixed", logprobs_mode="raw_logits", mode="verify"),
+    dict(vocab=ODD, dtype="float32", seed=23, ties=False, drafts=[2],
+         row_params=[dict(temperature=0.8, logprobs=1, logprob_token_ids=[3, 900])],
+         mode="logprob_token_ids"),
 ]
 
 
@@ -133,6 +228,8 @@ ROW = st.fixed_dictionaries({
     "temperature": st.sampled_from([0.0, 0.3, 0.8, 1.0, 1.7]),
     "seed": st.one_of(st.none(), st.integers(-2**40, 2**40)),
     "min_p": st.sampled_from([0.0, 0.0, 0.05, 0.3]),
+    "presence_penalty": st.sampled_from([0.0, 0.0, 0.7]),
+    "logprobs": st.sampled_from([None, None, 0, 3]),
 })
 
 
@@ -146,19 +243,16 @@ ROW = st.fixed_dictionaries({
 def test_sampled_verification_examples(vllm_v2_ranks, vocab, dtype, rows, ties, seed, steps,
                                        noise, kind):
     """Odd vocab sizes (block boundaries anywhere in the shards), temperatures, seeds
-    (and none: V2's numpy draw), greedy rows mixed in, one-hot and cached drafts."""
+    (and none: V2's numpy draw), greedy rows mixed in, one-hot and cached drafts,
+    presence penalties (with the drafts counted), logprobs."""
     from harness.vllm_verify_v2 import verify_cases
 
-    sampled = any(r["temperature"] != 0.0 for r in rows)
+    # V2 processes a greedy request's logits for its penalty: drawn, not argmax
+    sampled = any(r["temperature"] != 0.0 or r["presence_penalty"] for r in rows)
     case = dict(vocab=vocab, dtype=dtype, seed=seed, ties=ties, drafts=steps[:len(rows)],
-                row_params=rows, draft_logits=noise, draft_kind=kind,
+                row_params=rows, draft_logits=noise, draft_kind=kind, history=4,
                 mode="verify_sampled" if sampled else "verify")
-    results = vllm_v2_ranks.run(verify_cases, 2, [case])
-    if sampled:
-        _check(results)
-    else:  # all greedy: strict greedy verification, commfold's other mode
-        for r in results[0]:
-            assert r["ours"] == r["theirs"] and r["notes"] == ["verify"], r["case"]
+    _check(vllm_v2_ranks.run(verify_cases, 2, [case]))
 
 
 def test_decision_names_the_mode():
@@ -170,9 +264,15 @@ def test_decision_names_the_mode():
         "verify_sampled"
     assert decide_v2(V2Step(**{**step.__dict__, "processing": ("temperature", "min_p")}),
                      spec=True, structured=False, verify="standard")[0] == "verify_sampled"
-    for changed, why in ((dict(processing=("temperature", "bad_words")), "bad_words"),
-                         (dict(logprobs=True), "logprobs"),
-                         (dict(processing=("penalties",)), "penalties")):
+    for changed in (dict(processing=("temperature", "bad_words")),
+                    dict(processing=("penalties", "logit_bias", "min_p"))):
+        assert decide_v2(V2Step(**{**step.__dict__, **changed}), spec=True,
+                         structured=False, verify="standard")[0] == "verify_sampled"
+    for changed, why in ((dict(processing=("temperature", "thinking_budget")),
+                          "thinking budget"),
+                         (dict(logprobs=True, logprob_token_ids=True), "logprob_token_ids"),
+                         (dict(logprobs=True, num_logprobs=21), "logprobs=21"),
+                         (dict(processing=("penalties", "custom")), "custom")):
         mode, reason = decide_v2(V2Step(**{**step.__dict__, **changed}), spec=True,
                                  structured=False, verify="standard")
         assert mode is None and why in reason, reason

@@ -12,8 +12,10 @@ at configured rates), "block" (block verification), "fly" (FLy's lossy,
 entropy-gated acceptance, from vLLM 0.33), adaptive verification - and any method
 commfold does not know run vLLM's code. On Model Runner V2 a "standard" step with
 sampled requests is verified on the shards as V2's RejectionSampler verifies it
-("verify_sampled", commfold.vllm.shard_verify) when temperature and min_p are its
-only processing and it wants no logprobs.
+("verify_sampled", commfold.vllm.shard_verify) when its processing is done on a shard
+(SPEC_LOCAL: no top-k / top-p, thinking budget or custom processor); V2's logprobs
+of the verified tokens (greedy and sampled steps) are scored on the shards as in
+steps without drafts.
 """
 from __future__ import annotations
 
@@ -238,8 +240,10 @@ def decide_v2(step: V2Step, *, spec: bool, structured: bool,
     if step.logprobs:
         if step.logprob_token_ids:
             return None, "logprob_token_ids"
-        return logprobs_mode_ok(step.num_logprobs, step.logprobs_mode, step.vocab, spec,
-                                V2_LOGPROB_MODES)
+        mode, why = logprobs_mode_ok(step.num_logprobs, step.logprobs_mode, step.vocab,
+                                     False, V2_LOGPROB_MODES)
+        # under spec decoding V2 scores each verified row's token (commfold.vllm.v2_pick)
+        return (mode and ("verify" if spec else mode)), why
     return ("verify" if spec else "greedy"), "all greedy"
 
 
@@ -272,22 +276,21 @@ def structured_refusal(structured: bool, spec: bool) -> str | None:
 
 
 # V2's processing of a sampled spec-decode step commfold.vllm.shard_verify does on a shard
-SPEC_LOCAL = ("temperature", "min_p")
+SPEC_LOCAL = ("temperature", "min_p", "penalties", "logit_bias", "bad_words")
 
 
 def verify_sampled(step: V2Step) -> tuple[str | None, str]:
     """(mode, reason) for a spec-decode step with a sampled request (verification
     already known "standard"): "verify_sampled" - V2's rejection sampling of the whole
     step on the shards (commfold.vllm.shard_verify) - when its processing is in
-    SPEC_LOCAL and it wants no logprobs."""
+    SPEC_LOCAL and its logprobs (of each verified row's token) can be scored locally."""
     left = [SAMPLED_LEFT.get(p, p) for p in step.processing if p not in SPEC_LOCAL]
     if left:
         return None, "sampled verification with logits processing: " + ", ".join(left)
     if step.top_k_or_p:
         return None, "top-k / top-p under spec decoding (V2 cuts before verifying)"
-    if step.logprobs:
-        return None, "logprobs under spec decoding"
-    return "verify_sampled", "sampled: " + ", ".join(step.processing or ("no processing",))
+    mode, why = sampled_logprobs(step)
+    return (mode and "verify_sampled"), why
 
 
 def sampled_logprobs(step: V2Step) -> tuple[str | None, str]:

@@ -165,7 +165,7 @@ def draw(sampler, head: LogitsHead, shard: torch.Tensor, input_batch) -> Drawn |
         buf = torch.empty(shard.shape[0], head.shard + 1, dtype=torch.float32,
                           device=shard.device)  # one spare column for min_p
         buf[:, :head.shard].copy_(shard)
-        if not _process(sampler, buf, n_local, start, input_batch, comm):
+        if not process(sampler, buf, n_local, start, input_batch, comm):
             return NAN
         processed = buf[:, :head.shard]
     work = processed[:, :n_local]
@@ -202,11 +202,17 @@ def truncates(states, idx_np) -> bool:
                 or (states.top_p.np[idx_np] != 1.0).any())
 
 
-def _process(sampler, buf, n_local: int, start: int, input_batch, comm) -> bool:
+def process(sampler, buf, n_local: int, start: int, input_batch, comm,
+            ids: torch.Tensor | None = None) -> bool:
     """V2's apply_sampling_params on this rank's columns buf[:, :n_local] (float32),
-    in V2's order; False where min_p's row maxima hold NaN."""
+    in V2's order, but its top-k / top-p; False where min_p's row maxima hold NaN.
+    ids: the token of each logits row V2 passes its processors (the batch's input ids
+    at the logits rows; V2's verification passes its draft tokens, -1 where a draft
+    is a placeholder)."""
     import numpy as np  # not at import: commfold imports without numpy
 
+    if ids is None:
+        ids = input_batch.input_ids[input_batch.logits_indices]
     idx_np = input_batch.idx_mapping_np
     mapping = input_batch.expanded_idx_mapping
     work = buf[:, :n_local]
@@ -223,14 +229,15 @@ def _process(sampler, buf, n_local: int, start: int, input_batch, comm) -> bool:
     if n_local and np.any(penalties.use_penalty[idx_np]):
         from vllm.v1.worker.gpu.sample.penalties import apply_penalties
 
-        apply_penalties(work, mapping, input_batch.input_ids[input_batch.logits_indices],
-                        input_batch.expanded_local_pos, penalties.repetition_penalty.gpu,
-                        penalties.frequency_penalty.gpu, penalties.presence_penalty.gpu,
+        # V2's kernel counts each row's earlier drafts by column: ids as shard columns
+        apply_penalties(work, mapping, ids - start, input_batch.expanded_local_pos,
+                        penalties.repetition_penalty.gpu, penalties.frequency_penalty.gpu,
+                        penalties.presence_penalty.gpu,
                         shard_bits(penalties.prompt_bin_mask, start, n_local, idx_np),
                         penalties.output_bin_counts[:, start:start + n_local])
     bad_words = _state(sampler, "BadWordsState")
     if n_local and bad_words is not None and np.any(bad_words.num_bad_words.np[idx_np]):
-        _bad_words(bad_words, work, start, input_batch)
+        _bad_words(bad_words, work, start, input_batch, ids)
     states = sampler.sampling_states
     if n_local:
         states.apply_temperature(work, mapping, idx_np)
@@ -279,7 +286,7 @@ def _logit_bias(bias, work, start: int, input_batch, stops: bool = True) -> None
                      bias.restore_when_all_masked.gpu, stop_ids)
 
 
-def _bad_words(state, work, start: int, input_batch) -> None:
+def _bad_words(state, work, start: int, input_batch, ids: torch.Tensor) -> None:
     """V2's bad words on this rank's columns. V2's kernel writes -inf at a matched
     word's last token, a global id; here V2's own kernel finds the matches on a probe
     [rows, words] - each word's last token replaced by its index, so a match writes
@@ -304,8 +311,7 @@ def _bad_words(state, work, start: int, input_batch) -> None:
     probe = work.new_zeros(work.shape[0], most)
     req = state.req_states
     apply_bad_words(probe, mapping, probe_ids, offsets, state.num_bad_words.gpu,
-                    req.all_token_ids.gpu, req.prompt_len.gpu, req.total_len.gpu,
-                    input_batch.input_ids[input_batch.logits_indices],
+                    req.all_token_ids.gpu, req.prompt_len.gpu, req.total_len.gpu, ids,
                     input_batch.expanded_local_pos, most)
     rows, words = (probe == float("-inf")).nonzero(as_tuple=True)
     tokens = lasts[mapping[rows].long(), words] - start

@@ -29,10 +29,11 @@ Draft probabilities: V2 reads the drafter's cached logits (``speculator.draft_lo
 [max_reqs, steps, vocab], written by V2's Gumbel kernel from the drafter's gathered
 logits: full-vocab and alike on every rank) or, without them, a one-hot draft; both
 are used as V2 uses them. Target logits are processed as V2 processes them before
-verifying (a float32 copy with V2's ``apply_temperature``, then V2's min_p kernel on
-the columns and one more holding the row's maximum over all ranks: one all-gather of
-a float32 per row) when a request asks for processing; only temperature and min_p are
-taken here (decision.SPEC_LOCAL).
+verifying (``apply_sampling_params`` but top-k / top-p: penalties with the draft
+tokens as V2 passes them, logit bias, allowed ids, min_tokens, bad words,
+temperature, min_p) by the sampled draw's own shard processing
+(commfold.vllm.sampled_pick.process, pinned with the draw); the columns a rank
+borrows from its neighbours for a split block are then sent processed (float32).
 
 A step whose shard holds NaN on any rank (a flag in the stats exchange), or whose
 resampled values do, returns None on every rank: the step is gathered and V2's
@@ -45,11 +46,12 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from typing import NamedTuple
 
 import torch
 
 from commfold.distributed.collectives import communicator
-from commfold.vllm import hook_points, runtime, target_pick
+from commfold.vllm import hook_points, runtime, sampled_pick, target_pick
 from commfold.vllm.hook_points import Pinned
 from commfold.vllm.logits_head import LogitsHead
 
@@ -115,10 +117,11 @@ def moved() -> str | None:
 
 def refusal(rejection_sampler) -> str | None:
     """Why this engine's sampled verification stays V2's (engine configuration and
-    vLLM's code: the same on every rank), else None."""
+    vLLM's code - what verify() repeats and the draw's processing it borrows: the same
+    on every rank), else None."""
     if getattr(rejection_sampler, "watermark_key", None) is not None:
         return "watermarked verification"
-    return moved()
+    return moved() or sampled_pick.refusal()
 
 
 class Layout:
@@ -166,12 +169,17 @@ class Layout:
         return max(self.head) + max(self.tail)
 
 
+class Verified(NamedTuple):
+    sampled: torch.Tensor  # [reqs, steps + 1]: V2's rejection_sample's
+    num_sampled: torch.Tensor  # [reqs] int32: before V2 counts the rejected
+    processed: torch.Tensor  # [rows, shard]: the shard as V2 processed it (logprobs)
+
+
 def verify(rejection_sampler, head: LogitsHead, shard: torch.Tensor, input_batch,
-           draft_logits: torch.Tensor | None):
-    """V2's (sampled [reqs, steps + 1], num_sampled [reqs] int32) for the step, as its
-    RejectionSampler's ``rejection_sample`` gives them, from this rank's `shard`
-    [rows, head.shard]; None where a rank's shard or the resampled values hold NaN
-    (every rank alike). Every rank calls it together."""
+           draft_logits: torch.Tensor | None) -> Verified | None:
+    """The step's verification as V2's RejectionSampler's ``rejection_sample`` gives
+    it, from this rank's `shard` [rows, head.shard]; None where a rank's shard or the
+    resampled values hold NaN (every rank alike). Every rank calls it together."""
     import numpy as np  # not at import: commfold imports without numpy
     from vllm.triton_utils import triton
     from vllm.v1.worker.gpu.spec_decode import rejection_sampler_utils as ru
@@ -188,47 +196,28 @@ def verify(rejection_sampler, head: LogitsHead, shard: torch.Tensor, input_batch
     mapping, local_pos = input_batch.expanded_idx_mapping, input_batch.expanded_local_pos
     idx_np = input_batch.idx_mapping_np
     processing = bool(np.any(sampler.needs_logits_processing[idx_np]))
-    min_p = processing and not np.all(states.min_p.np[idx_np] == 0.0)
-    row_max = None  # min_p: the processed rows' maxima over every rank
-
-    def processed(x: torch.Tensor) -> torch.Tensor:
-        """V2's processing of target logits: elementwise (temperature; min_p given the
-        row maximum over all ranks), so any columns alike."""
-        if not processing:
-            return x
-        buf = x.new_empty(x.shape[0], x.shape[1] + 1, dtype=torch.float32)
-        buf[:, :-1] = x  # V2's float32 copy, then its temperature
-        states.apply_temperature(buf[:, :-1], mapping, idx_np)
-        if row_max is not None:  # V2's min_p kernel, the row's maximum in one column
-            buf[:, -1] = row_max
-            apply_min_p(buf, mapping, states.min_p.gpu)
-        return buf[:, :-1]
-
-    # this rank's real columns (no padding: V2's rows are cut to the vocab)
-    real = shard[:, :max(0, min(head.shard, head.vocab - rank * head.shard))]
-    target = processed(real)
-    if min_p:
-        from vllm.v1.worker.gpu.sample.min_p import apply_min_p
-
-        local_max = target.amax(-1) if target.shape[1] else \
-            target.new_full(target.shape[:1], float("-inf"))
-        maxima = comm.all_gather(local_max).view(world, -1)
-        if bool(maxima.isnan().any()):
+    start = rank * head.shard
+    n_real = max(0, min(head.shard, head.vocab - start))
+    if processing:  # V2's processing on this rank's columns, the draft tokens as V2's
+        buf = torch.empty(shard.shape[0], head.shard + 1, dtype=torch.float32,
+                          device=shard.device)  # one spare column for min_p
+        buf[:, :head.shard].copy_(shard)
+        if not sampled_pick.process(sampler, buf, n_real, start, input_batch, comm, draft):
             return None
-        row_max = maxima.amax(0)
-        target = processed(real)
+        shard = buf[:, :head.shard]
+    # this rank's real columns (no padding: V2's rows are cut to the vocab)
+    target = shard[:, :n_real]
     rows, device = target.shape[0], target.device
     vocab = head.vocab  # V2's target_logits width
     eff = vocab if draft_logits is None else min(vocab, draft_logits.shape[-1])
     lay = Layout(head.shard, eff, world)
-    start = rank * head.shard
     lo, hi = lay.span(rank)
     steps = rejection_sampler.num_speculative_steps
     temp, seeds = states.temperature.gpu, states.seeds.gpu
     has_draft = draft_logits is not None
     ds0, ds1 = (draft_logits.stride(0), draft_logits.stride(1)) if has_draft else (0, 0)
 
-    whole = processed(_whole_blocks(comm, lay, shard))
+    whole = _whole_blocks(comm, lay, shard)  # processed columns where V2 processes
     nan_here = bool(target[:, :max(0, min(head.shard, eff - start))].isnan().any())
     nb = lay.first[rank + 1] - lay.first[rank]
     f32 = dict(dtype=torch.float32, device=device)
@@ -336,7 +325,7 @@ def verify(rejection_sampler, head: LogitsHead, shard: torch.Tensor, input_batch
         sampled, sampled.stride(0), num_sampled, toks, toks.stride(0), vals,
         vals.stride(0), world, cu, mapping, temp,
         PADDED_RESAMPLE_NUM_BLOCKS=triton.next_power_of_2(world))
-    return sampled, num_sampled
+    return Verified(sampled, num_sampled, shard)
 
 
 def like_v2(whole: torch.Tensor, stride: int, last: bool, eff: int):
@@ -394,12 +383,15 @@ def sent(lay: Layout, rank: int, shard: torch.Tensor) -> torch.Tensor:
 
 
 def exchanged_bytes(rows: int, reqs: int, shard: int, vocab: int, world: int,
-                    itemsize: int, draft_logits: bool, min_p: bool = False) -> int:
+                    itemsize: int, draft_logits: bool, min_p: bool = False,
+                    processed: bool = False) -> int:
     """What one rank sends in verify()'s collectives for a step of `rows` logits rows
     and `reqs` requests (raw logits of `itemsize` bytes; vLLM's gather sends
-    rows * shard * itemsize); min_p: a request of the step uses it."""
+    rows * shard * itemsize); min_p: a request of the step uses it; processed: V2
+    processes the step's logits (the borrowed columns then go as float32)."""
     lay = Layout(shard, vocab, world)
     top = max(lay.first[q + 1] - lay.first[q] for q in range(world))
     k = 4 if draft_logits else 2
-    return rows * lay.width() * itemsize + rows * ((k + 2) * top + 2 + min_p) * 4 + \
+    item = 4 if processed else itemsize
+    return rows * lay.width() * item + rows * ((k + 2) * top + 2 + min_p) * 4 + \
         reqs * 16
