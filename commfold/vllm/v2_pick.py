@@ -205,7 +205,9 @@ def pick(sampler, rejection_sampler, head: LogitsHead, shard, input_batch, mode:
                                        draft_logits)
         if verified is None:  # NaN on a rank: the same on every rank
             return _given_back(head, shard, vllm_samplers, sampled_pick.NAN)
-        sampled, num_sampled = verified
+        sampled, num_sampled, processed = verified
+        if sampler.logprobs_mode.startswith("processed"):
+            scored = processed
     elif mode in SAMPLED:
         drawn = sampled_pick.draw(sampler, head, shard, input_batch)
         if isinstance(drawn, str):  # from gathered values: the same on every rank
@@ -231,6 +233,12 @@ def pick(sampler, rejection_sampler, head: LogitsHead, shard, input_batch, mode:
     elif mode != VERIFY_SAMPLED:
         sampled = tokens.view(-1, 1)
         num_sampled = input_batch.seq_lens.new_ones(input_batch.num_reqs)
+    generated = None  # under spec decoding: each request's logits rows, as V2 gives them
+    if mode in ("verify", VERIFY_SAMPLED) and (dims := sampler.get_logprobs_dims(idx)):
+        flat = verified_tokens(sampled, num_sampled, input_batch.cu_num_logits_np)
+        scores = logprobs_scores(head, scored, dims[0], logits_mode, flat)
+        if flat.shape[0] != input_batch.num_reqs:
+            generated = input_batch.cu_num_logits_np.tolist()
     num_sampled, num_rejected = get_num_sampled_and_rejected(
         num_sampled, input_batch.seq_lens, input_batch.cu_num_logits,
         input_batch.idx_mapping, prefill_len)
@@ -238,9 +246,23 @@ def pick(sampler, rejection_sampler, head: LogitsHead, shard, input_batch, mode:
     if scores is not None:
         from vllm.v1.outputs import LogprobsTensors
 
-        logprobs = LogprobsTensors(*tensors(head, scored, scores, logits_mode))
+        logprobs = LogprobsTensors(*tensors(head, scored, scores, logits_mode),
+                                   cu_num_generated_tokens=generated)
     return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs,
                          num_nans=None, num_sampled=num_sampled, num_rejected=num_rejected)
+
+
+def verified_tokens(sampled: torch.Tensor, num_sampled: torch.Tensor, cu_np) -> torch.Tensor:
+    """The token V2's RejectionSampler scores at each logits row of a verified step
+    (its _flatten_sampled_kernel): request r's row i holds sampled[r, i] for i below
+    its num_sampled (before V2 counts the rejected), 0 past them."""
+    cu = torch.as_tensor(cu_np, dtype=torch.int64, device=sampled.device)
+    counts = cu[1:] - cu[:-1]
+    req = torch.repeat_interleave(torch.arange(counts.shape[0], device=sampled.device),
+                                  counts)
+    col = torch.arange(int(cu[-1]), device=sampled.device) - cu[req]
+    kept = col < num_sampled.to(torch.int64)[req]
+    return torch.where(kept, sampled[req, col.clamp(max=sampled.shape[1] - 1)], 0)
 
 
 def _given_back(head: LogitsHead, shard, vllm_samplers, why: str):
