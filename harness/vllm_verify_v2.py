@@ -157,3 +157,58 @@ def method_refusals(world: int, configs: dict) -> dict:
                        v2_pick.decide_step(sampler, rejection, spec, input_batch([[5, 6]]),
                                            False, 1000))
     return out
+
+
+def launch_arguments(world: int, forms: dict | None = None) -> dict:
+    """In a spawned rank: per kernel commfold.vllm.verify_kernels launches, (the
+    argument names it passes, launch options left out; the installed kernel's
+    parameter names), from each launch function run on stand-in tensors with the
+    kernel replaced by a recorder. forms: {name: release} in place of
+    verify_kernels.form (another release's lists, for a check by its sources)."""
+    from harness import triton_cpu
+
+    triton_cpu.install()
+    import vllm.v1.worker.cpu.shm  # noqa: F401  (what vLLM's CPU worker imports first)
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu.spec_decode import rejection_sampler_utils as ru
+
+    from commfold.vllm import verify_kernels
+
+    got: dict = {}
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            def launch(**kw):
+                got[self.name] = sorted(k for k in kw if k not in ("num_warps",))
+            return launch
+
+    names = ("_compute_local_logits_stats_kernel", "_rejection_kernel", "_resample_kernel",
+             "_insert_resampled_kernel")
+    params = {n: sorted(getattr(ru, n).arg_names) for n in names}
+    saved = {n: getattr(ru, n) for n in names}
+    form = verify_kernels.form
+    for n in ("rejection_sample", *names):  # read (and cached) off the real kernels
+        form(n)
+    try:
+        for n in names:
+            setattr(ru, n, Recorder(n))
+        if forms is not None:
+            verify_kernels.form = lambda name: forms[name]
+        t = torch.zeros(2, 2)
+        i = torch.zeros(2, dtype=torch.int64)
+        verify_kernels.stats((2, 1), t, t, t, t, t, t, 2, None, i, i, t, 1)
+        verify_kernels.rejection(SimpleNamespace(fly_entropy_threshold=0.3), t, i, i, i, t,
+                                 t, t, t, i, None, t, t, i, i, t, i, i, 1, 1)
+        verify_kernels.resample(SimpleNamespace(may_mask_logits=np.zeros(2, dtype=bool)),
+                                np.arange(1), t, t, t, i, None, i, i, i, i, i, t, i, i, 2,
+                                False)
+        verify_kernels.insert(t, i, t, t, i, i, t, 2)
+    finally:
+        verify_kernels.form = form
+        for n, k in saved.items():
+            setattr(ru, n, k)
+    return {n: (got[n], params[n]) for n in names}

@@ -264,6 +264,16 @@ def test_the_verification_is_pinned_to_this_vllms_kernels():
     assert verify_kernels.form("_insert_resampled_kernel") == (0, 32, 0)
 
 
+def test_each_kernel_gets_exactly_its_parameters(vllm_v2_ranks):
+    """Every kernel verify_kernels launches gets each of the installed kernel's
+    parameters by name and nothing else (Triton's interpreter drops a name the kernel
+    lacks, a GPU launch refuses it)."""
+    from harness.vllm_verify_v2 import launch_arguments
+
+    for kernel, (passed, params) in vllm_v2_ranks.run(launch_arguments, 2)[0].items():
+        assert passed == params, kernel
+
+
 METHODS = {
     "fly": dict(rejection_sample_method="fly", fly_window_size=2,
                 fly_entropy_threshold=0.3, fly_entropy_top_k=3),

@@ -27,8 +27,10 @@ inputs that hold, wherever the kernel reads, the values V2's would hold:
 
 Draft probabilities: V2 reads the drafter's cached logits (``speculator.draft_logits``,
 [max_reqs, steps, vocab], written by V2's Gumbel kernel from the drafter's gathered
-logits: full-vocab and alike on every rank) or, without them, a one-hot draft; both
-are used as V2 uses them. Target logits are processed as V2 processes them before
+logits: full-vocab and alike on every rank; from vLLM 0.34 the ``values`` of a
+DraftLogitsCache, whose batch-sharded form - each rank holding its own requests' -
+is refused: ``draft_refusal``) or, without them, a one-hot draft; both are used as
+V2 uses them. Target logits are processed as V2 processes them before
 verifying (a float32 copy with V2's ``apply_temperature``, then V2's min_p kernel on
 the columns and one more holding the row's maximum over all ranks: one all-gather of
 a float32 per row) when a request asks for processing; only temperature and min_p are
@@ -36,9 +38,11 @@ taken here (decision.SPEC_LOCAL).
 
 A step whose shard holds NaN on any rank (a flag in the stats exchange), or whose
 resampled values do, returns None on every rank: the step is gathered and V2's
-RejectionSampler takes it. Its kernels' argument lists are vLLM 0.32's: each function
-used or repeated is pinned by its whole source (``POINTS``); on another release the
-mode is refused with a line and the step stays V2's.
+RejectionSampler takes it. The kernels are launched as the installed release launches
+them for "standard" verification (commfold.vllm.verify_kernels: vLLM 0.32, 0.33,
+0.34); each function used or repeated is pinned by its whole source per release
+(``POINTS``): any other source refuses the mode with a line and the step stays V2's,
+as do a watermark and a rejection sampler built for another method (``refusal``).
 """
 from __future__ import annotations
 
