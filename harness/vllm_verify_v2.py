@@ -14,17 +14,27 @@ from harness.vllm_step_v2 import MAX_REQS
 
 
 def draft_logits(logits: torch.Tensor, batch, steps: int, noise: float, seed: int,
-                 dtype) -> torch.Tensor:
+                 dtype):
     """V2's draft logits cache [MAX_REQS, steps, vocab] (filled with 0.0, as V2 fills
-    it): request r's step i holds the target's logits of its row i plus noise."""
+    it): request r's step i holds the target's logits of its row i plus noise. Up to
+    vLLM 0.33 the tensor itself; from 0.34 V2's DraftLogitsCache (replicated, as
+    without batch-sharded sampling) holding it."""
     g = torch.Generator().manual_seed(seed + 5)
-    cache = torch.zeros(MAX_REQS, steps, logits.shape[1], dtype=dtype)
+    holder = None
+    try:
+        from vllm.v1.worker.gpu.spec_decode.draft_logits import DraftLogitsCache
+    except ImportError:  # up to 0.33: the runner's speculator holds the tensor
+        cache = torch.zeros(MAX_REQS, steps, logits.shape[1], dtype=dtype)
+    else:
+        holder = DraftLogitsCache(MAX_REQS, steps, logits.shape[1], dtype=dtype, fill=0.0,
+                                  device="cpu")
+        cache = holder.values
     cu = batch.cu_num_logits_np
     for r in range(len(cu) - 1):
         for i in range(int(cu[r + 1] - cu[r]) - 1):
             row = logits[int(cu[r]) + i].float()
             cache[r, i] = (row + noise * torch.randn(row.shape, generator=g)).to(dtype)
-    return cache
+    return cache if holder is None else holder
 
 
 def _drafts(case: dict, model, batch, h) -> None:
@@ -59,7 +69,7 @@ def verify_cases(world: int, cases: list[dict]) -> list[dict]:
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
     from commfold.distributed.comm_log import record_collectives
-    from commfold.vllm import step_log
+    from commfold.vllm import step_log, target_pick_v2
     from harness import vllm_step
     from harness.vllm_step_v2 import (_histories, _logprobs, _params, _score_diff,
                                       _vocab_gathers, hooked_sample, input_batch, runner,
@@ -68,6 +78,8 @@ def verify_cases(world: int, cases: list[dict]) -> list[dict]:
 
     tp = init_vllm_tp(world, shm=False, reuse=True)
     original = GPUModelRunner.__dict__["sample"]
+    # from vLLM 0.34 commfold acts through the model state (harness.vllm_step_v2)
+    states = target_pick_v2.hook_set() is not target_pick_v2.HOOK_SETS[0]
     out = []
     for case in cases:
         dtype = getattr(torch, case["dtype"])
@@ -90,7 +102,7 @@ def verify_cases(world: int, cases: list[dict]) -> list[dict]:
         for _ in range(2):
             np.random.seed(case["seed"])  # V2 draws an unseeded request's seed from numpy
             r = runner(model, case["vocab"], params, steps,
-                       case.get("logprobs_mode", "raw_logprobs"),
+                       case.get("logprobs_mode", "raw_logprobs"), model_state=states,
                        histories=_histories(case, len(params)))
             r.speculator.draft_logits = cache
             runners.append(r)
@@ -132,3 +144,91 @@ def _ranks(logits, out, theirs, sampler, batch):
         return theirs.logprobs_tensors.selected_token_ranks.tolist()
     tokens = out.logprobs_tensors.logprob_token_ids[:, :1].long()
     return (logits >= logits.gather(1, tokens)).sum(-1).tolist()
+
+
+def method_refusals(world: int, configs: dict) -> dict:
+    """In a spawned rank: per method, V2's RejectionSampler built from the speculative
+    config `configs[method]` (fields over harness.vllm_step_v2's "standard" one) for a
+    sampled spec-decode step: (what it was built for, shard_verify.refusal, decide_step's
+    (mode, reason)); None where this release will not build it."""
+    from harness import triton_cpu
+
+    triton_cpu.install()
+    import vllm.v1.worker.cpu.shm  # noqa: F401  (what vLLM's CPU worker imports first)
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+    from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
+
+    from commfold.vllm import shard_verify, v2_pick
+    from commfold.vllm.decision import _sampler_method
+    from harness.vllm_step_v2 import input_batch, sampler_for
+
+    out = {}
+    for method, fields in configs.items():
+        sampler, _, spec = sampler_for(1000, [SamplingParams(temperature=0.8, seed=1)], 2)
+        spec = SimpleNamespace(**{**spec.__dict__, **fields})
+        try:
+            rejection = RejectionSampler(sampler, spec, torch.device("cpu"))
+        except (AssertionError, AttributeError, TypeError):
+            out[method] = None
+            continue
+        out[method] = (_sampler_method(rejection), shard_verify.refusal(rejection),
+                       v2_pick.decide_step(sampler, rejection, spec, input_batch([[5, 6]]),
+                                           False, 1000))
+    return out
+
+
+def launch_arguments(world: int, forms: dict | None = None) -> dict:
+    """In a spawned rank: per kernel commfold.vllm.verify_kernels launches, (the
+    argument names it passes, launch options left out; the installed kernel's
+    parameter names), from each launch function run on stand-in tensors with the
+    kernel replaced by a recorder. forms: {name: release} in place of
+    verify_kernels.form (another release's lists, for a check by its sources)."""
+    from harness import triton_cpu
+
+    triton_cpu.install()
+    import vllm.v1.worker.cpu.shm  # noqa: F401  (what vLLM's CPU worker imports first)
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu.spec_decode import rejection_sampler_utils as ru
+
+    from commfold.vllm import verify_kernels
+
+    got: dict = {}
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            def launch(**kw):
+                got[self.name] = sorted(k for k in kw if k not in ("num_warps",))
+            return launch
+
+    names = ("_compute_local_logits_stats_kernel", "_rejection_kernel", "_resample_kernel",
+             "_insert_resampled_kernel")
+    params = {n: sorted(getattr(ru, n).arg_names) for n in names}
+    saved = {n: getattr(ru, n) for n in names}
+    form = verify_kernels.form
+    for n in ("rejection_sample", *names):  # read (and cached) off the real kernels
+        form(n)
+    try:
+        for n in names:
+            setattr(ru, n, Recorder(n))
+        if forms is not None:
+            verify_kernels.form = lambda name: forms[name]
+        t = torch.zeros(2, 2)
+        i = torch.zeros(2, dtype=torch.int64)
+        verify_kernels.stats((2, 1), t, t, t, t, t, t, 2, None, i, i, t, 1)
+        verify_kernels.rejection(SimpleNamespace(fly_entropy_threshold=0.3), t, i, i, i, t,
+                                 t, t, t, i, None, t, t, i, i, t, i, i, 1, 1)
+        verify_kernels.resample(SimpleNamespace(may_mask_logits=np.zeros(2, dtype=bool)),
+                                np.arange(1), t, t, t, i, None, i, i, i, i, i, t, i, i, 2,
+                                False)
+        verify_kernels.insert(t, i, t, t, i, i, t, 2)
+    finally:
+        verify_kernels.form = form
+        for n, k in saved.items():
+            setattr(ru, n, k)
+    return {n: (got[n], params[n]) for n in names}

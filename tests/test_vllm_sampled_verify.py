@@ -138,6 +138,11 @@ CASES = [
     # a resampled row of -inf logits only: V2 draws token 0 (its first block's first)
     dict(vocab=ODD, dtype="float32", seed=13, ties=False, drafts=[1, 2],
          row_params=[T, T], draft_kind="random", neg_inf_rows=(0,), mode="verify_sampled"),
+    # the same with min_p and the drafter's logits: from vLLM 0.34 V2's resample kernel
+    # skips the blocks whose target logits are all -inf (a request may mask logits)
+    dict(vocab=ODD, dtype="float32", seed=16, ties=False, drafts=[1, 2],
+         row_params=[dict(temperature=0.7, seed=3, min_p=0.2), T], draft_kind="random",
+         neg_inf_rows=(0,), draft_logits=1.0, mode="verify_sampled"),
     dict(vocab=ODD, dtype="float32", seed=7, ties=False, drafts=[2, 2],
          row_params=[T, T], draft_kind="top", placeholder=1, draft_logits=0.3,
          mode="verify_sampled"),
@@ -338,14 +343,81 @@ def test_the_stats_launch_is_specialized_as_v2s(stride, last, eff, width, size):
 
 
 def test_the_verification_is_pinned_to_this_vllms_kernels():
-    """Every V2 function verify() launches or repeats hashes to the source commfold
-    read for vLLM 0.32 (the hook row covers releases before 0.33)."""
-    from commfold.vllm import hook_points, hooks, shard_verify
+    """Every V2 function verify() launches or repeats hashes to a source commfold read
+    (vLLM 0.32, 0.33, 0.34: the hook row covers releases before 0.35), and each
+    kernel is launched with the argument list of the release whose source it is."""
+    from commfold.vllm import hook_points, hooks, runtime, shard_verify, verify_kernels
 
     assert hook_points.missing(shard_verify.POINTS) == []
     assert shard_verify.refusal(SimpleNamespace(watermark_key=None)) is None
     (row,) = [h for h in hooks.HOOKS if h.name == shard_verify.HOOK]
-    assert row.points == shard_verify.POINTS and row.until == (0, 33) and not row.wraps
+    assert row.points == shard_verify.POINTS and row.until == (0, 35) and not row.wraps
+    assert set(verify_kernels.POINTS) <= set(shard_verify.POINTS)
+    here = runtime.release()[:2]
+    # the stats and rejection kernels and their launcher changed in 0.33 and 0.34
+    for name in ("rejection_sample", "_compute_local_logits_stats_kernel",
+                 "_rejection_kernel"):
+        assert verify_kernels.form(name)[:2] == here, name
+    # the resample kernel is 0.32's up to 0.33, the insert kernel 0.32's throughout
+    assert verify_kernels.form("_resample_kernel")[:2] == \
+        ((0, 34) if here >= (0, 34) else (0, 32))
+    assert verify_kernels.form("_insert_resampled_kernel") == (0, 32, 0)
+
+
+def test_each_kernel_gets_exactly_its_parameters(vllm_v2_ranks):
+    """Every kernel verify_kernels launches gets each of the installed kernel's
+    parameters by name and nothing else (Triton's interpreter drops a name the kernel
+    lacks, a GPU launch refuses it)."""
+    from harness.vllm_verify_v2 import launch_arguments
+
+    for kernel, (passed, params) in vllm_v2_ranks.run(launch_arguments, 2)[0].items():
+        assert passed == params, kernel
+
+
+METHODS = {
+    "fly": dict(rejection_sample_method="fly", fly_window_size=2,
+                fly_entropy_threshold=0.3, fly_entropy_top_k=3),
+    "block": dict(rejection_sample_method="block"),
+    "synthetic": dict(rejection_sample_method="synthetic",
+                      synthetic_acceptance_rates=[0.5, 0.3]),
+    "adaptive": dict(enable_adaptive_verification=True),
+}
+
+
+def test_other_verification_methods_keep_the_step_vllms(vllm_v2_ranks):
+    """V2's RejectionSampler built for FLy's window (from 0.33), block verification,
+    synthetic rates or adaptive verification: the step stays V2's, the method named,
+    from the config (decide_step) and, where the sampler records it, from what it was
+    built for (refusal)."""
+    from harness.vllm_verify_v2 import method_refusals
+
+    got = vllm_v2_ranks.run(method_refusals, 2, METHODS)[0]
+    assert got["block"] and got["synthetic"] and got["adaptive"], got
+    for method, result in got.items():
+        if result is None:
+            continue
+        built, refused, (mode, why) = result
+        assert mode is None and method in why, (method, why)
+        if built == method:  # the release knows the method
+            assert refused is not None and method in refused, (method, refused)
+        else:  # 0.32 has no FLy: its sampler verifies "standard"; the config refuses
+            assert method == "fly" and built is None and refused is None, result
+
+
+def test_a_batch_sharded_draft_cache_keeps_the_step_vllms():
+    """0.34's DraftLogitsCache sharded over the ranks (a row mapping: each rank holds
+    its own requests' draft logits) is given back; a replicated one, or a tensor, is
+    verified, its values read."""
+    import torch
+
+    from commfold.vllm import shard_verify, verify_kernels
+
+    values = torch.zeros(2, 1, 4)
+    sharded = SimpleNamespace(values=values, row_mapping=torch.zeros(2, dtype=torch.int32))
+    assert "batch-sharded" in shard_verify.draft_refusal(sharded)
+    for replicated in (SimpleNamespace(values=values, row_mapping=None), values, None):
+        assert shard_verify.draft_refusal(replicated) is None
+        assert verify_kernels.values(replicated) is (None if replicated is None else values)
 
 
 def test_a_moved_kernel_or_watermarks_keep_the_step_vllms(monkeypatch, caplog):

@@ -42,7 +42,7 @@ TORCH = "2.14.1"  # the local torch of vLLM 0.34's line (its wheel pins 2.14.0)
 LEFT_OUT = ("torch", "torchvision", "torchaudio", "torchcodec", "flashinfer")
 TEST_DEPS = ("pytest>=8", "pytest-xdist>=3.8", "hypothesis>=6.100")
 TESTS = ("tests/test_vllm_target_pick_v2.py", "tests/test_vllm_sampled_pick.py",
-         "tests/test_vllm_sampled_cut.py",
+         "tests/test_vllm_sampled_cut.py", "tests/test_vllm_sampled_verify.py",
          "tests/test_vllm_structured_pick.py",
          "tests/test_vllm034_draft_pick.py", "tests/test_vllm_speculator_table.py",
          "tests/test_vllm_draft_pin.py", "tests/test_vllm_dspark_pick.py",
@@ -51,6 +51,7 @@ TESTS = ("tests/test_vllm_target_pick_v2.py", "tests/test_vllm_sampled_pick.py",
 COVERS = {"tests/test_vllm_target_pick_v2.py": "target pick (V2",
           "tests/test_vllm_sampled_pick.py": "target pick",  # V2 rows and sampled steps
           "tests/test_vllm_sampled_cut.py": "target pick",  # sampled top-k / top-p
+          "tests/test_vllm_sampled_verify.py": "target pick",  # sampled verification
           "tests/test_vllm_structured_pick.py": "target pick",  # V2 structured steps
           "tests/test_vllm_draft_pick_v2.py": "draft pick (V2",
           "tests/test_vllm034_draft_pick.py": "draft pick (V2",

@@ -161,6 +161,14 @@ def _missing(where: str, text) -> str | None:
     return None
 
 
+def installed_hash(where: str) -> str:
+    """``source_hash`` of the installed 'module:Attr.path' (a Triton kernel: its
+    Python function), as ``missing`` checks a Pinned point (raises if it is not
+    there)."""
+    obj = _kernel_function(resolve(where))
+    return source_hash(inspect.getsource(inspect.unwrap(obj)))
+
+
 def _kernel_function(obj):
     """A Triton kernel's Python function (JITFunction / InterpretedFunction.fn)."""
     fn = getattr(obj, "fn", None)

@@ -74,9 +74,9 @@ HOOKS: tuple[Hook, ...] = (
          sampled_pick.uninstall, wraps=False),
     Hook(shard_grammar.HOOK, 2, shard_grammar.POINTS, shard_grammar.state,
          shard_grammar.install, shard_grammar.uninstall, wraps=False),
-    # its kernels' arguments are vLLM 0.32's (0.33 and 0.34 changed them)
+    # its kernels launched as vLLM 0.32, 0.33 and 0.34 launch them (verify_kernels)
     Hook(shard_verify.HOOK, 2, shard_verify.POINTS, shard_verify.state,
-         shard_verify.install, shard_verify.uninstall, until=(0, 33), wraps=False),
+         shard_verify.install, shard_verify.uninstall, until=(0, 35), wraps=False),
 )
 
 

@@ -27,8 +27,10 @@ inputs that hold, wherever the kernel reads, the values V2's would hold:
 
 Draft probabilities: V2 reads the drafter's cached logits (``speculator.draft_logits``,
 [max_reqs, steps, vocab], written by V2's Gumbel kernel from the drafter's gathered
-logits: full-vocab and alike on every rank) or, without them, a one-hot draft; both
-are used as V2 uses them. Target logits are processed as V2 processes them before
+logits: full-vocab and alike on every rank; from vLLM 0.34 the ``values`` of a
+DraftLogitsCache, whose batch-sharded form - each rank holding its own requests' -
+is refused: ``draft_refusal``) or, without them, a one-hot draft; both are used as
+V2 uses them. Target logits are processed as V2 processes them before
 verifying (``apply_sampling_params`` but top-k / top-p: penalties with the draft
 tokens as V2 passes them, logit bias, allowed ids, min_tokens, bad words,
 temperature, min_p) by the sampled draw's own shard processing
@@ -37,57 +39,58 @@ borrows from its neighbours for a split block are then sent processed (float32).
 
 A step whose shard holds NaN on any rank (a flag in the stats exchange), or whose
 resampled values do, returns None on every rank: the step is gathered and V2's
-RejectionSampler takes it. Its kernels' argument lists are vLLM 0.32's: each function
-used or repeated is pinned by its whole source (``POINTS``); on another release the
-mode is refused with a line and the step stays V2's.
+RejectionSampler takes it. The kernels are launched as the installed release launches
+them for "standard" verification (commfold.vllm.verify_kernels: vLLM 0.32, 0.33,
+0.34); each function used or repeated is pinned by its whole source per release
+(``POINTS``): any other source refuses the mode with a line and the step stays V2's,
+as do a watermark and a rejection sampler built for another method (``refusal``).
 """
 from __future__ import annotations
 
 import functools
 import logging
 import os
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
 
 from commfold.distributed.collectives import communicator
-from commfold.vllm import hook_points, runtime, sampled_pick, target_pick
+from commfold.vllm import (hook_points, runtime, sampled_pick, target_pick,
+                           verify_kernels)
+from commfold.vllm.decision import verify_method, verify_refusal
 from commfold.vllm.hook_points import Pinned
 from commfold.vllm.logits_head import LogitsHead
 
 log = logging.getLogger("commfold")
 
 HOOK = "target pick: sampled verification"
-BLOCK = 8192  # rejection_sample's VOCAB_BLOCK_SIZE (pinned with it)
-RESAMPLE_BLOCK = 1024  # rejection_sample's RESAMPLE_BLOCK_SIZE
-_U = "vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils:"
+BLOCK = verify_kernels.BLOCK  # rejection_sample's VOCAB_BLOCK_SIZE (pinned with it)
+RESAMPLE_BLOCK = verify_kernels.RESAMPLE_BLOCK
 _R = "vllm.v1.worker.gpu.spec_decode.rejection_sampler:"
 _S = "vllm.v1.worker.gpu.sample."
-# what verify() calls or repeats, each function's whole source in vLLM 0.32.0 (0.33
-# and 0.34 changed the kernels' arguments: the stats kernel takes num_logits, the
-# rejection kernel FLy's, 0.34 a DraftLogitsCache row mapping)
+_RELEASES = ("0.32.0", "0.33.0", "0.34.0")
+# what verify() calls or repeats besides the kernels it launches (their pins:
+# commfold.vllm.verify_kernels), each function's whole source in vLLM 0.32.0,
+# 0.33.0, 0.34.0
 _SOURCES = {
-    _U + "rejection_sample": "d194f0c309af49e7",
-    _U + "_compute_local_logits_stats_kernel": "261fe4b34aa59da7",
-    _U + "_compute_max_and_sumexp": "43c66e339b97269e",
-    _U + "_rejection_kernel": "8608bf4a5824c4c7",
-    _U + "_compute_global_logsumexp": "b1562cf51b6da272",
-    _U + "_compute_global_logprobs_and_logsumexp": "ff77cb0149ecbe68",
-    _U + "_compute_global_target_argmax": "5a9c0f160580eb3d",
-    _U + "_resample_kernel": "5887d960adbf09cf",
-    _U + "_seeded_resample_argmax": "afb6e4e2512edf62",
-    _U + "_insert_resampled_kernel": "04e08d4a4c0ffa2f",
-    _R + "RejectionSampler.__call__": "e99b3bc562159cf7",
-    _R + "RejectionSampler._verify": "99b80e0119dd3836",
-    _R + "RejectionSampler._verify_in_chunks": "acb5a106c1116ff4",
-    _S + "sampler:Sampler.apply_sampling_params": "916e3cbb9e097267",
-    _S + "states:SamplingStates.apply_temperature": "ffe54d3d2d9d5175",
-    _S + "states:SamplingStates.apply_min_p": "c99c35f9cf0d0a5a",
-    _S + "min_p:apply_min_p": "eea404553e370af0",
-    _S + "min_p:_min_p_kernel": "49b881391668b33b",
-    _S + "gumbel:gumbel_block_argmax": "5958185b8a498453",
+    _R + "gather_draft_sampled": ("577affeb05588747",) * 3,
+    _R + "RejectionSampler.__call__": ("e99b3bc562159cf7", "e99b3bc562159cf7",
+                                       "d13a7385843515fb"),
+    _R + "RejectionSampler._verify": ("99b80e0119dd3836", "0f120715b6e5140a",
+                                      "6cd6714633605973"),
+    _R + "RejectionSampler._verify_in_chunks": ("acb5a106c1116ff4", "acb5a106c1116ff4",
+                                                "75fcaba8eab37091"),
+    _S + "sampler:Sampler.apply_sampling_params": ("916e3cbb9e097267",) * 3,
+    _S + "states:SamplingStates.apply_temperature": ("ffe54d3d2d9d5175",) * 3,
+    _S + "states:SamplingStates.apply_min_p": ("c99c35f9cf0d0a5a",) * 3,
+    _S + "min_p:apply_min_p": ("eea404553e370af0",) * 3,
+    _S + "min_p:_min_p_kernel": ("49b881391668b33b",) * 3,
+    _S + "gumbel:gumbel_block_argmax": ("5958185b8a498453", "102d98a01409ffce",
+                                        "68505f81ac43359b"),
 }
-POINTS = tuple((where, Pinned((("0.32.0", h),))) for where, h in _SOURCES.items())
+POINTS = tuple((where, Pinned(tuple(zip(_RELEASES, hashes))))
+               for where, hashes in _SOURCES.items()) + verify_kernels.POINTS
 
 
 def state(environ=os.environ, runner=None) -> runtime.HookState:
@@ -117,11 +120,27 @@ def moved() -> str | None:
 
 def refusal(rejection_sampler) -> str | None:
     """Why this engine's sampled verification stays V2's (engine configuration and
-    vLLM's code - what verify() repeats and the draw's processing it borrows: the same
-    on every rank), else None."""
+    vLLM's code - what verify() repeats and the draw's processing it borrows: the
+    same on every rank), else None: a watermark, or a rejection
+    sampler built for another method than "standard" (FLy's window, block
+    verification, synthetic rates, adaptive verification: the step decision refuses
+    them first, from the speculative config) - verify() launches the kernels as
+    "standard" verification launches them."""
     if getattr(rejection_sampler, "watermark_key", None) is not None:
         return "watermarked verification"
+    asked = SimpleNamespace(rejection_sample_method="standard")  # what it was built for
+    built = verify_method(asked, rejection_sampler)
+    if built != "standard":
+        return verify_refusal(built)
     return moved() or sampled_pick.refusal()
+
+
+def draft_refusal(draft_logits) -> str | None:
+    """Why a step with these cached draft logits stays V2's (the engine's cache: the
+    same on every rank), else None."""
+    if verify_kernels.sharded(draft_logits):
+        return "batch-sharded draft logits (each rank holds its requests' only)"
+    return None
 
 
 class Layout:
@@ -182,7 +201,6 @@ def verify(rejection_sampler, head: LogitsHead, shard: torch.Tensor, input_batch
     resampled values hold NaN (every rank alike). Every rank calls it together."""
     import numpy as np  # not at import: commfold imports without numpy
     from vllm.triton_utils import triton
-    from vllm.v1.worker.gpu.spec_decode import rejection_sampler_utils as ru
     from vllm.v1.worker.gpu.spec_decode.rejection_sampler import gather_draft_sampled
 
     sampler = rejection_sampler.sampler
@@ -209,13 +227,13 @@ def verify(rejection_sampler, head: LogitsHead, shard: torch.Tensor, input_batch
     target = shard[:, :n_real]
     rows, device = target.shape[0], target.device
     vocab = head.vocab  # V2's target_logits width
+    draft_logits = verify_kernels.values(draft_logits)  # 0.34: the cache's values
     eff = vocab if draft_logits is None else min(vocab, draft_logits.shape[-1])
     lay = Layout(head.shard, eff, world)
     lo, hi = lay.span(rank)
     steps = rejection_sampler.num_speculative_steps
     temp, seeds = states.temperature.gpu, states.seeds.gpu
     has_draft = draft_logits is not None
-    ds0, ds1 = (draft_logits.stride(0), draft_logits.stride(1)) if has_draft else (0, 0)
 
     whole = _whole_blocks(comm, lay, shard)  # processed columns where V2 processes
     nan_here = bool(target[:, :max(0, min(head.shard, eff - start))].isnan().any())
@@ -229,11 +247,8 @@ def verify(rejection_sampler, head: LogitsHead, shard: torch.Tensor, input_batch
         # V2's logits: the gathered rows cut to the vocab, or its float32 copy
         local, size = like_v2(whole, vocab if processing else head.shard * world,
                               hi == eff, eff)
-        ru._compute_local_logits_stats_kernel[(rows, nb)](
-            t_arg, t_arg.stride(0), t_max, t_max.stride(0), t_sum, t_sum.stride(0),
-            d_max, d_max.stride(0), d_sum, d_sum.stride(0), local, local.stride(0),
-            own_draft, ds0, ds1, mapping, local_pos, temp, size, steps,
-            BLOCK_SIZE=BLOCK, HAS_DRAFT_LOGITS=has_draft)
+        verify_kernels.stats((rows, nb), t_arg, t_max, t_sum, d_max, d_sum, local, size,
+                             own_draft, mapping, local_pos, temp, steps)
         t_arg += lo  # the kernel's ids count from the buffer's first column
 
     # the target logit at each row's next draft token, from the rank holding it
@@ -282,13 +297,9 @@ def verify(rejection_sampler, head: LogitsHead, shard: torch.Tensor, input_batch
     num_sampled = sampled.new_empty(reqs, dtype=torch.int32)
     t_lse, d_lse = torch.empty(reqs, **f32), torch.empty(reqs, **f32)
     t_max_a, t_sum_a, d_max_a, d_sum_a = full
-    ru._rejection_kernel[(reqs,)](
-        sampled, sampled.stride(0), num_sampled, t_lse, d_lse, t_buf, t_buf.stride(0),
-        argmax, argmax.stride(0), t_max_a, t_max_a.stride(0), t_sum_a, t_sum_a.stride(0),
-        draft, draft_logits, ds0, ds1, d_max_a, d_max_a.stride(0), d_sum_a,
-        d_sum_a.stride(0), cu, idx_mapping, temp, seeds, pos, None, None, None, 0, blocks,
-        PADDED_VOCAB_NUM_BLOCKS=padded, HAS_DRAFT_LOGITS=has_draft, SYNTHETIC_MODE=False,
-        USE_BLOCK_VERIFICATION=False, num_warps=1)
+    verify_kernels.rejection(rejection_sampler, sampled, num_sampled, t_lse, d_lse, t_buf,
+                             argmax, t_max_a, t_sum_a, draft, draft_logits, d_max_a, d_sum_a,
+                             cu, idx_mapping, temp, seeds, pos, blocks, padded)
 
     # V2's resample kernel over the full width, this rank's columns, -inf elsewhere
     again = (cu[:-1].to(torch.int64) + num_sampled.to(torch.int64)).to(device)
@@ -302,12 +313,9 @@ def verify(rejection_sampler, head: LogitsHead, shard: torch.Tensor, input_batch
     r_idx = torch.zeros(reqs, r_blocks, dtype=torch.int64, device=device)
     r_val = torch.full((reqs, r_blocks), float("-inf"), device=device,
                        dtype=torch.float64 if use_fp64 else torch.float32)
-    ru._resample_kernel[(reqs, r_blocks)](
-        r_idx, r_idx.stride(0), r_val, r_val.stride(0), t_buf, t_buf.stride(0), t_lse,
-        draft_logits, ds0, ds1, d_lse, num_sampled, cu, mapping, draft, temp, seeds, pos,
-        None, None, 0, None, None, 0, 0, eff, BLOCK_SIZE=RESAMPLE_BLOCK,
-        HAS_DRAFT_LOGITS=has_draft, USE_FP64=use_fp64, USE_BLOCK_VERIFICATION=False,
-        CONTEXT_WIDTH=1, WATERMARK=False, DEDUPLICATE_CONTEXTS=False)
+    verify_kernels.resample(sampler, idx_np, r_idx, r_val, t_buf, t_lse, draft_logits,
+                            d_lse, num_sampled, cu, mapping, draft, temp, seeds, pos, eff,
+                            use_fp64)
     best = r_val.argmax(dim=-1, keepdim=True)  # the first block holding the maximum
     value = r_val.gather(-1, best).squeeze(-1)
     value = value.masked_fill(r_val.isnan().any(-1), float("nan"))
@@ -321,10 +329,8 @@ def verify(rejection_sampler, head: LogitsHead, shard: torch.Tensor, input_batch
     if bool(vals.isnan().any()):
         return None
     toks = pairs[..., 1].t().contiguous()
-    ru._insert_resampled_kernel[(reqs,)](
-        sampled, sampled.stride(0), num_sampled, toks, toks.stride(0), vals,
-        vals.stride(0), world, cu, mapping, temp,
-        PADDED_RESAMPLE_NUM_BLOCKS=triton.next_power_of_2(world))
+    verify_kernels.insert(sampled, num_sampled, toks, vals, cu, mapping, temp,
+                          triton.next_power_of_2(world))
     return Verified(sampled, num_sampled, shard)
 
 

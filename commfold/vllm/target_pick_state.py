@@ -223,9 +223,10 @@ class StatePick:
         shard_grammar.apply(apply_bitmask, self.head, shard, input_batch, request_ids,
                             bitmask)
 
-    def sample(self, logits, input_batch, vllms):
+    def sample(self, logits, input_batch, vllms, draft_logits=None):
         """The SamplerOutput for `logits`: commfold's when they are the shard of the
-        step decided on, else vllms(full logits)."""
+        step decided on, else vllms(full logits). draft_logits: the DraftLogitsCache
+        the runner gives V2's RejectionSampler (None for the Sampler)."""
         held, self.shard = self.shard, None
         full, self.given_back = self.given_back, None
         if held is None or logits is not held[0]:
@@ -239,7 +240,7 @@ class StatePick:
             return vllms(self.head.gather(shard))
         with step_log.phase("sampling"):
             return v2_pick.pick(self.sampler, self.rejection_sampler, self.head, shard,
-                                input_batch, step.mode, vllms)
+                                input_batch, step.mode, vllms, draft_logits)
 
 
 class _Proxy:
@@ -272,9 +273,17 @@ class TargetSampler(_Proxy):
 
 
 class TargetRejectionSampler(TargetSampler):
-    """V2's RejectionSampler, commfold's strict greedy verify on the steps it takes
-    (called with whatever arguments this release's runner passes: the same call)."""
+    """V2's RejectionSampler, commfold's verification on the steps it takes (called
+    with whatever arguments this release's runner passes: the same call; its
+    ``draft_logits``, the drafter's cache, reaches the sampled verification)."""
     __slots__ = ()
+
+    def __call__(self, logits, input_batch, *args, **kwargs):
+        inner = self._commfold_inner
+        draft_logits = args[0] if args else kwargs.get("draft_logits")
+        return self._commfold_pick.sample(
+            logits, input_batch, lambda full: inner(full, input_batch, *args, **kwargs),
+            draft_logits)
 
 
 def _custom_sampler(original):

@@ -20,8 +20,8 @@ top-p, no logprobs: commfold.ops.local_argmax over the model's own logits shard)
 no spec decoding: V2's ``compute_topk_scores`` from two small all-gathers; ids and
 ranks exact, logprobs within a few float32 ulps of V2's), and ``sample`` /
 ``sample_logprobs`` (temperature > 0 with V2's per-token processing, min_p, drawn
-from the shard with V2's own Gumbel noise: commfold.vllm.sampled_pick), and, up to vLLM
-0.32, ``verify_sampled`` (sampled requests under spec decoding, V2's probabilistic
+from the shard with V2's own Gumbel noise: commfold.vllm.sampled_pick), and, vLLM 0.32 to
+0.34, ``verify_sampled`` (sampled requests under spec decoding, V2's probabilistic
 verification from the shards: commfold.vllm.shard_verify). Prompt logprobs (V2's
 ``compute_prompt_logprobs_with_chunking``, after ``sample``: k <= 20, 64 k <= vocab)
 are scored the same way per chunk of prompt positions (decide_v2_prompt), in both

@@ -190,7 +190,8 @@ def pick(sampler, rejection_sampler, head: LogitsHead, shard, input_batch, mode:
          vllm_samplers, draft_logits=None):
     """V2's SamplerOutput for the step, from this rank's logits shard. vllm_samplers
     (full logits -> SamplerOutput) runs V2's own samplers on a step given back;
-    draft_logits: the drafter's cached logits V2's RejectionSampler gets (or None)."""
+    draft_logits: the drafter's cached logits V2's RejectionSampler gets (up to vLLM
+    0.33 a tensor, from 0.34 a DraftLogitsCache; None without)."""
     from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
     from vllm.v1.worker.gpu.sample.output import SamplerOutput
 
@@ -201,6 +202,8 @@ def pick(sampler, rejection_sampler, head: LogitsHead, shard, input_batch, mode:
     idx = input_batch.idx_mapping_np
     scored = shard  # the logits logprobs are scored from
     if mode == VERIFY_SAMPLED:
+        if (why := shard_verify.draft_refusal(draft_logits)) is not None:
+            return _given_back(head, shard, vllm_samplers, why)  # engine config: all ranks
         verified = shard_verify.verify(rejection_sampler, head, shard, input_batch,
                                        draft_logits)
         if verified is None:  # NaN on a rank: the same on every rank

@@ -1,0 +1,64 @@
+"""Check commfold.vllm.verify_kernels' launches against a vLLM release's sources,
+without installing or importing that release: for a release whose classes cannot run
+here (vLLM 0.33), the check that each of V2's rejection kernels would get exactly its
+parameters.
+
+    python tools/verify_kernel_args.py /work/vsrc/0.33.0/vllm [more vllm dirs]
+
+For each source tree: the release whose argument list each kernel takes (the pinned
+hash its source has, as verify_kernels.form reads the installed one), then each
+launch function run with the kernels replaced by recorders (in this Python's vLLM:
+harness.vllm_verify_v2.launch_arguments) and the names it passes compared with the
+kernel's parameters in that tree. Exit status 1 on a mismatch or an unpinned source.
+"""
+from __future__ import annotations
+
+import ast
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported
+
+from vllm_compat import Sources, _package  # noqa: E402
+
+from commfold.vllm import runtime, verify_kernels  # noqa: E402
+from commfold.vllm.hook_points import source_hash  # noqa: E402
+
+_FILE = "v1/worker/gpu/spec_decode/rejection_sampler_utils.py"
+
+
+def check(package: Path) -> bool:
+    from harness.vllm_verify_v2 import launch_arguments
+
+    src = Sources(package)
+    forms = {}
+    for where, pinned in verify_kernels.POINTS:
+        digest = source_hash(src.find(where))
+        found = [r for r, h in pinned.hashes if h == digest]
+        if not found:
+            print(f"{src.version()}: {where} is not pinned ({digest})")
+            return False
+        forms[where.split(":")[1]] = runtime.release(("vllm", found[0]))
+    tree = ast.parse((package / _FILE).read_text())
+    ok = True
+    for name, (passed, _) in launch_arguments(1, forms).items():
+        kernel = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+        params = sorted(a.arg for a in kernel.args.args)
+        same = passed == params
+        ok &= same
+        print(f"{src.version()}: {name} as {'.'.join(map(str, forms[name]))}: "
+              + ("its parameters" if same else f"differs: {sorted(set(passed) ^ set(params))}"))
+    return ok
+
+
+def main(argv=None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    return 0 if all([check(_package(a)) for a in args or ["installed"]]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
