@@ -25,11 +25,13 @@ START = 40  # the position of each request's first scheduled token (past its pre
 
 
 def sampler_for(vocab: int, params: list, steps: int, logprobs_mode: str = "raw_logprobs",
-                histories: list | None = None):
+                histories: list | None = None, reasoning: dict | None = None):
     """V2's Sampler (+ RejectionSampler when steps > 0) with `params` (SamplingParams)
     added as requests 0..n-1, as the runner adds them. histories: per request
     (prompt_len, START token ids) - the prompt then its output so far (penalties
-    read both); by default a prompt of tokens 0..START-1."""
+    read both); by default a prompt of tokens 0..START-1. reasoning: the reasoning
+    markers V2's thinking budget reads ({"start", "natural_end", "end"}: token id
+    lists, as vLLM's ReasoningConfig gives them)."""
     from vllm.v1.worker.gpu.sample.sampler import Sampler
     from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
     from vllm.v1.worker.gpu.states import RequestState
@@ -45,6 +47,13 @@ def sampler_for(vocab: int, params: list, steps: int, logprobs_mode: str = "raw_
     states.apply_staged_writes()
     sampler = Sampler(default_config(), MAX_REQS, vocab, cpu, states,
                       logprobs_mode=logprobs_mode, num_speculative_tokens=steps + 1)
+    if reasoning is not None:  # as the Sampler builds it from a reasoning model's config
+        from vllm.v1.worker.gpu.sample.thinking_budget import ThinkingBudgetState
+
+        sampler.thinking_budget_state = ThinkingBudgetState(states, SimpleNamespace(
+            reasoning_start_token_ids=reasoning["start"],
+            natural_reasoning_end_token_ids=reasoning["natural_end"],
+            reasoning_end_token_ids=reasoning["end"]))
     for i, p in enumerate(params):
         sampler.add_request(i, p)
     sampler.apply_staged_writes()
@@ -94,11 +103,13 @@ def input_batch(drafts: list[list[int]], placeholder: int | None = None):
 
 
 def runner(model, vocab: int, params: list, steps: int, logprobs_mode: str = "raw_logprobs",
-           model_state: bool = False, histories: list | None = None):
+           model_state: bool = False, histories: list | None = None,
+           reasoning: dict | None = None):
     """What V2's GPUModelRunner.sample (and commfold's hook) read of the runner;
     model_state: with V2's DefaultModelState for the model (vLLM 0.34's sample reads
     its compute_sample_logits)."""
-    sampler, rejection, spec = sampler_for(vocab, params, steps, logprobs_mode, histories)
+    sampler, rejection, spec = sampler_for(vocab, params, steps, logprobs_mode, histories,
+                                           reasoning)
     spec = spec if steps else None
     return SimpleNamespace(
         model=model, sampler=sampler, rejection_sampler=rejection, batch_sharder=None,
@@ -346,9 +357,11 @@ def step_cases(world: int, cases: list[dict]) -> list[dict]:
         mode = case.get("logprobs_mode", "raw_logprobs")
         # V2 draws an unseeded request's seed from numpy: the same for both runners
         np.random.seed(case["seed"])
-        theirs_runner = runner(model, case["vocab"], params, steps, mode, states, histories)
+        theirs_runner = runner(model, case["vocab"], params, steps, mode, states, histories,
+                               case.get("reasoning"))
         np.random.seed(case["seed"])
-        ours_runner = runner(model, case["vocab"], params, steps, mode, states, histories)
+        ours_runner = runner(model, case["vocab"], params, steps, mode, states, histories,
+                             case.get("reasoning"))
         grammar = grammar_output(case, batch, theirs_runner.structured_outputs_worker)
         with record_collectives() as vllm_log:
             theirs = original(theirs_runner, h, batch, grammar)[0]
@@ -386,13 +399,17 @@ def _params(p: dict):
 
 def _histories(case: dict, reqs: int) -> list | None:
     """case["history"] = n: each request's START tokens drawn over the whole vocab (from
-    the case's seed), the last n of them its output so far; None: the default."""
+    the case's seed), the last n of them its output so far, request r's last ones
+    case["tails"][r] where given; None: the default."""
     n = case.get("history")
     if n is None:
         return None
     g = torch.Generator().manual_seed(case["seed"] + 3)
-    return [(START - n, torch.randint(0, case["vocab"], (START,), generator=g).tolist())
-            for _ in range(reqs)]
+    out = [(START - n, torch.randint(0, case["vocab"], (START,), generator=g).tolist())
+           for _ in range(reqs)]
+    for (_, ids), tail in zip(out, case.get("tails", ())):
+        ids[len(ids) - len(tail):] = tail
+    return out
 
 
 def _logprobs(out):

@@ -103,7 +103,8 @@ def verify_cases(world: int, cases: list[dict]) -> list[dict]:
             np.random.seed(case["seed"])  # V2 draws an unseeded request's seed from numpy
             r = runner(model, case["vocab"], params, steps,
                        case.get("logprobs_mode", "raw_logprobs"), model_state=states,
-                       histories=_histories(case, len(params)))
+                       histories=_histories(case, len(params)),
+                       reasoning=case.get("reasoning"))
             r.speculator.draft_logits = cache
             runners.append(r)
         with record_collectives() as vllm_log:

@@ -167,10 +167,8 @@ def test_each_method_on_model_runner_v2(release, method):
 
 @pytest.mark.parametrize("change,why", [
     (dict(needs_processing=True), "logits processing"),
-    (dict(needs_processing=True, processing=("penalties", "thinking_budget")),
-     "logits processing: a thinking budget"),
-    (dict(temperatures=(0.0, 0.7), processing=("bad_words", "thinking_budget")),
-     "logits processing: a thinking"),
+    (dict(needs_processing=True, processing=("penalties", "thinking_budget", "custom")),
+     "logits processing: a custom"),
     (dict(temperatures=(0.0, 0.7), processing=("custom",)), "logits processing: a custom"),
     (dict(temperatures=(0.7,), logprobs=True, logprob_token_ids=True), "logprob_token_ids"),
     (dict(top_k_or_p=True), "top-k / top-p on unprocessed logits"),

@@ -101,6 +101,15 @@ CASES = [
          row_params=[dict(temperature=0.0, _bad_words_token_ids=_bad_words(16, 2),
                           logit_bias={100: 60.0, 1200: 55.0, 1300: 50.0}),
                      dict(temperature=1.0, seed=5)]),
+    # a thinking budget: V2 forces the reasoning end marker (1e9) once a request's
+    # reasoning since its start marker reaches the budget - the marker's next token
+    # where the output already ends with its first -, nothing after a natural end or
+    # under budget; the markers on both shards
+    dict(vocab=V, dtype="float32", seed=25, ties=False, rows=4, mode="sample", history=8,
+         reasoning=dict(start=[1201], natural_end=[1202], end=[17, 1497]),
+         tails=[[1201, 5, 6, 7], [1201, 5, 17], [1201, 5, 1202], [1201, 5]],
+         row_params=[dict(temperature=0.8, seed=s, thinking_token_budget=b)
+                     for s, b in enumerate((2, 1, 1, 50))]),
     # left to vLLM, with the reason
     dict(vocab=V, dtype="float32", seed=17, ties=True, rows=2, mode="logprob_token_ids",
          params=dict(temperature=0.8, logprobs=1, logprob_token_ids=[3, 900])),

@@ -184,6 +184,15 @@ CASES = [
                           stop_token_ids=list(range(0, ODD, 181)))],
          draft_logits=1.0, draft_kind="mixed", mode="verify_sampled"),
 ]
+# a thinking budget: V2 forces the end marker once a request's reasoning (its drafts
+# counted) reaches the budget - the marker's next token where the row's text already
+# ends with its first - and nothing after a natural end; markers on both shards
+CASES += [dict(vocab=ODD, dtype="float32", seed=24, ties=False, drafts=[2, 2, 2, 3],
+               history=8, reasoning=dict(start=[12001], natural_end=[12002], end=[17, 19990]),
+               tails=[[12001, 5], [12001, 5, 6, 17], [12001, 12002], [12001]],
+               row_params=[dict(temperature=0.8, seed=s, thinking_token_budget=b)
+                           for s, b in enumerate((3, 1, 1, 2))],
+               draft_kind="fixed", fixed=[17, 19990, 17, 17], mode="verify_sampled")]
 # bad words (matched through the output so far; their masked tokens biased far above
 # the rest, so a word left unmasked is accepted or resampled)
 BAD = dict(vocab=ODD, dtype="float32", seed=18, ties=False, drafts=[2, 2], history=6,
@@ -269,12 +278,12 @@ def test_decision_names_the_mode():
         "verify_sampled"
     assert decide_v2(V2Step(**{**step.__dict__, "processing": ("temperature", "min_p")}),
                      spec=True, structured=False, verify="standard")[0] == "verify_sampled"
-    for changed in (dict(processing=("temperature", "bad_words")),
+    for changed in (dict(processing=("temperature", "bad_words", "thinking_budget")),
                     dict(processing=("penalties", "logit_bias", "min_p"))):
         assert decide_v2(V2Step(**{**step.__dict__, **changed}), spec=True,
                          structured=False, verify="standard")[0] == "verify_sampled"
-    for changed, why in ((dict(processing=("temperature", "thinking_budget")),
-                          "thinking budget"),
+    for changed, why in ((dict(processing=("temperature", "thinking_budget", "custom")),
+                          "custom"),
                          (dict(logprobs=True, logprob_token_ids=True), "logprob_token_ids"),
                          (dict(logprobs=True, num_logprobs=21), "logprobs=21"),
                          (dict(processing=("penalties", "custom")), "custom")):

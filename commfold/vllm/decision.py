@@ -13,7 +13,7 @@ entropy-gated acceptance, from vLLM 0.33), adaptive verification - and any metho
 commfold does not know run vLLM's code. On Model Runner V2 a "standard" step with
 sampled requests is verified on the shards as V2's RejectionSampler verifies it
 ("verify_sampled", commfold.vllm.shard_verify) when its processing is done on a shard
-(SPEC_LOCAL: no top-k / top-p, thinking budget or custom processor); V2's logprobs
+(SPEC_LOCAL: no top-k / top-p or custom processor); V2's logprobs
 of the verified tokens (greedy and sampled steps) are scored on the shards as in
 steps without drafts.
 """
@@ -191,11 +191,10 @@ class V2Step:
 
 
 # V2's processing of a sampled step that commfold.vllm.sampled_pick does on a shard
-SAMPLED_LOCAL = ("temperature", "min_p", "penalties", "logit_bias", "bad_words", "top_k",
-                 "top_p")
+SAMPLED_LOCAL = ("temperature", "min_p", "penalties", "logit_bias", "bad_words",
+                 "thinking_budget", "top_k", "top_p")
 # the rest, and why each stays vLLM's
 SAMPLED_LEFT = {
-    "thinking_budget": "a thinking budget",
     "custom": "a custom logits processor (it may read the whole row)",
 }
 
@@ -276,7 +275,8 @@ def structured_refusal(structured: bool, spec: bool) -> str | None:
 
 
 # V2's processing of a sampled spec-decode step commfold.vllm.shard_verify does on a shard
-SPEC_LOCAL = ("temperature", "min_p", "penalties", "logit_bias", "bad_words")
+SPEC_LOCAL = ("temperature", "min_p", "penalties", "logit_bias", "bad_words",
+              "thinking_budget")
 
 
 def verify_sampled(step: V2Step) -> tuple[str | None, str]:

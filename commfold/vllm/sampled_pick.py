@@ -16,6 +16,8 @@ shard's real columns, or needs one small exchange:
   bit mask re-packed when the shard does not start on a 32-token word;
 - bad words: V2's ``apply_bad_words`` kernel finds the matched words (on a probe with
   one column per word), their last tokens in the shard are masked;
+- a thinking budget: V2's ``ThinkingBudgetState.apply`` on a probe as wide as the
+  largest end-marker id + 1 shows each row's forced marker, set in the shard;
 - temperature: V2's ``SamplingStates.apply_temperature`` (elementwise);
 - min_p: V2's ``apply_min_p`` kernel takes the row maximum itself; it is given the
   shard with one more column holding the maximum over all ranks (one all-gather of a
@@ -68,6 +70,9 @@ _SOURCES = {
     "bad_words:BadWordsState.apply": ("37891cd564157871",) * 3,
     "bad_words:apply_bad_words": ("88716bca7f230e4f",) * 3,
     "bad_words:_bad_words_kernel": ("b24314a689d74c1c",) * 3,
+    "thinking_budget:ThinkingBudgetState.apply": ("4956f5aa7d6fa188",) * 3,
+    "thinking_budget:apply_thinking_budget": ("e39525467f43e163",) * 3,
+    "thinking_budget:_thinking_budget_kernel": ("00c31a4457a5c919",) * 3,
     "states:SamplingStates.apply_temperature": ("ffe54d3d2d9d5175",) * 3,
     "states:SamplingStates.apply_min_p": ("c99c35f9cf0d0a5a",) * 3,
 }
@@ -238,6 +243,9 @@ def process(sampler, buf, n_local: int, start: int, input_batch, comm,
     bad_words = _state(sampler, "BadWordsState")
     if n_local and bad_words is not None and np.any(bad_words.num_bad_words.np[idx_np]):
         _bad_words(bad_words, work, start, input_batch, ids)
+    budget = getattr(sampler, "thinking_budget_state", None)
+    if budget is not None and budget.enabled and np.any(budget.use_thinking_budget[idx_np]):
+        _thinking_budget(budget, work, start, input_batch, ids)
     states = sampler.sampling_states
     if n_local:
         states.apply_temperature(work, mapping, idx_np)
@@ -317,6 +325,29 @@ def _bad_words(state, work, start: int, input_batch, ids: torch.Tensor) -> None:
     tokens = lasts[mapping[rows].long(), words] - start
     here = (tokens >= 0) & (tokens < work.shape[1])
     work[rows[here], tokens[here]] = float("-inf")
+
+
+def _thinking_budget(state, work, start: int, input_batch, ids: torch.Tensor) -> None:
+    """V2's thinking-budget forcing on this rank's columns. V2's kernel stores 1e9 at
+    a row's forced end-marker token (a global id) once its reasoning is over budget,
+    and nothing else; here V2's own ``ThinkingBudgetState.apply`` (its marker cache
+    update included, on every rank as on V2's) runs on a zero probe as wide as the
+    largest marker id + 1 (bfloat16: any store reads nonzero), and each row's forced
+    marker is stored in the shard where it falls there."""
+    from types import SimpleNamespace
+
+    ends = state.reasoning_end_token_ids.long()
+    probe = torch.zeros(work.shape[0], int(ends.max()) + 1, dtype=torch.bfloat16,
+                        device=work.device)
+    ctx = SimpleNamespace(  # the LogitsContext fields apply() reads
+        idx_mapping=input_batch.idx_mapping, idx_mapping_np=input_batch.idx_mapping_np,
+        expanded_idx_mapping=input_batch.expanded_idx_mapping, input_ids=ids,
+        expanded_local_pos=input_batch.expanded_local_pos)
+    state.apply(probe, ctx)
+    rows, which = (probe[:, ends] != 0).nonzero(as_tuple=True)
+    cols = ends[which] - start
+    here = (cols >= 0) & (cols < work.shape[1])
+    work[rows[here], cols[here]] = 1.0e9
 
 
 def shard_ids(counts, ids: torch.Tensor, slots, start: int, n: int, spare: bool = False,
