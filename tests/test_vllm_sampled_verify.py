@@ -52,6 +52,10 @@ def _check(results):
                 assert r["calls"] == 2 + (not aligned) + min_p + scoring, (where, r["calls"])
                 if not scoring:
                     assert r["bytes"] == _bytes(case), (where, r["bytes"])
+            elif case["mode"] == "cut":  # local, or given back at the cut's edge
+                assert r["notes"][0] == "verify_sampled", where
+                assert len(r["notes"]) == 1 or r["notes"][1].startswith("vLLM (top-"), where
+                assert r["ours_gathers"] == (len(r["notes"]) - 1), where
             else:
                 assert r["notes"][-1].startswith("vLLM ("), where
                 assert case["mode"] in r["notes"][-1], (where, r["notes"])
@@ -193,6 +197,23 @@ CASES += [dict(vocab=ODD, dtype="float32", seed=24, ties=False, drafts=[2, 2, 2,
                row_params=[dict(temperature=0.8, seed=s, thinking_token_budget=b)
                            for s, b in enumerate((3, 1, 1, 2))],
                draft_kind="fixed", fixed=[17, 19990, 17, 17], mode="verify_sampled")]
+# top-k / top-p: V2 cuts the target logits before verifying; taken where the bounds
+# of the kernel's cut leave no token in doubt, else given back with the reason
+CUT = dict(vocab=ODD, dtype="float32", ties=False, draft_kind="mixed", mode="cut")
+CASES += [dict(CUT, seed=30, drafts=[2, 2], row_params=[
+              dict(temperature=0.8, seed=1, top_k=1), dict(temperature=0.7, seed=2, top_k=2)]),
+          dict(CUT, seed=31, drafts=[3, 1], draft_logits=0.5, row_params=[
+              dict(temperature=1.0, seed=3, top_k=20), dict(temperature=0.9, seed=4)]),
+          dict(CUT, seed=32, drafts=[2, 2], dtype="bfloat16", row_params=[
+              dict(temperature=0.8, seed=5, top_p=0.9), dict(temperature=1.0, seed=6,
+                                                             top_p=0.5, top_k=10)]),
+          dict(CUT, seed=33, drafts=[2], row_params=[
+              dict(temperature=0.6, seed=7, top_p=0.05, min_p=0.1)]),
+          # one token holding the mass p in every row: the cut is certain (top-p)
+          dict(CUT, seed=34, drafts=[2, 3], draft_kind="fixed", fixed=[12345, 77],
+               row_params=[dict(temperature=1.0, seed=8, top_p=0.5, logit_bias={12345: 15.0}),
+                           dict(temperature=0.5, seed=9, top_p=0.9,
+                                logit_bias={77: 12.0})])]
 # bad words (matched through the output so far; their masked tokens biased far above
 # the rest, so a word left unmasked is accepted or resampled)
 BAD = dict(vocab=ODD, dtype="float32", seed=18, ties=False, drafts=[2, 2], history=6,
@@ -233,6 +254,9 @@ def test_sampled_verification_equals_v2s(vllm_v2_ranks):
     # the cases reach both outcomes: some drafts accepted, some rejected
     accepted = [a for res in results for r in res for a in r["accepted"]]
     assert 0 in accepted and any(a >= 2 for a in accepted), accepted
+    # top-k / top-p steps taken on the shards, and given back
+    cuts = [len(r["notes"]) for res in results for r in res if r["case"]["mode"] == "cut"]
+    assert 1 in cuts and 2 in cuts, cuts
     # a draft rejected against the drafter's logits (the residual resampled)
     assert any(a < n for res in results for r in res if r["case"].get("draft_logits")
                for a, n in zip(r["accepted"], r["case"]["drafts"])), accepted
@@ -290,6 +314,17 @@ def test_decision_names_the_mode():
         mode, reason = decide_v2(V2Step(**{**step.__dict__, **changed}), spec=True,
                                  structured=False, verify="standard")
         assert mode is None and why in reason, reason
+    # top-k / top-p: V2's verification cuts with its kernel, never a fused sampler
+    cut = V2Step(**{**step.__dict__, "top_k_or_p": True, "fused_sampler": True,
+                    "processing": ("temperature", "top_k", "top_p")})
+    assert decide_v2(cut, spec=True, structured=False, verify="standard")[0] == \
+        "verify_sampled"
+    assert decide_v2(cut, spec=False, structured=False)[0] is None  # the draw's: vLLM's
+    for changed in (dict(split_top_p=True),
+                    dict(logprobs=True, num_logprobs=2, logprobs_mode="processed_logprobs")):
+        mode, reason = decide_v2(V2Step(**{**cut.__dict__, **changed}), spec=True,
+                                 structured=False, verify="standard")
+        assert mode is None and "top-" in reason, reason
     assert decide_v2(step, spec=True, structured=False, verify="block")[0] is None
     assert decide_v2(step, spec=False, structured=False)[0] == "sample"
 

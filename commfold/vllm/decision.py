@@ -13,7 +13,7 @@ entropy-gated acceptance, from vLLM 0.33), adaptive verification - and any metho
 commfold does not know run vLLM's code. On Model Runner V2 a "standard" step with
 sampled requests is verified on the shards as V2's RejectionSampler verifies it
 ("verify_sampled", commfold.vllm.shard_verify) when its processing is done on a shard
-(SPEC_LOCAL: no top-k / top-p or custom processor); V2's logprobs
+(SPEC_LOCAL: all but a custom processor; top-k / top-p where the cut is proved exact); V2's logprobs
 of the verified tokens (greedy and sampled steps) are scored on the shards as in
 steps without drafts.
 """
@@ -219,7 +219,7 @@ def decide_v2(step: V2Step, *, spec: bool, structured: bool,
         return None, f"sampler {step.sampler} (commfold knows V2's Sampler)"
     if not step.temperatures:
         return None, "no requests"
-    if step.top_k_or_p and (why := truncation_refusal(step)) is not None:
+    if step.top_k_or_p and (why := truncation_refusal(step, spec)) is not None:
         return None, why
     if step.trace_replay:
         return None, "trace replay"
@@ -249,10 +249,12 @@ def decide_v2(step: V2Step, *, spec: bool, structured: bool,
 FUSED_OPTION = "COMMFOLD_FUSED_SAMPLER_STEPS"  # =gumbel: take fused-sampler steps (graph_passes)
 
 
-def truncation_refusal(step: V2Step) -> str | None:
+def truncation_refusal(step: V2Step, spec: bool = False) -> str | None:
     """Why a step with top-k / top-p stays V2's (commfold.vllm.shard_top_k_top_p takes
-    the rest, by bounds of the kernel's cut); None when it may be taken."""
-    if step.fused_sampler and not step.fused_on_gumbel:
+    the rest, by bounds of the kernel's cut); None when it may be taken. spec: V2's
+    verification cuts the target logits with the kernel itself, never a fused
+    sampler."""
+    if step.fused_sampler and not step.fused_on_gumbel and not spec:
         return ("top-k / top-p: V2 samples this step with its fused sampler (FlashInfer "
                 f"or XPU), which draws otherwise; {FUSED_OPTION}=gumbel takes it on "
                 "V2's Gumbel path: equal in distribution, not in tokens")
@@ -276,7 +278,7 @@ def structured_refusal(structured: bool, spec: bool) -> str | None:
 
 # V2's processing of a sampled spec-decode step commfold.vllm.shard_verify does on a shard
 SPEC_LOCAL = ("temperature", "min_p", "penalties", "logit_bias", "bad_words",
-              "thinking_budget")
+              "thinking_budget", "top_k", "top_p")
 
 
 def verify_sampled(step: V2Step) -> tuple[str | None, str]:
@@ -287,8 +289,6 @@ def verify_sampled(step: V2Step) -> tuple[str | None, str]:
     left = [SAMPLED_LEFT.get(p, p) for p in step.processing if p not in SPEC_LOCAL]
     if left:
         return None, "sampled verification with logits processing: " + ", ".join(left)
-    if step.top_k_or_p:
-        return None, "top-k / top-p under spec decoding (V2 cuts before verifying)"
     mode, why = sampled_logprobs(step)
     return (mode and "verify_sampled"), why
 

@@ -36,6 +36,9 @@ tokens as V2 passes them, logit bias, allowed ids, min_tokens, bad words,
 temperature, min_p) by the sampled draw's own shard processing
 (commfold.vllm.sampled_pick.process, pinned with the draw); the columns a rank
 borrows from its neighbours for a split block are then sent processed (float32).
+Top-k / top-p: the bounds of V2's cut (commfold.vllm.shard_top_k_top_p) mask what
+they prove dropped; a token they leave in doubt anywhere gives the step to V2 (a flag
+beside the NaN flag), since every probability of a row depends on the kept set.
 
 A step whose shard holds NaN on any rank (a flag in the stats exchange), or whose
 resampled values do, returns None on every rank: the step is gathered and V2's
@@ -56,8 +59,8 @@ from typing import NamedTuple
 import torch
 
 from commfold.distributed.collectives import communicator
-from commfold.vllm import (hook_points, runtime, sampled_pick, target_pick,
-                           verify_kernels)
+from commfold.vllm import (hook_points, runtime, sampled_pick, shard_top_k_top_p,
+                           target_pick, verify_kernels)
 from commfold.vllm.decision import verify_method, verify_refusal
 from commfold.vllm.hook_points import Pinned
 from commfold.vllm.logits_head import LogitsHead
@@ -194,11 +197,15 @@ class Verified(NamedTuple):
     processed: torch.Tensor  # [rows, shard]: the shard as V2 processed it (logprobs)
 
 
+EDGE = "top-k / top-p under spec decoding: a token at the cut's edge"
+
+
 def verify(rejection_sampler, head: LogitsHead, shard: torch.Tensor, input_batch,
-           draft_logits: torch.Tensor | None) -> Verified | None:
+           draft_logits: torch.Tensor | None) -> Verified | str:
     """The step's verification as V2's RejectionSampler's ``rejection_sample`` gives
-    it, from this rank's `shard` [rows, head.shard]; None where a rank's shard or the
-    resampled values hold NaN (every rank alike). Every rank calls it together."""
+    it, from this rank's `shard` [rows, head.shard]; why the step goes to V2 where a
+    rank's shard or the resampled values hold NaN, or where V2's top-k / top-p cut is
+    not certain for a token (every rank alike). Every rank calls it together."""
     import numpy as np  # not at import: commfold imports without numpy
     from vllm.triton_utils import triton
     from vllm.v1.worker.gpu.spec_decode.rejection_sampler import gather_draft_sampled
@@ -221,10 +228,20 @@ def verify(rejection_sampler, head: LogitsHead, shard: torch.Tensor, input_batch
                           device=shard.device)  # one spare column for min_p
         buf[:, :head.shard].copy_(shard)
         if not sampled_pick.process(sampler, buf, n_real, start, input_batch, comm, draft):
-            return None
+            return sampled_pick.NAN
         shard = buf[:, :head.shard]
     # this rank's real columns (no padding: V2's rows are cut to the vocab)
     target = shard[:, :n_real]
+    edge = False  # a token of this rank's the top-k / top-p cut may keep or drop
+    if processing and sampled_pick.truncates(states, idx_np):
+        bounds = shard_top_k_top_p.cut(comm, target, states.top_k.gpu[mapping],
+                                       states.top_p.gpu[mapping], head.vocab, head.shard)
+        if isinstance(bounds, str):  # from gathered values: alike on every rank
+            return bounds
+        wide = target.double()
+        below = bounds.rows[:, None] & (wide <= bounds.keep[:, None])
+        edge = bool((below & (wide >= bounds.drop[:, None])).any())
+        target.masked_fill_(below, float("-inf"))  # V2's cut, where it is certain
     rows, device = target.shape[0], target.device
     vocab = head.vocab  # V2's target_logits width
     draft_logits = verify_kernels.values(draft_logits)  # 0.34: the cache's values
@@ -268,10 +285,12 @@ def verify(rejection_sampler, head: LogitsHead, shard: torch.Tensor, input_batch
         payload[:, i * top:i * top + nb] = x.view(torch.int32)
     payload[:, k * top:k * top + 2 * nb] = t_arg.view(torch.int32)
     payload[:, -2] = at_draft.view(torch.int32)
-    payload[:, -1] = int(nan_here)
+    payload[:, -1] = int(nan_here) | 2 * int(edge)
     got = comm.all_gather(payload).view(world, rows, -1)
+    if bool((got[:, :, -1] & 1).any()):
+        return sampled_pick.NAN
     if bool(got[:, :, -1].any()):
-        return None
+        return EDGE
     blocks = lay.blocks
     full = [torch.zeros(rows, blocks, **f32) for _ in range(4)]
     argmax = torch.zeros(rows, blocks, dtype=torch.int64, device=device)
@@ -327,7 +346,7 @@ def verify(rejection_sampler, head: LogitsHead, shard: torch.Tensor, input_batch
     pairs = comm.all_gather(pair).view(world, reqs, 2)
     vals = pairs[..., 0].to(bits).view(value.dtype).t().contiguous()
     if bool(vals.isnan().any()):
-        return None
+        return sampled_pick.NAN
     toks = pairs[..., 1].t().contiguous()
     verify_kernels.insert(sampled, num_sampled, toks, vals, cu, mapping, temp,
                           triton.next_power_of_2(world))

@@ -206,8 +206,8 @@ def pick(sampler, rejection_sampler, head: LogitsHead, shard, input_batch, mode:
             return _given_back(head, shard, vllm_samplers, why)  # engine config: all ranks
         verified = shard_verify.verify(rejection_sampler, head, shard, input_batch,
                                        draft_logits)
-        if verified is None:  # NaN on a rank: the same on every rank
-            return _given_back(head, shard, vllm_samplers, sampled_pick.NAN)
+        if isinstance(verified, str):  # from gathered values: the same on every rank
+            return _given_back(head, shard, vllm_samplers, verified)
         sampled, num_sampled, processed = verified
         if sampler.logprobs_mode.startswith("processed"):
             scored = processed
