@@ -145,8 +145,9 @@ def grammar_output(case: dict, batch, worker):
     maps (up to vLLM 0.33: a request's drafts + 1; from 0.34: its mask stride) -
     "random" (bits at random, the case's seed, "density" of them set), "none" (every
     token masked), "low" (only tokens below vocab / 3: one shard), "few" (three
-    tokens across the vocab), "all"}; the bits past the vocab in the last word at
-    random too (V2 never reads them)."""
+    tokens across the vocab), "all"}, "acceptable" (per request, the drafts its rows
+    constrain; up to vLLM 0.33, whose GrammarOutput says so); the bits past the vocab
+    in the last word at random too (V2 never reads them)."""
     import itertools
 
     from vllm.v1.core.sched.output import GrammarOutput
@@ -171,7 +172,10 @@ def grammar_output(case: dict, batch, worker):
         bits = torch.where(allow < vocab, inside, bits)
         packed = (bits.view(words, 32).long() << torch.arange(32)).sum(-1)
         rows.append(torch.where(packed >= 2**31, packed - 2**32, packed).int())
-    return GrammarOutput([f"r{i}" for i in spec["reqs"]], torch.stack(rows).numpy())
+    out = GrammarOutput([f"r{i}" for i in spec["reqs"]], torch.stack(rows).numpy())
+    if "acceptable" in spec and hasattr(out, "num_acceptable_drafts"):  # up to 0.33
+        out.num_acceptable_drafts = spec["acceptable"]
+    return out
 
 
 def default_state(model, spec):

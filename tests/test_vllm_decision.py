@@ -196,11 +196,11 @@ def test_v2_steps_that_stay_vllms(change, why):
     mode, reason = decide_v2(step, spec=False, structured=False)
     assert mode is None and reason.startswith(why), reason
     assert decide_v2(GREEDY_V2, spec=False, structured=False) == ("greedy", "all greedy")
-    # structured output: its bitmask on the shards (commfold.vllm.shard_grammar), except
-    # under spec decoding
+    # structured output: its bitmask on the shards (commfold.vllm.shard_grammar), under
+    # spec decoding too
     assert decide_v2(GREEDY_V2, spec=False, structured=True) == ("greedy", "all greedy")
-    mode, reason = decide_v2(GREEDY_V2, spec=True, structured=True, verify="standard")
-    assert mode is None and reason.startswith("structured output under spec"), reason
+    assert decide_v2(GREEDY_V2, spec=True, structured=True, verify="standard") == \
+        ("verify", "all greedy")
 
 
 @pytest.mark.parametrize("change,want", [

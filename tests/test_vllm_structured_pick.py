@@ -7,7 +7,8 @@ the local pick or draw), on 2 gloo ranks (4 under -m slow: shards starting insid
 collectives and no vocab-wide gather. Bitmasks at random, rows masked whole, rows
 allowing one shard or three tokens, bits past the vocab set, min_tokens on structured
 requests (V2 restores the stop tokens of a row masked whole: one all-gather of the row
-maxima); structured output under spec decoding keeps vLLM's path with the reason.
+maxima); under spec decoding V2's verification of the masked rows (a grammar's
+invalid drafts rejected).
 V2's grammar kernel runs in Triton's interpreter with harness.triton_cpu's int1
 comparisons (without them V2's own run fails)."""
 from __future__ import annotations
@@ -23,7 +24,10 @@ pytestmark = require_vllm_installed(group="module")
 V = 1500  # padded to 1536: rank 1 holds 732 real columns + 36 padding
 V4 = 1050  # at TP=4 shards of 272 columns: the bitmask re-packed across words
 NOTE = "bitmask on the shard"
-BASE = {"greedy": 1, "logprobs": 2, "sample": 1, "sample_logprobs": 3}
+# collectives per mode: the pair; logprobs' two; V2's verification of sampled drafts
+# (the split block's columns, the block stats, the resampled pair: vocab 1500)
+BASE = {"greedy": 1, "logprobs": 2, "sample": 1, "sample_logprobs": 3, "verify": 1,
+        "verify_sampled": 3}
 
 
 def _check(results):
@@ -36,7 +40,7 @@ def _check(results):
             if mode in BASE:
                 assert sorted(r["notes"]) == sorted([mode, NOTE]), (where, r["notes"])
                 assert gathers <= 1 if case.get("whole") is None else gathers == 0, where
-                min_p = mode.startswith("sample") and any(
+                min_p = mode.startswith(("sample", "verify_sampled")) and any(
                     p.get("min_p") and p.get("temperature", 1.0) for p in _rows(case))
                 # the row maxima for V2's stop-token restore (a structured request's
                 # min_tokens)
@@ -111,10 +115,18 @@ CASES = [
                      dict(temperature=0.5, seed=4, min_tokens=1, stop_token_ids=STOPS,
                           structured_outputs=JSON)],
          grammar=dict(reqs=[0, 1, 2], rows=["few", "none", "few"]), restored=[0]),
-    # left to vLLM, with the reason
+    # under spec decoding: every draft position's row masked; up to vLLM 0.33 the
+    # drafts past a request's acceptable ones verified as -1 (rejected)
     dict(vocab=V, dtype="bfloat16", seed=9, ties=True, drafts=[[1, 2], [3]], accept=True,
-         mode="structured output under spec decoding",
-         grammar=dict(reqs=[0, 1], rows=["random", "all"], density=0.9)),
+         mode="verify", grammar=dict(reqs=[0, 1], rows=["random", "all"], density=0.9,
+                                     acceptable=[1, 1])),
+    dict(vocab=V, dtype="float32", seed=13, ties=False, drafts=[[1, 2], [3, 4, 5]],
+         accept=True, mode="verify_sampled", params=T,
+         grammar=dict(reqs=[1, 0], rows=["all", "random", "few"], density=0.6,
+                      acceptable=[3, 0])),
+    dict(vocab=V, dtype="bfloat16", seed=14, ties=True, drafts=[[1, 2, 3]], accept=True,
+         mode="verify_sampled", row_params=[dict(temperature=0.6, seed=2, min_p=0.05)],
+         grammar=dict(reqs=[0], rows=["all"], acceptable=[2])),
 ]
 
 
@@ -134,7 +146,7 @@ STATE_CASES = [  # a bitmask reaching a shard of a batch not decided as structur
     dict(vocab=V, dtype="float32", seed=11, ties=True, rows=3, mode="greedy", unmarked=True,
          grammar=dict(reqs=[0, 2], rows=["random", "none"], density=0.3)),
     dict(vocab=V, dtype="float32", seed=12, ties=True, drafts=[[1, 2], [3]], accept=True,
-         mode="structured output under spec decoding", unmarked=True,
+         mode="verify", unmarked=True,
          grammar=dict(reqs=[1], rows=["random"], density=0.5)),
 ]
 
@@ -142,8 +154,8 @@ STATE_CASES = [  # a bitmask reaching a shard of a batch not decided as structur
 @pytest.mark.skipif("not _model_state()", reason="vLLM 0.34's model-state hooks")
 def test_state_hook_masks_a_batch_it_did_not_know_structured(vllm_v2_ranks):
     """vLLM 0.34: decided before the bitmask exists, from has_structured_output_reqs;
-    a bitmask for a batch decided otherwise still masks the shard, and a step whose
-    decision then changes (spec decoding) is gathered for V2's samplers."""
+    a bitmask for a batch decided otherwise still masks the shard (the step decided
+    again with it: taken, spec decoding included)."""
     from harness.vllm_step_v2 import step_cases
 
     _check(vllm_v2_ranks.run(step_cases, 2, STATE_CASES))

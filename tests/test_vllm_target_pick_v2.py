@@ -118,7 +118,7 @@ def test_v2_pick_equals_v2s_sample(vllm_v2_ranks):
 
 STATE_CASES = [  # the model state set: decided before the logits exist
     dict(vocab=V, dtype="float32", seed=31, ties=True, drafts=[[1, 2], [3]], accept=True,
-         mode="structured output under spec decoding", structured=True),
+         mode="verify", structured=True),
     dict(vocab=V, dtype="bfloat16", seed=32, ties=True, drafts=[[1, 2], [3]], accept=True,
          mode="another batch", rebatch=True),
 ]
@@ -126,8 +126,8 @@ STATE_CASES = [  # the model state set: decided before the logits exist
 
 @model_state_only
 def test_v2_state_hook_leaves_what_it_did_not_decide(vllm_v2_ranks):
-    """A spec-decode batch holding a structured-output request: vLLM's logits (its
-    grammar bitmask applies to them); a shard that reaches the sampler with another
+    """A spec-decode batch holding a structured-output request: verified on the shards
+    (no bitmask reaches them here); a shard that reaches the sampler with another
     batch than the one decided on: gathered and sampled by V2 - tokens equal V2's
     either way."""
     from harness.vllm_step_v2 import step_cases

@@ -209,10 +209,10 @@ def decide_v2(step: V2Step, *, spec: bool, structured: bool,
     step with one Gumbel kernel) is "sample" / "sample_logprobs" - the whole step,
     commfold.vllm.sampled_pick - when all its processing is in SAMPLED_LOCAL and it is
     no spec-decode step; under spec decoding "verify_sampled" (``verify_sampled``).
-    Structured output: its bitmask applied on the shards first,
-    unless ``structured_refusal`` says why not."""
-    refusal = structured_refusal(structured, spec) or \
-        step_refusal(False, step.nan_check, spec, verify)
+    Structured output (`structured`, read by no rule here): its bitmask applied on
+    the shards first (commfold.vllm.shard_grammar), under spec decoding too - V2
+    verifies the masked rows, a grammar's invalid drafts as -1."""
+    refusal = step_refusal(False, step.nan_check, spec, verify)
     if refusal is not None:
         return None, refusal
     if step.sampler != "Sampler":
@@ -264,15 +264,6 @@ def truncation_refusal(step: V2Step, spec: bool = False) -> str | None:
         return "top-k / top-p on unprocessed logits (greedy requests only)"
     if step.logprobs and step.logprobs_mode.startswith("processed"):
         return "processed logprobs after top-k / top-p (they read the cut's exact edge)"
-    return None
-
-
-def structured_refusal(structured: bool, spec: bool) -> str | None:
-    """Why a V2 step stays vLLM's for structured output (None: its grammar bitmask is
-    applied on the shards, commfold.vllm.shard_grammar, and the step decided as any
-    other)."""
-    if structured and spec:
-        return "structured output under spec decoding (V2's verification)"
     return None
 
 

@@ -12,10 +12,11 @@ inside a 32-token word is shifted across words). The masked shard then equals V2
 masked row's columns bit for bit, and V2's greedy argmax / Gumbel draw over it is
 what commfold.vllm.sampled_pick and local_argmax repeat. No collective.
 
-What stays vLLM's (commfold.vllm.decision.structured_refusal): structured output under
-spec decoding (V2's verification of drafts against the grammar's rows). min_tokens on
-a structured-output request, whose stop tokens V2 restores on a row the grammar masked
-whole, is commfold.vllm.stop_restore's.
+Under spec decoding V2 masks every draft position's row the same way (its worker maps
+the bitmask rows) and verifies the masked rows, up to vLLM 0.33 with the drafts its
+grammar did not constrain set to -1 (``grammar_invalid_drafts``, passed to commfold's
+verification as to V2's). min_tokens on a structured-output request, whose stop
+tokens V2 restores on a row the grammar masked whole, is commfold.vllm.stop_restore's.
 """
 from __future__ import annotations
 

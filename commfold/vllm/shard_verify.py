@@ -201,11 +201,13 @@ EDGE = "top-k / top-p under spec decoding: a token at the cut's edge"
 
 
 def verify(rejection_sampler, head: LogitsHead, shard: torch.Tensor, input_batch,
-           draft_logits: torch.Tensor | None) -> Verified | str:
+           draft_logits: torch.Tensor | None,
+           invalid_drafts: torch.Tensor | None = None) -> Verified | str:
     """The step's verification as V2's RejectionSampler's ``rejection_sample`` gives
     it, from this rank's `shard` [rows, head.shard]; why the step goes to V2 where a
     rank's shard or the resampled values hold NaN, or where V2's top-k / top-p cut is
-    not certain for a token (every rank alike). Every rank calls it together."""
+    not certain for a token (every rank alike). invalid_drafts: the rows whose draft
+    V2 verifies as -1 (a grammar's, up to vLLM 0.33). Every rank calls it together."""
     import numpy as np  # not at import: commfold imports without numpy
     from vllm.triton_utils import triton
     from vllm.v1.worker.gpu.spec_decode.rejection_sampler import gather_draft_sampled
@@ -242,6 +244,8 @@ def verify(rejection_sampler, head: LogitsHead, shard: torch.Tensor, input_batch
         below = bounds.rows[:, None] & (wide <= bounds.keep[:, None])
         edge = bool((below & (wide >= bounds.drop[:, None])).any())
         target.masked_fill_(below, float("-inf"))  # V2's cut, where it is certain
+    if invalid_drafts is not None:  # V2 verifies these drafts as -1 (rejected)
+        draft = draft.masked_fill(invalid_drafts, -1)
     rows, device = target.shape[0], target.device
     vocab = head.vocab  # V2's target_logits width
     draft_logits = verify_kernels.values(draft_logits)  # 0.34: the cache's values
@@ -377,9 +381,12 @@ def _whole_blocks(comm, lay: Layout, shard: torch.Tensor) -> torch.Tensor:
     start, end = lay.columns(rank)
     width = lay.width()
     own = shard[:, max(lo, start) - start:max(min(hi, end), lo, start) - start]
-    if not width or hi <= lo:
+    if not width:  # every rank alike: no block crosses a shard end
         return own if hi > lo else shard[:, :0]
+    # every rank sends, a rank holding no block too (a vocab of fewer blocks than ranks)
     got = comm.all_gather(sent(lay, rank, shard)).view(world, shard.shape[0], width)
+    if hi <= lo:
+        return shard[:, :0]
     parts = []
     for p in range(world):
         s, e = lay.columns(p)

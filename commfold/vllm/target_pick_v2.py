@@ -89,6 +89,9 @@ SAMPLE_POINTS = (
                                      ("0.33.0", "533b7acf990ffb24")))),
     (f"{_REJECT}:RejectionSampler.__call__", Pinned((("0.32.0", "e99b3bc562159cf7"),
                                                      ("0.33.0", "e99b3bc562159cf7")))),
+    # the drafts a grammar's rows do not vouch for (verification rejects them)
+    ("vllm.v1.worker.gpu.structured_outputs:grammar_invalid_drafts", Pinned((
+        ("0.32.0", "f69586c096b74cf0"), ("0.33.0", "f69586c096b74cf0")))),
 )
 # prompt logprobs, in both sets
 PROMPT_POINTS = (
@@ -272,26 +275,37 @@ def _sample(original):
         if shard is None:
             self._commfold_head = None
             return original(self, hidden_states, input_batch, grammar_output)
+        invalid = None
         if grammar_output is not None:  # as sample() masks the full row, on the shard
             shard_grammar.apply(self.structured_outputs_worker.apply_grammar_bitmask, head,
                                 shard, input_batch,
                                 grammar_output.structured_output_request_ids,
                                 grammar_output.grammar_bitmask)
+            invalid = _invalid_drafts(input_batch, grammar_output)
         with step_log.phase("sampling"):
             out = v2_pick.pick(self.sampler, self.rejection_sampler, head, shard,
                                input_batch, mode,
-                               lambda full: _vllm_samplers(self, full, input_batch),
+                               lambda full: _vllm_samplers(self, full, input_batch, invalid),
                                getattr(getattr(self, "speculator", None), "draft_logits",
-                                       None))
+                                       None), invalid)
         return out, out.num_sampled, out.num_rejected
     return sample
 
 
-def _vllm_samplers(runner, logits, input_batch):
-    """The tail of V2's sample() on gathered logits (steps commfold gives back). The
-    rejection sampler gets the drafts' logits and nothing more: up to 0.33 its
-    ``invalid_drafts`` (a grammar's, and commfold takes no structured-output step
-    under spec decoding) defaults to None, and 0.34 has no such argument."""
+def _invalid_drafts(input_batch, grammar_output):
+    """What V2's sample() computes for a structured step (up to vLLM 0.33): the rows
+    whose draft the grammar's bitmask did not constrain, which its verification
+    rejects (None: none)."""
+    from vllm.v1.worker.gpu.structured_outputs import grammar_invalid_drafts
+
+    return grammar_invalid_drafts(input_batch, grammar_output.structured_output_request_ids,
+                                  grammar_output.num_acceptable_drafts)
+
+
+def _vllm_samplers(runner, logits, input_batch, invalid=None):
+    """The tail of V2's sample() on gathered logits (steps commfold gives back): the
+    rejection sampler gets the drafts' logits and a grammar's invalid drafts."""
     if input_batch.num_draft_tokens == 0 or runner.rejection_sampler is None:
         return runner.sampler(logits, input_batch)
-    return runner.rejection_sampler(logits, input_batch, runner.speculator.draft_logits)
+    return runner.rejection_sampler(logits, input_batch, runner.speculator.draft_logits,
+                                    invalid)

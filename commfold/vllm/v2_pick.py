@@ -187,11 +187,12 @@ def decide_step(sampler, rejection_sampler, spec_config, input_batch, structured
 
 
 def pick(sampler, rejection_sampler, head: LogitsHead, shard, input_batch, mode: str,
-         vllm_samplers, draft_logits=None):
+         vllm_samplers, draft_logits=None, invalid_drafts=None):
     """V2's SamplerOutput for the step, from this rank's logits shard. vllm_samplers
     (full logits -> SamplerOutput) runs V2's own samplers on a step given back;
     draft_logits: the drafter's cached logits V2's RejectionSampler gets (up to vLLM
-    0.33 a tensor, from 0.34 a DraftLogitsCache; None without)."""
+    0.33 a tensor, from 0.34 a DraftLogitsCache; None without); invalid_drafts: the
+    rows whose draft a grammar did not constrain (up to 0.33; V2 verifies them as -1)."""
     from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
     from vllm.v1.worker.gpu.sample.output import SamplerOutput
 
@@ -205,7 +206,7 @@ def pick(sampler, rejection_sampler, head: LogitsHead, shard, input_batch, mode:
         if (why := shard_verify.draft_refusal(draft_logits)) is not None:
             return _given_back(head, shard, vllm_samplers, why)  # engine config: all ranks
         verified = shard_verify.verify(rejection_sampler, head, shard, input_batch,
-                                       draft_logits)
+                                       draft_logits, invalid_drafts)
         if isinstance(verified, str):  # from gathered values: the same on every rank
             return _given_back(head, shard, vllm_samplers, verified)
         sampled, num_sampled, processed = verified
@@ -232,7 +233,8 @@ def pick(sampler, rejection_sampler, head: LogitsHead, shard, input_batch, mode:
             return _given_back(head, shard, vllm_samplers, sampled_pick.NAN)
     prefill_len = sampler.req_states.prefill_len.gpu
     if mode == "verify":
-        sampled, num_sampled = verify(rejection_sampler, input_batch, tokens, prefill_len)
+        sampled, num_sampled = verify(rejection_sampler, input_batch, tokens, prefill_len,
+                                      invalid_drafts)
     elif mode != VERIFY_SAMPLED:
         sampled = tokens.view(-1, 1)
         num_sampled = input_batch.seq_lens.new_ones(input_batch.num_reqs)
@@ -301,14 +303,17 @@ def tensors(head: LogitsHead, shard, scores, logits_mode: bool):
     return ids, values, ranks
 
 
-def verify(rejection_sampler, input_batch, argmax, prefill_len):
+def verify(rejection_sampler, input_batch, argmax, prefill_len, invalid_drafts=None):
     """V2's strict greedy verification from the target's argmax per logits row:
-    (sampled [reqs, steps + 1], num_sampled [reqs] int32)."""
+    (sampled [reqs, steps + 1], num_sampled [reqs] int32); invalid_drafts: rows whose
+    draft V2 sets to -1 (rejected) before verifying."""
     from vllm.v1.worker.gpu.spec_decode.rejection_sampler import gather_draft_sampled
 
     draft, _ = gather_draft_sampled(
         input_batch.input_ids, input_batch.positions, input_batch.logits_indices,
         input_batch.expanded_idx_mapping, input_batch.expanded_local_pos, prefill_len)
+    if invalid_drafts is not None:
+        draft = draft.masked_fill(invalid_drafts, -1)
     cu = torch.as_tensor(input_batch.cu_num_logits_np, dtype=torch.int64)
     reqs, steps = input_batch.num_reqs, rejection_sampler.num_speculative_steps
     counts = (cu[1:] - cu[:-1]).to(argmax.device)
