@@ -32,7 +32,8 @@ are used as V2 uses them. Target logits are processed as V2 processes them befor
 verifying (a float32 copy with V2's ``apply_temperature``, then V2's min_p kernel on
 the columns and one more holding the row's maximum over all ranks: one all-gather of
 a float32 per row) when a request asks for processing; only temperature and min_p are
-taken here (decision.SPEC_LOCAL).
+taken here (decision.SPEC_LOCAL). commfold's sampled drafter fills the cache, on each
+rank, only where this rank reads it (commfold.vllm.draft_cache).
 
 A step whose shard holds NaN on any rank (a flag in the stats exchange), or whose
 resampled values do, returns None on every rank: the step is gathered and V2's
@@ -49,7 +50,7 @@ import os
 import torch
 
 from commfold.distributed.collectives import communicator
-from commfold.vllm import hook_points, runtime, target_pick
+from commfold.vllm import draft_cache, hook_points, runtime, target_pick
 from commfold.vllm.hook_points import Pinned
 from commfold.vllm.logits_head import LogitsHead
 
@@ -185,6 +186,9 @@ def verify(rejection_sampler, head: LogitsHead, shard: torch.Tensor, input_batch
         input_batch.input_ids, input_batch.positions, input_batch.logits_indices,
         input_batch.expanded_idx_mapping, input_batch.expanded_local_pos,
         sampler.req_states.prefill_len.gpu)
+    if draft_logits is not None:  # rows commfold's drafter filled in part: whole if needed
+        draft_cache.prepare_verify(draft_logits, head.shard,
+                                   min(head.vocab, draft_logits.shape[-1]), draft, input_batch)
     mapping, local_pos = input_batch.expanded_idx_mapping, input_batch.expanded_local_pos
     idx_np = input_batch.idx_mapping_np
     processing = bool(np.any(sampler.needs_logits_processing[idx_np]))
