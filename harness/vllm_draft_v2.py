@@ -78,7 +78,7 @@ def draft_cases(world: int, cases: list[dict]) -> list[dict]:
     sample = GPUModelRunner.__dict__["sample"]
     drafted = DraftModelSpeculator.__dict__["sample_draft"]
     drafted = getattr(drafted, "__wrapped__", drafted)
-    draft._hook_v2_speculator(Config(passes=("local_argmax",)), True, False)
+    draft._hook_v2_speculator(Config(passes=("local_argmax",)), True, False)  # as loaded
     assert draft_sampled.install({}, Runner(2, "test")), "the hook is off"
     out = []
     try:

