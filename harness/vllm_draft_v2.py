@@ -166,6 +166,10 @@ def _case(case, rank: int, world: int, sample, drafted) -> dict:
             ours = hooked_sample(sample, runners[1], hv, batch)
         with record_collectives() as fallback_log:
             fallback = sample(runners[2], hv, batch, None)[0]
+        # what the verification read, with the target's layout: V2's values
+        vlay = shard_verify.Layout(target.head[0].weight.shape[0], min(vocab, dvocab), world)
+        verified_reads = all(map(_same_bits, *(
+            _cache_reads(c, vlay, rank, real, steps, tokens) for c in caches)))
         whole = _same_bits(fallback_cache[:reqs, :, :dvocab], caches[0][:reqs])
     finally:
         step_log.note = note
@@ -176,7 +180,7 @@ def _case(case, rank: int, world: int, sample, drafted) -> dict:
         counts=(ours.num_sampled.tolist(), ours.num_rejected.tolist()),
         vllm_counts=(theirs.num_sampled.tolist(), theirs.num_rejected.tolist()),
         fallback_counts=(fallback.num_sampled.tolist(), fallback.num_rejected.tolist()),
-        whole_after_fallback=whole, draft_bytes=draft_bytes, vllm_draft_bytes=vllm_bytes,
+        whole_after_fallback=whole, verified_reads=verified_reads, draft_bytes=draft_bytes, vllm_draft_bytes=vllm_bytes,
         draft_gathers=draft_gathers, verify_bytes=ours_log.bytes(),
         verify_gathers=_vocab_gathers(ours_log, target.head[0].weight.shape[0]),
         vllm_verify_bytes=vllm_log.bytes(), fallback_bytes=fallback_log.bytes(),

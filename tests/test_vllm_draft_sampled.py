@@ -61,6 +61,7 @@ def _check(results):
             assert r["fallback"] == r["theirs"], where
             assert r["fallback_counts"] == r["vllm_counts"], where
             assert r["whole_after_fallback"], where
+            assert r["verified_reads"], where
             target = r["notes"][r["notes"].index("verify") + 1:]
             mode = case.get("mode", "verify_sampled")
             if all(p.get("temperature", 1.0) == 0.0 for p in case["row_params"]):
@@ -98,6 +99,9 @@ CASES = [
                      dict(temperature=0.6)]),
     dict(vocab=ODD, dtype="bfloat16", seed=3, ties=True, steps=3, fp64=True, pad_row=True,
          row_params=[dict(temperature=1.0, seed=9), dict(temperature=2.0, seed=4)]),
+    # a block split nearer rank 1's start: rank 0 verifies it, rank 1's head sent
+    dict(vocab=28001, dtype="bfloat16", seed=7, ties=False, steps=2,
+         row_params=[dict(temperature=0.7, seed=2), dict(temperature=1.1)]),
     # the drafter's NaN: V2's draw (its cache rows whole), verified on the shards
     dict(vocab=ODD, dtype="float32", seed=4, ties=False, steps=2, nan_column=15000,
          row_params=[T, T]),
