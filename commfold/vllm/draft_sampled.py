@@ -131,8 +131,8 @@ def _sample_draft(original, spec, hidden_states, *args, **kwargs):
     why = refusal(spec, given)
     tokens = None
     if why is None:
-        tokens = draw(spec, hidden_states, given)
-        why = NAN if tokens is None else None
+        drawn = draw(spec, hidden_states, given)
+        tokens, why = (None, drawn) if isinstance(drawn, str) else (drawn, None)
     step_log.note("draft_pick", "sampled" if why is None else f"vLLM ({why})")
     if tokens is not None:
         return tokens
@@ -224,9 +224,9 @@ def _find_head(spec):
     return _Head(head, head.layer.weight.dtype), ""
 
 
-def draw(spec, hidden: torch.Tensor, given: dict) -> torch.Tensor | None:
+def draw(spec, hidden: torch.Tensor, given: dict) -> torch.Tensor | str:
     """V2's draft tokens [rows] int64 for the call, the cache filled for commfold's
-    verification; None where a row holds NaN (every rank alike)."""
+    verification; why not (NAN: a row holds NaN; every rank alike), nothing written."""
     from commfold.vllm.draft import logits_route
 
     found, _ = head_of(spec)
@@ -235,8 +235,8 @@ def draw(spec, hidden: torch.Tensor, given: dict) -> torch.Tensor | None:
     compute = (lambda h: head.model.compute_logits(h, spec_step_idx=step_idx)) \
         if logits_route(type(spec)) is True else None
     shard = head.local_logits(hidden, compute)
-    if shard is None:
-        return None
+    if shard is None:  # logged by local_logits (the same on every rank)
+        return "its compute_logits gave no vocab shard"
     comm = communicator(head.comm)
     rank, world = comm.rank(), comm.world_size()
     start = rank * head.shard
@@ -259,7 +259,7 @@ def draw(spec, hidden: torch.Tensor, given: dict) -> torch.Tensor | None:
     v, i, r, s = (got[..., a:a + k] for a, k in zip(_offsets(cut), cut))
     values = unwords(v, value.dtype, 1)[..., 0]  # [world, rows]
     if bool(values.isnan().any()):
-        return None
+        return NAN
     winner = values.argmax(dim=0, keepdim=True)  # the first rank holding the maximum
     tokens = unwords(i, torch.int64, 1)[..., 0].gather(0, winner).squeeze(0)
     logit = unwords(r, shard.dtype, 1)[..., 0].gather(0, winner).squeeze(0)
