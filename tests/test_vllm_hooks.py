@@ -68,7 +68,7 @@ def test_every_hook_installs_and_uninstalls_cleanly(version, env, monkeypatch):
     assert [h.name for h in chosen] == ["graph passes", "step log", "draft pick",
                                         "draft get_top_tokens", "target pick"] + \
         ["target pick: sampled steps", "target pick: structured output"] * (version == 2) + \
-        ["target pick: sampled verification"] * verify
+        ["target pick: sampled verification", "draft pick: probabilistic"] * verify
     assert {h.runner for h in chosen} == {None, version}
     hooks.uninstall()
     hooks.install(True, env, runner)  # brings in every vLLM module a hook touches

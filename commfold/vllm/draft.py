@@ -21,7 +21,8 @@ local_argmax; neither: vLLM's pick).
 Model Runner V2 drafts with its own speculator
 (``vllm.v1.worker.gpu.spec_decode.speculator.DraftModelSpeculator``): its greedy draft
 pick is ``sample_draft``'s pick over ``compute_draft_logits(...)`` (draft_logits None:
-no probabilistic drafting), replaced by the same ``draft_top_tokens`` where no
+no probabilistic drafting, which is commfold.vllm.draft_sampled's, a wrapper over
+this one), replaced by the same ``draft_top_tokens`` where no
 acceptance estimator reads the full logits and the speculator's compute_draft_logits
 is one commfold knows (``LOGITS_ROUTES``: the base one, or multi-module MTP's, which
 passes ``spec_step_idx`` so each step picks with its module's head). The pick's NaN
@@ -277,7 +278,8 @@ def logits_route(cls) -> bool | str:
 def why_vllm_pick(spec, draft_logits) -> str | None:
     """Why the speculator `spec`'s greedy draft pick stays vLLM's this call, or None."""
     if draft_logits is not None:
-        return "probabilistic drafting: vLLM's Gumbel sampler reads the full draft logits"
+        return ("probabilistic drafting: vLLM's Gumbel sampler reads the full draft logits "
+                "(commfold.vllm.draft_sampled draws from the shards where its hook is on)")
     if getattr(spec, "acceptance_estimator", None) is not None:
         return "adaptive verification's acceptance estimator reads the full draft logits"
     model = getattr(spec, "model", None)

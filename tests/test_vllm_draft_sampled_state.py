@@ -1,0 +1,109 @@
+"""The probabilistic draft pick's switch and its refusals (commfold.vllm.draft_sampled),
+without ranks: one line at load, on or off and why (its pins, the draft pick, sampled
+verification); the configurations it leaves to V2's sample_draft, each with its
+reason; the cache bookkeeping (commfold.vllm.draft_cache) on one rank."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from harness.vllm_models import require_vllm_installed
+
+pytestmark = require_vllm_installed()
+
+V2 = dict(version=2, why="test")
+
+
+def _state(environ):
+    from commfold.vllm import draft_sampled
+    from commfold.vllm.runtime import Runner
+
+    return draft_sampled.state(environ, Runner(**V2))
+
+
+def test_on_with_the_installed_vllm():
+    from commfold.vllm import hooks
+    from commfold.vllm.runtime import Runner
+
+    state = _state({})
+    assert state.on, state
+    names = [h.name for h in hooks.of(Runner(**V2), (0, 32, 0))]
+    assert "draft pick: probabilistic" in names
+    assert "draft pick: probabilistic" not in [h.name for h in hooks.of(Runner(**V2), (0, 34))]
+
+
+@pytest.mark.parametrize("environ,why", [
+    ({"COMMFOLD_TARGET_PICK": "0"}, "sampled verification stays V2's"),
+    ({"COMMFOLD_PASSES": "fuse_allreduce_rmsnorm"}, "COMMFOLD_PASSES has none of"),
+])
+def test_off_says_why(environ, why):
+    state = _state(environ)
+    assert not state.on and state.reason.startswith(why), state
+
+
+def test_a_moved_pin_turns_it_off(monkeypatch):
+    from vllm.v1.worker.gpu.sample import gumbel
+
+    def gumbel_sample(*args, **kwargs):  # a body commfold has not read
+        return None
+
+    from commfold.vllm import hook_points
+
+    monkeypatch.setattr(gumbel, "gumbel_sample", gumbel_sample)
+    hook_points._missing.cache_clear()  # read once a process: read again
+    try:
+        state = _state({})
+    finally:
+        monkeypatch.undo()
+        hook_points._missing.cache_clear()
+    assert not state.on and "gumbel_sample changed" in state.reason, state
+
+
+def _spec(**kw):
+    from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
+
+    class Speculator(DraftModelSpeculator):
+        capture = init_cudagraph_manager = load_draft_model = propose = None
+
+    spec = Speculator.__new__(Speculator)
+    spec.draft_watermarker = spec.acceptance_estimator = None
+    spec.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(
+        enable_batch_sharded_sampling=False, pipeline_parallel_size=1), lora_config=None)
+    spec.model = None
+    for k, v in kw.items():
+        setattr(spec, k, v)
+    return spec
+
+
+@pytest.mark.parametrize("kw,why", [
+    (dict(draft_watermarker=object()), "watermarked drafting"),
+    (dict(acceptance_estimator=object()), "acceptance estimator"),
+    (dict(vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(
+        enable_batch_sharded_sampling=True))), "batch-sharded sampling"),
+    (dict(model=SimpleNamespace(draft_id_to_target_id=object())), "EAGLE-3's d2t"),
+])
+def test_refusals(kw, why):
+    from commfold.vllm import draft_sampled
+
+    assert why in draft_sampled.refusal(_spec(**kw), {})
+
+
+def test_cache_bookkeeping_one_rank():
+    """record / prepare_verify on one rank: a draft that is not the recorded token asks
+    for whole rows (complete is then a no-op without dirty slots)."""
+    import torch
+
+    from commfold.vllm import draft_cache
+
+    cache = torch.zeros(4, 2, 10)
+    assert draft_cache.of(cache) is None
+    found = draft_cache.filled(cache, "c10d:none", 5, 10)
+    slots = torch.tensor([1, -1])
+    draft_cache.record(cache, slots, 0, torch.tensor([7, 3]), partial=True)
+    assert found.dirty.tolist() == [False, True, False, False]
+    assert found.tokens[:, 0].tolist() == [-1, 7, -1, -1]
+    draft_cache.record(cache, torch.tensor([2]), 1, torch.tensor([4]), partial=False)
+    assert found.dirty.tolist() == [False, True, False, False]
+    found.dirty[1] = False  # nothing partial: no collective is needed
+    assert draft_cache.complete(cache, torch.tensor([1, 2])) == 0
