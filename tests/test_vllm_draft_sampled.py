@@ -75,13 +75,21 @@ def _check(results):
                 logits_rows = sum(case.get("keep") or [case["steps"]] * reqs) + reqs
                 verify = shard_verify.exchanged_bytes(
                     logits_rows, reqs, _shard(case["vocab"]), min(case["vocab"], dvocab), 2,
-                    _item(case), True, _min_p(case))
+                    _item(case), True, _min_p(case), _processes(case))
                 if dvocab != case["vocab"] and not nan:  # another layout: rows made whole
                     verify += reqs * case["steps"] * _shard(dvocab) * _item(case)
                 assert r["verify_bytes"] == verify, (where, r["verify_bytes"], verify)
             else:
                 assert target[-1].startswith("target_pick: vLLM (") and mode in target[-1], \
                     (where, target)
+
+
+def _processes(case) -> bool:
+    """Whether V2 processes the target's logits (a sampled request with a temperature
+    other than 1 or min_p): verification then borrows float32 columns."""
+    return any(p.get("temperature", 1.0) not in (0.0, 1.0) or
+               (p.get("min_p") and p.get("temperature", 1.0) != 0.0)
+               for p in case["row_params"])
 
 
 def _min_p(case) -> bool:
@@ -107,7 +115,8 @@ CASES = [
          row_params=[T, T]),
     # a target step commfold gives back: V2's RejectionSampler, the rows made whole
     dict(vocab=ODD, dtype="float32", seed=5, ties=False, steps=2,
-         row_params=[dict(temperature=0.8, logprobs=2), T], mode="logprobs"),
+         row_params=[dict(temperature=0.8, logprobs=2, logprob_token_ids=[3, 900]), T],
+         mode="logprob_token_ids"),
     # a drafter of another vocab (another shard width): rows made whole to verify
     dict(vocab=ODD, dtype="float32", seed=6, ties=False, steps=2, draft_vocab=19000,
          row_params=[T, dict(temperature=0.9, seed=1, min_p=0.05)]),
