@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import torch
 
 from commfold.vllm import hook_points, runtime
@@ -168,7 +167,7 @@ def resample(sampler, idx_mapping_np, r_idx, r_val, target, t_lse, draft, d_lse,
         # logits); per chunk in V2, but it changes only a block whose target logits
         # are all -inf, which draws -inf either way
         kw.update(draft_logits_row_mapping_ptr=None, SKIP_MASKED_BLOCKS=bool(
-            np.any(sampler.may_mask_logits[idx_mapping_np])))
+            sampler.may_mask_logits[idx_mapping_np].any()))
     ru._resample_kernel[tuple(r_idx.shape)](**kw)
 
 
