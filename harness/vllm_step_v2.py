@@ -120,6 +120,13 @@ def runner(model, vocab: int, params: list, steps: int, logprobs_mode: str = "ra
         model_state=default_state(model, spec) if model_state else None)
 
 
+def model_state_hooks() -> bool:
+    """Whether this vLLM's target pick acts through the model state (from 0.34)."""
+    from commfold.vllm import target_pick_v2
+
+    return target_pick_v2.hook_set() is not target_pick_v2.HOOK_SETS[0]
+
+
 def grammar_worker(vocab: int, query_len: int):
     """V2's StructuredOutputsWorker, built as the runner builds it (up to vLLM 0.33
     it also takes the bonus tokens per step: one). Its module's PIN_MEMORY is set
@@ -204,7 +211,7 @@ def hooked_sample(original, r, hidden, batch, case: dict | None = None, grammar=
 
     from commfold.vllm import target_pick_state, target_pick_v2
 
-    if target_pick_v2.hook_set() is target_pick_v2.HOOK_SETS[0]:
+    if not model_state_hooks():
         return target_pick_v2._sample(original)(r, hidden, batch, grammar)[0]
     case = case or {}
     if case.get("structured") or (grammar is not None and not case.get("unmarked")):
@@ -325,14 +332,13 @@ def step_cases(world: int, cases: list[dict]) -> list[dict]:
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
     from commfold.vllm import step_log as vllm_comm_log
-    from commfold.vllm import target_pick_v2 as vllm_target_pick_v2
     from commfold.distributed.comm_log import record_collectives
     from harness import vllm_step
     from harness.vllm_tp import init_vllm_tp
 
     tp = init_vllm_tp(world, shm=False, reuse=True)
     original = GPUModelRunner.__dict__["sample"]
-    states = vllm_target_pick_v2.hook_set() is not vllm_target_pick_v2.HOOK_SETS[0]
+    states = model_state_hooks()
     out = []
     for case in cases:
         dtype = getattr(torch, case["dtype"])

@@ -69,17 +69,16 @@ def verify_cases(world: int, cases: list[dict]) -> list[dict]:
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
     from commfold.distributed.comm_log import record_collectives
-    from commfold.vllm import step_log, target_pick_v2
+    from commfold.vllm import step_log
     from harness import vllm_step
     from harness.vllm_step_v2 import (_histories, _logprobs, _params, _score_diff,
-                                      _vocab_gathers, hooked_sample, input_batch, runner,
-                                      valid)
+                                      _vocab_gathers, hooked_sample, input_batch,
+                                      model_state_hooks, runner, valid)
     from harness.vllm_tp import init_vllm_tp
 
     tp = init_vllm_tp(world, shm=False, reuse=True)
     original = GPUModelRunner.__dict__["sample"]
-    # from vLLM 0.34 commfold acts through the model state (harness.vllm_step_v2)
-    states = target_pick_v2.hook_set() is not target_pick_v2.HOOK_SETS[0]
+    states = model_state_hooks()  # from vLLM 0.34
     out = []
     for case in cases:
         dtype = getattr(torch, case["dtype"])
