@@ -169,6 +169,18 @@ def installed_hash(where: str) -> str:
     return source_hash(inspect.getsource(inspect.unwrap(obj)))
 
 
+def pinned_release(where: str, pinned: Pinned) -> str:
+    """The release whose source the installed 'module:Attr.path' is: the first of
+    `pinned`'s releases whose hash it has (a hook launching a function's arguments, or
+    repeating its math, by release); raises where it is none of them (the hook's
+    ``missing`` refuses it before any call comes here)."""
+    digest = installed_hash(where)
+    for found, h in pinned.hashes:
+        if h == digest:
+            return found
+    raise RuntimeError(f"commfold: {where} is no source commfold read ({digest})")
+
+
 def _kernel_function(obj):
     """A Triton kernel's Python function (JITFunction / InterpretedFunction.fn)."""
     fn = getattr(obj, "fn", None)

@@ -62,11 +62,7 @@ def form(name: str) -> tuple[int, ...]:
     pinned hash it has (shard_verify.moved() refuses the mode before any launch
     where none is)."""
     where = _U + name
-    digest = hook_points.installed_hash(where)
-    for found, pinned in _PINS[where].hashes:
-        if pinned == digest:
-            return runtime.release(("vllm", found))
-    raise RuntimeError(f"commfold: {where} is no source commfold read ({digest})")
+    return runtime.release(("vllm", hook_points.pinned_release(where, _PINS[where])))
 
 
 def values(draft_logits):
