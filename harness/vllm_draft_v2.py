@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from harness.vllm_step_v2 import MAX_REQS, START
+from harness.vllm_step_v2 import START, model_state_hooks, new_draft_logits
 
 
 def _speculator(model, fp64: bool):
@@ -110,8 +110,9 @@ def _case(case, rank: int, world: int, sample, drafted) -> dict:
     runners = []
     for _ in range(3):
         np.random.seed(case["seed"])  # V2 draws an unseeded request's seed from numpy
-        runners.append(runner(target, vocab, params, steps))
-    caches = [torch.zeros(MAX_REQS, steps, dvocab, dtype=dtype) for _ in range(2)]
+        runners.append(runner(target, vocab, params, steps, model_state=model_state_hooks()))
+    # what the speculators hold (from 0.34 DraftLogitsCaches), and their tensors
+    holders, caches = zip(*(new_draft_logits(steps, dvocab, dtype) for _ in range(2)))
     specs = [_speculator(drafter, case.get("fp64", False)) for _ in range(2)]
     rows = reqs + bool(case.get("pad_row"))
     slots = torch.arange(rows)
@@ -127,7 +128,7 @@ def _case(case, rank: int, world: int, sample, drafted) -> dict:
             pos = torch.full((rows,), START + i, dtype=torch.int64)
             col = torch.tensor(i, dtype=torch.int64)
             got = []
-            for k, (spec, cache, r) in enumerate(zip(specs, caches, runners)):
+            for k, (spec, cache, r) in enumerate(zip(specs, holders, runners)):
                 states = r.sampler.sampling_states
                 args = (h, pos, slots, states.temperature.gpu, states.seeds.gpu, col, cache)
                 with record_collectives() as log:
@@ -153,12 +154,13 @@ def _case(case, rank: int, world: int, sample, drafted) -> dict:
         drafts = [[int(tokens[i][r]) for i in range(keep[r])] for r in range(reqs)]
         batch = input_batch(drafts)
         hv = vllm_step.hidden(batch.num_tokens, dtype, case["seed"] + 1, case["ties"])
-        fallback_cache = caches[1].clone()
+        fallback_holder, fallback_cache = new_draft_logits(steps, dvocab, dtype)
+        fallback_cache.copy_(caches[1])
         if partial is not None:
             setattr(fallback_cache, draft_cache.ATTR, copy.deepcopy(partial))
-        runners[0].speculator.draft_logits = caches[0]
-        runners[1].speculator.draft_logits = caches[1]
-        runners[2].speculator.draft_logits = fallback_cache
+        runners[0].speculator.draft_logits = holders[0]
+        runners[1].speculator.draft_logits = holders[1]
+        runners[2].speculator.draft_logits = fallback_holder
         notes.append("verify")
         with record_collectives() as vllm_log:
             theirs = sample(runners[0], hv, batch, None)[0]

@@ -120,6 +120,19 @@ def runner(model, vocab: int, params: list, steps: int, logprobs_mode: str = "ra
         model_state=default_state(model, spec) if model_state else None)
 
 
+def new_draft_logits(steps: int, vocab: int, dtype: torch.dtype):
+    """V2's draft logits cache, filled with 0.0 as V2 fills it: (what the speculator
+    holds, its [MAX_REQS, steps, vocab] tensor) - up to vLLM 0.33 the tensor itself,
+    from 0.34 a replicated DraftLogitsCache (as without batch-sharded sampling)."""
+    try:
+        from vllm.v1.worker.gpu.spec_decode.draft_logits import DraftLogitsCache
+    except ImportError:  # up to 0.33
+        cache = torch.zeros(MAX_REQS, steps, vocab, dtype=dtype)
+        return cache, cache
+    holder = DraftLogitsCache(MAX_REQS, steps, vocab, dtype=dtype, fill=0.0, device="cpu")
+    return holder, holder.values
+
+
 def model_state_hooks() -> bool:
     """Whether this vLLM's target pick acts through the model state (from 0.34)."""
     from commfold.vllm import target_pick_v2

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from harness.vllm_step_v2 import MAX_REQS
+from harness.vllm_step_v2 import new_draft_logits
 
 
 def draft_logits(logits: torch.Tensor, batch, steps: int, noise: float, seed: int,
@@ -20,21 +20,13 @@ def draft_logits(logits: torch.Tensor, batch, steps: int, noise: float, seed: in
     vLLM 0.33 the tensor itself; from 0.34 V2's DraftLogitsCache (replicated, as
     without batch-sharded sampling) holding it."""
     g = torch.Generator().manual_seed(seed + 5)
-    holder = None
-    try:
-        from vllm.v1.worker.gpu.spec_decode.draft_logits import DraftLogitsCache
-    except ImportError:  # up to 0.33: the runner's speculator holds the tensor
-        cache = torch.zeros(MAX_REQS, steps, logits.shape[1], dtype=dtype)
-    else:
-        holder = DraftLogitsCache(MAX_REQS, steps, logits.shape[1], dtype=dtype, fill=0.0,
-                                  device="cpu")
-        cache = holder.values
+    holder, cache = new_draft_logits(steps, logits.shape[1], dtype)
     cu = batch.cu_num_logits_np
     for r in range(len(cu) - 1):
         for i in range(int(cu[r + 1] - cu[r]) - 1):
             row = logits[int(cu[r]) + i].float()
             cache[r, i] = (row + noise * torch.randn(row.shape, generator=g)).to(dtype)
-    return cache if holder is None else holder
+    return holder
 
 
 def _drafts(case: dict, model, batch, h) -> None:

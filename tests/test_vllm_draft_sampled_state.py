@@ -29,8 +29,12 @@ def test_on_with_the_installed_vllm():
     state = _state({})
     assert state.on, state
     names = [h.name for h in hooks.of(Runner(**V2), (0, 32, 0))]
-    assert "draft pick: probabilistic" in names
-    assert "draft pick: probabilistic" not in [h.name for h in hooks.of(Runner(**V2), (0, 34))]
+    name = "draft pick: probabilistic"
+    assert name in names
+    for release, detail in (((0, 33), "cache tensor"), ((0, 34), "DraftLogitsCache")):
+        found = [h for h in hooks.of(Runner(**V2), release) if h.name == name]
+        assert [h.detail.split(",")[0] for h in found] == [detail], release
+    assert name not in [h.name for h in hooks.of(Runner(**V2), (0, 35))]
 
 
 @pytest.mark.parametrize("environ,why", [
@@ -81,12 +85,20 @@ def _spec(**kw):
     (dict(acceptance_estimator=object()), "acceptance estimator"),
     (dict(vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(
         enable_batch_sharded_sampling=True))), "batch-sharded sampling"),
+    (dict(vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(
+        prefill_context_parallel_size=2))), "prefill context parallelism"),
     (dict(model=SimpleNamespace(draft_id_to_target_id=object())), "EAGLE-3's d2t"),
+    # vLLM 0.34's DraftLogitsCache holding only this rank's requests
+    ({}, "batch-sharded sampling"),
 ])
 def test_refusals(kw, why):
+    import torch
+
     from commfold.vllm import draft_sampled
 
-    assert why in draft_sampled.refusal(_spec(**kw), {})
+    given = {} if kw else {"draft_logits": SimpleNamespace(
+        values=torch.zeros(2, 1, 8), row_mapping=torch.tensor([0, -1]))}
+    assert why in draft_sampled.refusal(_spec(**kw), given)
 
 
 def test_cache_bookkeeping_one_rank():

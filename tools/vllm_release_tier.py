@@ -46,6 +46,7 @@ TESTS = ("tests/test_vllm_target_pick_v2.py", "tests/test_vllm_sampled_pick.py",
          "tests/test_vllm_structured_pick.py",
          "tests/test_vllm034_draft_pick.py", "tests/test_vllm_speculator_table.py",
          "tests/test_vllm_draft_pin.py", "tests/test_vllm_dspark_pick.py",
+         "tests/test_vllm_draft_sampled.py", "tests/test_vllm_draft_sampled_state.py",
          "tests/test_vllm_hooks.py")
 # which rows of docs/vllm-compat.md each test module verifies (the hook's name there)
 COVERS = {"tests/test_vllm_target_pick_v2.py": "target pick (V2",
@@ -55,7 +56,9 @@ COVERS = {"tests/test_vllm_target_pick_v2.py": "target pick (V2",
           "tests/test_vllm_structured_pick.py": "target pick",  # V2 structured steps
           "tests/test_vllm_draft_pick_v2.py": "draft pick (V2",
           "tests/test_vllm034_draft_pick.py": "draft pick (V2",
-          "tests/test_vllm_dspark_pick.py": "DSpark block pick (V2"}
+          "tests/test_vllm_dspark_pick.py": "DSpark block pick (V2",
+          "tests/test_vllm_draft_sampled.py": "draft pick: probabilistic",
+          "tests/test_vllm_draft_sampled_state.py": "draft pick: probabilistic"}
 ENV = {"CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"}
 
 

