@@ -120,6 +120,34 @@ def test_the_pick_rule_per_engine_step_and_its_switch(monkeypatch):
     assert pick_cost.slower("draft", 16, *args) is None
 
 
+def test_sampled_verification_is_left_where_it_sends_no_fewer_bytes(monkeypatch):
+    """Verifying sampled requests from the shards borrows the columns of 8192-column
+    blocks split across ranks (float32 where V2 processes the logits): a vocab whose
+    blocks span most of a shard sends more than vLLM's gather, so the step stays
+    vLLM's; real vocabularies keep it; COMMFOLD_PICK_COST_RULE=0 takes it."""
+    from types import SimpleNamespace
+
+    from commfold.vllm import pick_cost, shard_verify
+
+    def head(vocab: int, world: int):
+        shard = -(-vocab // 64) * 64 // world
+        return SimpleNamespace(comm="vllm:tp:0", vocab=vocab, world=world, shard=shard)
+
+    like = torch.zeros(64, 8, dtype=torch.bfloat16)
+    mode = "verify_sampled"
+    for vocab, world in ((128256, 2), (151936, 8), (32768, 4)):
+        assert pick_cost.gate(mode, "ok", 64, like, head(vocab, world)) == (mode, "ok")
+    for vocab, world in ((3000, 2), (20011, 4), (32000, 8)):
+        got = pick_cost.gate(mode, "ok", 64, like, head(vocab, world))
+        assert got == (None, shard_verify.NO_SAVING), (vocab, world)
+        # the rule's bound is the formula's: a row's bytes at their most against a gather
+        h = head(vocab, world)
+        most = shard_verify.exchanged_bytes(1, 0, h.shard, vocab, world, 2, True, True, True)
+        assert most >= h.shard * 2
+    monkeypatch.setenv(pick_cost.ENV, "0")
+    assert pick_cost.gate(mode, "ok", 64, like, head(3000, 2)) == (mode, "ok")
+
+
 def test_the_dspark_block_rule_weighs_the_gather_per_exchange(monkeypatch):
     """DSpark's block: one exchange per position against one gather of the block's
     logits; below the measured bytes per exchange (2 KiB on shared memory, 64 KiB on

@@ -101,6 +101,29 @@ def test_refusals(kw, why):
     assert why in draft_sampled.refusal(_spec(**kw), given)
 
 
+@pytest.mark.parametrize("vocab,world,why", [
+    (3000, 2, "sends no fewer bytes"), (32000, 2, None), (20011, 4, "sends no fewer bytes")])
+def test_a_vocab_with_no_saving_stays_v2s(vocab, world, why, monkeypatch):
+    """Where verifying from the shards would send no fewer bytes than vLLM's gather
+    (shard_verify.no_saving), the drafts stay V2's too (their cache would be gathered
+    back at every target step); COMMFOLD_PICK_COST_RULE=0 takes them."""
+    import torch
+
+    from commfold.vllm import draft_sampled, pick_cost
+
+    spec = _spec()
+    shard = -(-vocab // 64) * 64 // world
+    spec._commfold_sampled_head = (SimpleNamespace(
+        model_dtype=torch.bfloat16, vocab=vocab, shard=shard,
+        head=SimpleNamespace(world=world)), "")
+    given = {"draft_logits": torch.zeros(4, 2, vocab, dtype=torch.bfloat16),
+             "draft_step": torch.tensor(0)}
+    got = draft_sampled.refusal(spec, given)
+    assert (got is None) if why is None else (why in got), got
+    monkeypatch.setenv(pick_cost.ENV, "0")
+    assert draft_sampled.refusal(spec, given) is None
+
+
 def test_cache_bookkeeping_one_rank():
     """record / prepare_verify on one rank: a draft that is not the recorded token asks
     for whole rows (complete is then a no-op without dirty slots)."""

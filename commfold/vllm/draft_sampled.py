@@ -43,8 +43,8 @@ import os
 import torch
 
 from commfold.distributed.collectives import communicator
-from commfold.vllm import (draft_cache, hook_points, runtime, shard_gumbel, shard_verify,
-                           verify_kernels)
+from commfold.vllm import (draft_cache, hook_points, pick_cost, runtime, shard_gumbel,
+                           shard_verify, verify_kernels)
 from commfold.vllm.hook_points import Pinned
 
 log = logging.getLogger("commfold")
@@ -223,6 +223,11 @@ def refusal(spec, given: dict) -> str | None:
         return "a cache column per row"
     if cache.dtype != head.model_dtype or cache.shape[-1] != head.vocab:
         return f"a draft cache of {cache.dtype} x {cache.shape[-1]}, not the logits'"
+    if pick_cost.enabled():  # its verification would be V2's, the cache gathered back
+        why = shard_verify.no_saving(head.shard, head.vocab, head.head.world,
+                                     cache.element_size())
+        if why is not None:
+            return why
     if paused():
         return "paused"
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():

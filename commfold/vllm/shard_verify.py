@@ -434,3 +434,18 @@ def exchanged_bytes(rows: int, reqs: int, shard: int, vocab: int, world: int,
     item = 4 if processed else itemsize
     return rows * lay.width() * item + rows * ((k + 2) * top + 2 + min_p) * 4 + \
         reqs * 16
+
+
+NO_SAVING = ("a vocab whose 8192-column blocks split this way sends no fewer bytes from "
+             "the shards than vLLM's gather")
+
+
+def no_saving(shard: int, vocab: int, world: int, itemsize: int) -> str | None:
+    """Why verifying a row of this layout from the shards sends no fewer bytes than
+    vLLM's gather of it (`shard` columns of `itemsize` bytes): the columns borrowed
+    for split blocks (float32 where V2 processes the logits) and the per-block stats,
+    at their most, reach a shard's worth - small vocabularies, whose few blocks span
+    most of a shard; None otherwise. The same on every rank."""
+    most = exchanged_bytes(1, 0, shard, vocab, world, itemsize, True, True, True)
+    return NO_SAVING if most >= shard * itemsize else None
+
