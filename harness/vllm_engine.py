@@ -145,8 +145,8 @@ def logits_gather_ms(worker, rows: int, iters: int = 50) -> dict[str, float]:
 
 def greedy_run(make_llm, prompts: list[list[int]], max_tokens: int, **params) -> dict:
     """One engine started (``make_llm()``), greedy generation (ignore_eos; `params`:
-    more SamplingParams) of the prompts, the engine dropped: tokens, vLLM's
-    spec-decode counters, start and generate seconds."""
+    more SamplingParams, a temperature among them to sample) of the prompts, the
+    engine dropped: tokens, vLLM's spec-decode counters, start and generate seconds."""
     import time
 
     from vllm import SamplingParams
@@ -156,8 +156,8 @@ def greedy_run(make_llm, prompts: list[list[int]], max_tokens: int, **params) ->
     start = time.perf_counter() - t0
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                       ignore_eos=True, **params))
+                        SamplingParams(**{"temperature": 0.0, "max_tokens": max_tokens,
+                                          "ignore_eos": True, **params}))
     seconds = time.perf_counter() - t0
     spec = {m.name.removeprefix("vllm:spec_decode_"): getattr(m, "value", None) or
             list(getattr(m, "values", [])) for m in llm.get_metrics()
@@ -165,3 +165,30 @@ def greedy_run(make_llm, prompts: list[list[int]], max_tokens: int, **params) ->
     del llm
     return dict(tokens=[list(o.outputs[0].token_ids) for o in outs], spec=spec,
                 start_s=round(start, 1), generate_s=round(seconds, 2))
+
+
+TOKENS_MARK = "COMMFOLD_TOKENS "  # the line an engine harness prints its results on
+
+
+def serve_runs(run, runs_json: str, label=lambda env: ()) -> None:
+    """An engine harness's ``__main__``: each run (the environment it adds; JSON) served
+    by `run(env)` one after another in this process (vLLM's parent-side state is per
+    engine), a RUN line each on stderr, then every result on one TOKENS_MARK line;
+    exits hard (the engines' leftovers - shared memory, threads - do not hold it).
+    label(env): what else a RUN line names (after the environment)."""
+    import gc
+    import json
+    import sys
+
+    results = []
+    for env in json.loads(runs_json):
+        extra = label(env)
+        with environ(env):
+            share_modelinfos()
+            results.append(run(env))
+        print("RUN", json.dumps(env), *extra, json.dumps(results[-1]), file=sys.stderr,
+              flush=True)
+        gc.collect()
+    print(TOKENS_MARK + json.dumps(results), flush=True)
+    os._exit(0)
+
