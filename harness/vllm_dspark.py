@@ -17,14 +17,13 @@ depend on both Markov layers: the acceptance counters compare the heads' drafts.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 from harness.spec_models import SpecModels, _save
 from harness.tiny_models import SIZES, write_model
 
-TOKENS_MARK = "COMMFOLD_TOKENS "
+from harness.vllm_engine import TOKENS_MARK  # noqa: F401  (the tests read it here)
 K, VOCAB, RANK = 3, 1000, 64  # draft block (num_speculative_tokens), vocab, Markov rank
 # one Qwen3 layer over the target's layers 0 and 1 (their outputs); noise token in vocab
 DRAFT = dict(architectures=["Qwen3DSparkModel"], block_size=K,
@@ -77,17 +76,7 @@ def run(target: Path, draft: Path, prompts: list[list[int]], max_tokens: int = 1
 
 
 if __name__ == "__main__":
-    import gc
-
-    from harness.vllm_engine import environ, share_modelinfos
+    from harness.vllm_engine import serve_runs
 
     target, draft, prompts = write_models(Path(sys.argv[1]))
-    results = []
-    for env in json.loads(sys.argv[2]):
-        with environ(env):
-            share_modelinfos()
-            results.append(run(target, draft, prompts))
-        print("RUN", json.dumps(env), json.dumps(results[-1]), file=sys.stderr, flush=True)
-        gc.collect()
-    print(TOKENS_MARK + json.dumps(results), flush=True)
-    os._exit(0)  # the engines' leftovers (shared memory, threads) do not hold the exit
+    serve_runs(lambda env: run(target, draft, prompts), sys.argv[2])

@@ -8,11 +8,10 @@ TOKENS_MARK line). Run it with harness.triton_cpu.v2_engine_env()."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
-TOKENS_MARK = "COMMFOLD_TOKENS "
+from harness.vllm_engine import TOKENS_MARK  # noqa: F401  (the tests read it here)
 K, VOCAB = 2, 1000  # draft steps (one per MTP layer), vocab (padded: 1024 at TP=2)
 # a small DeepSeek-V3: MLA (kv_lora_rank + qk_rope_head_dim = 320, a head size vLLM's
 # MLA takes), one dense layer then a MoE layer, two MTP layers
@@ -62,19 +61,13 @@ def run(model: Path, local_argmax: bool, max_tokens: int = 10) -> dict:
 
 
 if __name__ == "__main__":
-    import gc
-
-    from harness.vllm_engine import environ, share_modelinfos
+    from harness.vllm_engine import serve_runs
 
     model = write_model(Path(sys.argv[1]))
-    results = []
-    for env in json.loads(sys.argv[2]):
-        local_argmax = bool(env.pop("local_argmax", False))
-        with environ(env):
-            share_modelinfos()
-            results.append(run(model, local_argmax))
-        print("RUN", json.dumps(env), local_argmax, json.dumps(results[-1]), file=sys.stderr,
-              flush=True)
-        gc.collect()
-    print(TOKENS_MARK + json.dumps(results), flush=True)
-    os._exit(0)  # the engines' leftovers (shared memory, threads) do not hold the exit
+    local: list[bool] = []  # each run's use_local_argmax_reduction, taken off its env
+
+    def label(env: dict) -> tuple:
+        local.append(bool(env.pop("local_argmax", False)))
+        return (local[-1],)
+
+    serve_runs(lambda env: run(model, local[-1]), sys.argv[2], label)
