@@ -15,7 +15,7 @@ seed is salted with the draft step, from 0.34 the cache is a DraftLogitsCache (i
   V2's drafting flags: each rank's first maximum;
 - one all-gather per draft step (int32 words) of, per row per rank, that maximum's
   (value, token id), the raw logit at it, and the rank's columns its neighbours
-  verify (commfold.vllm.shard_verify.Layout's heads and tails; none where shard ends
+  verify (commfold.vllm.verify_layout.Layout's heads and tails; none where shard ends
   fall on 8192-column blocks): the first maximum over ranks is V2's token;
 - the cache gets, on each rank, its own columns, the neighbours' columns of its
   blocks, and the drafted token's logit: what commfold's verification reads
@@ -44,7 +44,7 @@ import torch
 
 from commfold.distributed.collectives import communicator
 from commfold.vllm import (draft_cache, hook_points, pick_cost, runtime, shard_gumbel,
-                           shard_verify, verify_kernels)
+                           shard_verify, verify_kernels, verify_layout)
 from commfold.vllm.hook_points import Pinned
 
 log = logging.getLogger("commfold")
@@ -224,7 +224,7 @@ def refusal(spec, given: dict) -> str | None:
     if cache.dtype != head.model_dtype or cache.shape[-1] != head.vocab:
         return f"a draft cache of {cache.dtype} x {cache.shape[-1]}, not the logits'"
     if pick_cost.enabled():  # its verification would be V2's, the cache gathered back
-        why = shard_verify.no_saving(head.shard, head.vocab, head.head.world,
+        why = verify_layout.no_saving(head.shard, head.vocab, head.head.world,
                                      cache.element_size())
         if why is not None:
             return why
@@ -296,8 +296,8 @@ def draw(spec, hidden: torch.Tensor, given: dict) -> torch.Tensor | str:
     value = value.masked_fill(real.isnan().any(-1), float("nan"))
     at = (index - start).clamp(0, max(n - 1, 0))[:, None]
     raw = real.gather(1, at) if n else shard.new_zeros(shard.shape[0], 1)
-    lay = shard_verify.Layout(head.shard, head.vocab, world)
-    sent = shard_verify.sent(lay, rank, shard)
+    lay = verify_layout.Layout(head.shard, head.vocab, world)
+    sent = verify_layout.sent(lay, rank, shard)
     parts = (value[:, None], index[:, None], raw, sent)
     payload = torch.cat([words(p) for p in parts], dim=1)
     got = comm.all_gather(payload).view(world, shard.shape[0], -1)
@@ -369,6 +369,6 @@ def exchanged_bytes(rows: int, shard: int, vocab: int, world: int, itemsize: int
                     fp64: bool = False) -> int:
     """What one rank sends per draft step of `rows` rows (vLLM's gather sends
     rows * shard * itemsize)."""
-    lay = shard_verify.Layout(shard, vocab, world)
+    lay = verify_layout.Layout(shard, vocab, world)
     per_row = (2 if fp64 else 1) + 2 + -(-itemsize // 4) + -(-lay.width() * itemsize // 4)
     return rows * per_row * 4

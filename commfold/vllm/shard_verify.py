@@ -66,6 +66,8 @@ from commfold.vllm import (draft_cache, hook_points, runtime, sampled_pick,
 from commfold.vllm.decision import verify_method, verify_refusal
 from commfold.vllm.hook_points import Pinned
 from commfold.vllm.logits_head import LogitsHead
+from commfold.vllm.verify_layout import (  # noqa: F401  (their home for callers)
+    NO_SAVING, Layout, exchanged_bytes, no_saving, sent)
 
 log = logging.getLogger("commfold")
 
@@ -146,51 +148,6 @@ def draft_refusal(draft_logits) -> str | None:
     if verify_kernels.sharded(draft_logits):
         return "batch-sharded draft logits (each rank holds its requests' only)"
     return None
-
-
-class Layout:
-    """Which 8192-column blocks of the vocab each rank computes, and the columns it
-    needs from its neighbours to do so - the same on every rank (shard size, vocab).
-
-    A block belongs to the rank holding most of its columns (the first such rank on a
-    tie), so a block split by a shard end costs the smaller part. ``head[p]`` /
-    ``tail[p]``: how many of rank p's first / last real columns another rank's blocks
-    run into."""
-
-    def __init__(self, shard: int, vocab: int, world: int):
-        self.shard, self.vocab, self.world = shard, vocab, world
-        self.blocks = -(-vocab // BLOCK)
-        owner = []
-        for b in range(self.blocks):
-            lo, hi = b * BLOCK, min((b + 1) * BLOCK, vocab)
-            held = [max(0, min(hi, (q + 1) * shard) - max(lo, q * shard))
-                    for q in range(world)]
-            owner.append(held.index(max(held)))  # non-decreasing in b
-        self.first = [sum(o < q for o in owner) for q in range(world)] + [self.blocks]
-        self.head, self.tail = [0] * world, [0] * world
-        for q in range(world):
-            lo, hi = self.span(q)
-            for p in range(world):
-                s, e = self.columns(p)
-                if p == q or min(hi, e) <= max(lo, s):
-                    continue
-                if p > q:
-                    self.head[p] = max(self.head[p], min(hi, e) - s)
-                else:
-                    self.tail[p] = max(self.tail[p], e - max(lo, s))
-
-    def span(self, rank: int) -> tuple[int, int]:
-        """The global columns [lo, hi) of this rank's blocks."""
-        return self.first[rank] * BLOCK, min(self.first[rank + 1] * BLOCK, self.vocab)
-
-    def columns(self, rank: int) -> tuple[int, int]:
-        """The global columns [start, end) of this rank's real (unpadded) logits."""
-        start = rank * self.shard
-        return start, max(start, min(start + self.shard, self.vocab))
-
-    def width(self) -> int:
-        """The columns each rank sends in the exchange of heads and tails."""
-        return max(self.head) + max(self.tail)
 
 
 class Verified(NamedTuple):
@@ -407,45 +364,3 @@ def _whole_blocks(comm, lay: Layout, shard: torch.Tensor) -> torch.Tensor:
         else:  # p's head: its columns [s, s + head) start the buffer
             parts.append(got[p, :, a - s:b - s])
     return torch.cat(parts, dim=1)
-
-
-def sent(lay: Layout, rank: int, shard: torch.Tensor) -> torch.Tensor:
-    """What `rank` sends in the exchange: its first lay.head[rank] columns at the
-    front, its last lay.tail[rank] real columns at the back, zeros between."""
-    width, n, t = lay.width(), lay.head[rank], lay.tail[rank]
-    start, end = lay.columns(rank)
-    out = shard.new_zeros(shard.shape[0], width)
-    out[:, :n] = shard[:, :n]
-    if t:
-        out[:, width - t:] = shard[:, end - start - t:end - start]
-    return out
-
-
-def exchanged_bytes(rows: int, reqs: int, shard: int, vocab: int, world: int,
-                    itemsize: int, draft_logits: bool, min_p: bool = False,
-                    processed: bool = False) -> int:
-    """What one rank sends in verify()'s collectives for a step of `rows` logits rows
-    and `reqs` requests (raw logits of `itemsize` bytes; vLLM's gather sends
-    rows * shard * itemsize); min_p: a request of the step uses it; processed: V2
-    processes the step's logits (the borrowed columns then go as float32)."""
-    lay = Layout(shard, vocab, world)
-    top = max(lay.first[q + 1] - lay.first[q] for q in range(world))
-    k = 4 if draft_logits else 2
-    item = 4 if processed else itemsize
-    return rows * lay.width() * item + rows * ((k + 2) * top + 2 + min_p) * 4 + \
-        reqs * 16
-
-
-NO_SAVING = ("a vocab whose 8192-column blocks split this way sends no fewer bytes from "
-             "the shards than vLLM's gather")
-
-
-def no_saving(shard: int, vocab: int, world: int, itemsize: int) -> str | None:
-    """Why verifying a row of this layout from the shards sends no fewer bytes than
-    vLLM's gather of it (`shard` columns of `itemsize` bytes): the columns borrowed
-    for split blocks (float32 where V2 processes the logits) and the per-block stats,
-    at their most, reach a shard's worth - small vocabularies, whose few blocks span
-    most of a shard; None otherwise. The same on every rank."""
-    most = exchanged_bytes(1, 0, shard, vocab, world, itemsize, True, True, True)
-    return NO_SAVING if most >= shard * itemsize else None
-

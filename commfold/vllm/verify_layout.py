@@ -1,0 +1,98 @@
+"""Which vocab columns each rank verifies in commfold.vllm.shard_verify - V2's
+8192-column blocks, each owned by the rank holding most of it, and the columns its
+neighbours lend for blocks a shard end splits - and what the verification sends for
+a layout: plain arithmetic on (shard, vocab, world), the same on every rank, kept
+apart so the pick's cost rule can weigh a layout without importing the verification.
+"""
+from __future__ import annotations
+
+import torch
+
+from commfold.vllm.verify_kernels import BLOCK
+
+
+class Layout:
+    """Which 8192-column blocks of the vocab each rank computes, and the columns it
+    needs from its neighbours to do so - the same on every rank (shard size, vocab).
+
+    A block belongs to the rank holding most of its columns (the first such rank on a
+    tie), so a block split by a shard end costs the smaller part. ``head[p]`` /
+    ``tail[p]``: how many of rank p's first / last real columns another rank's blocks
+    run into."""
+
+    def __init__(self, shard: int, vocab: int, world: int):
+        self.shard, self.vocab, self.world = shard, vocab, world
+        self.blocks = -(-vocab // BLOCK)
+        owner = []
+        for b in range(self.blocks):
+            lo, hi = b * BLOCK, min((b + 1) * BLOCK, vocab)
+            held = [max(0, min(hi, (q + 1) * shard) - max(lo, q * shard))
+                    for q in range(world)]
+            owner.append(held.index(max(held)))  # non-decreasing in b
+        self.first = [sum(o < q for o in owner) for q in range(world)] + [self.blocks]
+        self.head, self.tail = [0] * world, [0] * world
+        for q in range(world):
+            lo, hi = self.span(q)
+            for p in range(world):
+                s, e = self.columns(p)
+                if p == q or min(hi, e) <= max(lo, s):
+                    continue
+                if p > q:
+                    self.head[p] = max(self.head[p], min(hi, e) - s)
+                else:
+                    self.tail[p] = max(self.tail[p], e - max(lo, s))
+
+    def span(self, rank: int) -> tuple[int, int]:
+        """The global columns [lo, hi) of this rank's blocks."""
+        return self.first[rank] * BLOCK, min(self.first[rank + 1] * BLOCK, self.vocab)
+
+    def columns(self, rank: int) -> tuple[int, int]:
+        """The global columns [start, end) of this rank's real (unpadded) logits."""
+        start = rank * self.shard
+        return start, max(start, min(start + self.shard, self.vocab))
+
+    def width(self) -> int:
+        """The columns each rank sends in the exchange of heads and tails."""
+        return max(self.head) + max(self.tail)
+
+
+def sent(lay: Layout, rank: int, shard: torch.Tensor) -> torch.Tensor:
+    """What `rank` sends in the exchange: its first lay.head[rank] columns at the
+    front, its last lay.tail[rank] real columns at the back, zeros between."""
+    width, n, t = lay.width(), lay.head[rank], lay.tail[rank]
+    start, end = lay.columns(rank)
+    out = shard.new_zeros(shard.shape[0], width)
+    out[:, :n] = shard[:, :n]
+    if t:
+        out[:, width - t:] = shard[:, end - start - t:end - start]
+    return out
+
+
+def exchanged_bytes(rows: int, reqs: int, shard: int, vocab: int, world: int,
+                    itemsize: int, draft_logits: bool, min_p: bool = False,
+                    processed: bool = False) -> int:
+    """What one rank sends in verify()'s collectives for a step of `rows` logits rows
+    and `reqs` requests (raw logits of `itemsize` bytes; vLLM's gather sends
+    rows * shard * itemsize); min_p: a request of the step uses it; processed: V2
+    processes the step's logits (the borrowed columns then go as float32)."""
+    lay = Layout(shard, vocab, world)
+    top = max(lay.first[q + 1] - lay.first[q] for q in range(world))
+    k = 4 if draft_logits else 2
+    item = 4 if processed else itemsize
+    return rows * lay.width() * item + rows * ((k + 2) * top + 2 + min_p) * 4 + \
+        reqs * 16
+
+
+NO_SAVING = ("a vocab whose 8192-column blocks split this way sends no fewer bytes from "
+             "the shards than vLLM's gather")
+
+
+def no_saving(shard: int, vocab: int, world: int, itemsize: int) -> str | None:
+    """Why verifying a row of this layout from the shards sends no fewer bytes than
+    vLLM's gather of it (`shard` columns of `itemsize` bytes): the columns borrowed
+    for split blocks (float32 where V2 processes the logits) and the per-block stats,
+    at their most, reach a shard's worth - small vocabularies, whose few blocks span
+    most of a shard; None otherwise. The same on every rank."""
+    most = exchanged_bytes(1, 0, shard, vocab, world, itemsize, True, True, True)
+    return NO_SAVING if most >= shard * itemsize else None
+
