@@ -3,8 +3,9 @@
 so vLLM builds its ``MultiModuleMTPSpeculator`` (one MTP layer, with its own shared
 head, per draft step). Written offline, vLLM's dummy weights; engines run one after
 another in this process (``python -m harness.vllm_mtp2 OUT '<json runs>'``, each run
-the environment it adds and ``local_argmax`` for use_local_argmax_reduction: a
-TOKENS_MARK line). Run it with harness.triton_cpu.v2_engine_env()."""
+the environment it adds, ``local_argmax`` for use_local_argmax_reduction and
+``sampled`` for probabilistic drafts serving seeded sampled requests: a TOKENS_MARK
+line). Run it with harness.triton_cpu.v2_engine_env()."""
 from __future__ import annotations
 
 import json
@@ -44,30 +45,37 @@ def prompts(n: int = 3, length: int = 6) -> list[list[int]]:
     return hot_prompts(n, length, VOCAB)
 
 
-def run(model: Path, local_argmax: bool, max_tokens: int = 10) -> dict:
+def run(model: Path, local_argmax: bool, max_tokens: int = 10, sampled: bool = False
+        ) -> dict:
+    """One engine's tokens; sampled: probabilistic drafts and seeded sampled requests
+    (harness.vllm_draft_engine_v2's SAMPLING), else greedy."""
     from vllm import LLM
 
+    from harness.vllm_draft_engine_v2 import SAMPLING
     from harness.vllm_engine import greedy_run
 
     spec = {"method": "mtp", "num_speculative_tokens": K}
     if local_argmax:
         spec["use_local_argmax_reduction"] = True
+    if sampled:
+        spec["draft_sample_method"] = "probabilistic"
     return greedy_run(lambda: LLM(
         model=str(model), tensor_parallel_size=2, dtype="bfloat16",
         distributed_executor_backend="mp", max_model_len=128, max_num_seqs=4,
         max_num_batched_tokens=128, seed=0, disable_log_stats=False, load_format="dummy",
         skip_tokenizer_init=True, speculative_config=spec), prompts(), max_tokens,
-        detokenize=False)
+        detokenize=False, **(SAMPLING if sampled else {}))
 
 
 if __name__ == "__main__":
     from harness.vllm_engine import serve_runs
 
     model = write_model(Path(sys.argv[1]))
-    local: list[bool] = []  # each run's use_local_argmax_reduction, taken off its env
+    flags: list[tuple[bool, bool]] = []  # each run's (local_argmax, sampled), off its env
 
     def label(env: dict) -> tuple:
-        local.append(bool(env.pop("local_argmax", False)))
-        return (local[-1],)
+        flags.append((bool(env.pop("local_argmax", False)), bool(env.pop("sampled", False))))
+        return flags[-1]
 
-    serve_runs(lambda env: run(model, local[-1]), sys.argv[2], label)
+    serve_runs(lambda env: run(model, flags[-1][0], sampled=flags[-1][1]), sys.argv[2],
+               label)
