@@ -53,7 +53,8 @@ def verify_cases(world: int, cases: list[dict]) -> list[dict]:
     ships it and under commfold's hook; tokens, counts, the hook's decision, the
     collectives (calls, bytes, vocab-wide gathers). case: vocab, dtype, seed, ties,
     drafts (per request its number of drafts), row_params, draft_logits (noise scale,
-    None: one-hot drafts), draft_kind, placeholder, history (harness.vllm_step_v2's)."""
+    None: one-hot drafts), draft_kind, placeholder, history (harness.vllm_step_v2's),
+    scale (of the hidden states: peaked rows)."""
     from harness import triton_cpu
 
     triton_cpu.install()
@@ -65,7 +66,7 @@ def verify_cases(world: int, cases: list[dict]) -> list[dict]:
     from harness import vllm_step
     from harness.vllm_step_v2 import (_histories, _logprobs, _params, _score_diff,
                                       _vocab_gathers, hooked_sample, input_batch,
-                                      model_state_hooks, runner, valid)
+                                      model_state_hooks, runner, valid, wide_gathers)
     from harness.vllm_tp import init_vllm_tp
 
     tp = init_vllm_tp(world, shm=False, reuse=True)
@@ -82,7 +83,7 @@ def verify_cases(world: int, cases: list[dict]) -> list[dict]:
         steps = max(case["drafts"])
         batch = input_batch(drafts, case.get("placeholder"))
         h = vllm_step.hidden(batch.num_tokens, dtype, case["seed"] + 1, case["ties"],
-                             case.get("special"))
+                             case.get("special")) * case.get("scale", 1.0)
         _drafts(case, model, batch, h)
         cache = None
         if case.get("draft_logits") is not None:
@@ -117,6 +118,7 @@ def verify_cases(world: int, cases: list[dict]) -> list[dict]:
             dtype=(ours.sampled_token_ids.dtype, theirs.sampled_token_ids.dtype),
             accepted=[k - 1 for k in theirs.num_sampled.tolist()],
             ours_gathers=_vocab_gathers(ours_log, shard), calls=ours_log.calls(),
+            wide=wide_gathers(ours_log, shard), shard=shard,
             bytes=ours_log.bytes(), vllm_bytes=vllm_log.bytes(),
             vllm_gathers=_vocab_gathers(vllm_log, shard),
             logprobs=_logprobs(ours), vllm_logprobs=_logprobs(theirs),

@@ -31,8 +31,10 @@ Why a subset of rows is cut as in V2's whole batch (sources pinned in sampled_pi
 - Without Triton (``apply_top_k_top_p_pytorch``: a sort whose order of ties may
   depend on the batch) nothing is made whole: the step keeps V2's path.
 
-A step with more rows in doubt than ``MOST`` of its rows, or whose doubtful rows would
-cost more than half the bytes of vLLM's own gather, is given back as before.
+A step whose doubtful rows would cost more than half the bytes of vLLM's own gather
+(float32 rows against its raw ones: a quarter of a bfloat16 step's rows) is given
+back as before, the count in the reason: the step then sends well under what vLLM's
+gather would, its other exchanges included.
 """
 from __future__ import annotations
 
@@ -40,8 +42,8 @@ import inspect
 
 import torch
 
-MOST = 4  # at most one row in MOST made whole ...
-BYTES = 2  # ... and their columns at most 1 / BYTES of vLLM's gather
+BYTES = 2  # the rows made whole cost at most 1 / BYTES of vLLM's gather (float32
+# columns against its raw ones: a quarter of a bfloat16 step's rows, half a float32's)
 NOTE_KEY = "top_k_top_p_whole"  # the step log's entry: how many rows were made whole
 
 
@@ -57,9 +59,10 @@ def refusal(doubtful: int, rows: int, itemsize: int) -> str | None:
 
     if not topk_topp_sampler.HAS_TRITON:  # what apply_top_k_top_p branches on
         return "top-k / top-p: a token at the cut's edge, vLLM's sort-based cut"
-    if doubtful * MOST > rows or doubtful * 4 * BYTES > rows * itemsize:
+    if doubtful * 4 * BYTES > rows * itemsize:
         return (f"top-k / top-p: a token at the cut's edge in {doubtful} of {rows} rows "
-                f"(made whole up to 1 row in {MOST}, half of vLLM's gather)")
+                f"(made whole up to {rows * itemsize // (4 * BYTES)}: half the bytes of "
+                "vLLM's gather)")
     return None
 
 
