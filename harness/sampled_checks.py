@@ -56,6 +56,9 @@ def check(results):
             counts.append(r["whole_rows"])
             if case.get("made_whole") is not None:
                 assert bool(r["whole_rows"]) == case["made_whole"], (where, r["notes"])
+            # rows made whole: cut as V2 cut them, bit for bit
+            assert (r["same_cut"] is None) == (not r["whole_rows"]), where
+            assert r["same_cut"] in (True, None), where
             mode = case["mode"]
             gathers, whole = r["ours_gathers"], case.get("whole", False)
             note = r["notes"][-1] if r["notes"] else ""

@@ -40,6 +40,10 @@ def _check(results):
             counts.append(r["whole_rows"])
             if case.get("made_whole") is not None:
                 assert bool(r["whole_rows"]) == case["made_whole"], (where, r["notes"])
+            # the target as V2 processed and cut it, bit for bit, where both processed
+            assert r["same_cut"] in (True, None), where
+            if case["mode"] == "cut" and len(r["notes"]) == 1:
+                assert r["same_cut"], where
             assert logprobs_agree(r), (where, r["logprobs"], r["vllm_logprobs"], r["ranks"])
             if r["logprobs"] is not None:  # logits exact; logprobs: V2's own sum order
                 limit = 0 if "logits" in case.get("logprobs_mode", "") else 4
