@@ -329,14 +329,14 @@ def _bad_words(state, work, start: int, input_batch, ids: torch.Tensor) -> None:
     idx_np = input_batch.idx_mapping_np
     slots = np.unique(idx_np)
     most = int(state.num_bad_words.np[idx_np].max())
-    ids, offsets = state.bad_word_token_ids.gpu, state.bad_word_offsets.gpu
-    probe_ids = ids.clone()
-    lasts = torch.zeros(ids.shape[0], most, dtype=torch.int64, device=ids.device)
+    table, offsets = state.bad_word_token_ids.gpu, state.bad_word_offsets.gpu
+    probe_ids = table.clone()
+    lasts = torch.zeros(table.shape[0], most, dtype=torch.int64, device=table.device)
     for slot in slots:
         words = int(state.num_bad_words.np[slot])
         ends = offsets[slot, 1:words + 1].long() - 1
-        lasts[slot, :words] = ids[slot, ends].long()
-        probe_ids[slot, ends] = torch.arange(words, dtype=ids.dtype, device=ids.device)
+        lasts[slot, :words] = table[slot, ends].long()
+        probe_ids[slot, ends] = torch.arange(words, dtype=table.dtype, device=table.device)
     mapping = input_batch.expanded_idx_mapping
     probe = work.new_zeros(work.shape[0], most)
     req = state.req_states
