@@ -3,7 +3,9 @@ one process (tests of commfold.vllm.shard_top_k_top_p): a row set is masked by v
 ``apply_top_k_top_p`` (its Triton kernel in Triton's interpreter) and, split into
 `world` vocab shards, bounded by ``_payload`` / ``_bounds`` as the ranks would (their
 all-gather stood in by stacking the shards' payloads). Every row must keep every token
-above ``keep`` and none below ``drop``."""
+above ``keep`` and none below ``drop``; a row with a token between them on any shard
+must be marked ``doubt``; and the kernel must cut a subset of the rows as it cuts
+them in the whole set (what commfold.vllm.shard_edge_rows rests on)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -48,7 +50,11 @@ def kept_and_bounds(world: int, cases: list[dict]) -> list[dict]:
     for case in cases:
         x, k, p = rows_for(case)
         vocab = x.shape[1]
-        kept = apply_top_k_top_p(x.clone(), k, p) > float("-inf")
+        cut_rows = apply_top_k_top_p(x.clone(), k, p)
+        kept = cut_rows > float("-inf")
+        some = torch.arange(x.shape[0])[torch.arange(x.shape[0]) % 3 == case["seed"] % 3]
+        alone = apply_top_k_top_p(x[some].clone(), k[some], p[some])
+        subset_differs = not torch.equal(alone, cut_rows[some])
         shard = -(-vocab // case["world"])
         m, payloads = cut.candidates(k, p, vocab, shard), []
         for r in range(case["world"]):
@@ -56,12 +62,13 @@ def kept_and_bounds(world: int, cases: list[dict]) -> list[dict]:
             work = x[:, r * shard:min(vocab, (r + 1) * shard)]
             payloads.append(cut._payload(comm, work, m))
         if cut.refusal(k, vocab, shard) is not None:
-            out.append(dict(case=case, refused=True))
+            out.append(dict(case=case, refused=True, subset_differs=subset_differs))
             continue
         bounds = cut._bounds(torch.stack(payloads), m, k.long(), p.double(), vocab,
                              cut.block_size("cpu"))
         res = dict(case=case, refused=False, reason=bounds if isinstance(bounds, str)
-                   else None, broken=[], exact=0, banded=0, whole=0)
+                   else None, broken=[], exact=0, banded=0, whole=0,
+                   subset_differs=subset_differs)
         if not isinstance(bounds, str):
             wide = x.double()
             for r in range(x.shape[0]):
@@ -76,5 +83,7 @@ def kept_and_bounds(world: int, cases: list[dict]) -> list[dict]:
                     res["broken"].append((r, int(k[r]), float(p[r])))
                 band = maybe & ~sure
                 res["exact" if not bool(band.any()) else "banded"] += 1
+                if bool(band.any()) and not bool(bounds.doubt[r]):
+                    res["broken"].append((r, "a token in doubt, the row not marked"))
         out.append(res)
     return out

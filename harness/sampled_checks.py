@@ -6,21 +6,59 @@ from __future__ import annotations
 
 
 EDGE = "top-k / top-p: a token at the cut's edge"  # commfold.vllm.sampled_pick.BOUNDARY
+WHOLE = "rows made whole for vLLM's top-k / top-p kernel"  # shard_edge_rows.note's end
+
+
+def made_whole(r) -> int:
+    """How many rows a step's result made whole for vLLM's top-k / top-p kernel (its
+    step-log note, commfold.vllm.shard_edge_rows), the gather that did so checked:
+    one of [rows, shard] float32 per rank, as many bytes as
+    shard_edge_rows.gathered_bytes says."""
+    from commfold.vllm.shard_edge_rows import gathered_bytes, note
+
+    made = [n for n in r["notes"] if n.endswith(WHOLE)]
+    if not made:
+        return 0
+    assert len(made) == 1, r["notes"]
+    d = int(made[0].split()[0])
+    assert made[0] == note(d) and d > 0, made
+    shape = [[d, r["shard"]]]  # (rows scored whole for logprobs gather apart)
+    assert (shape, gathered_bytes(d, r["shard"])) in [(s, b) for s, _, b in r["wide"]], \
+        r["wide"]
+    return d
+
+
+def without_whole(r) -> dict:
+    """r with the rows-made-whole note, gather and call taken out (checked first by
+    made_whole); "whole_rows": how many rows."""
+    d = made_whole(r)
+    return dict(r, notes=[n for n in r["notes"] if not n.endswith(WHOLE)],
+                ours_gathers=r["ours_gathers"] - bool(d), calls=r["calls"] - bool(d),
+                whole_rows=d)
 
 
 def check(results):
     """case["mode"]: the decision's mode, or a part of the reason vLLM keeps the step;
     case["edge"]: True where the step may also be given back at a top-k / top-p cut's
     edge (which of the two the draw shows; the tokens must be V2's either way);
-    case["any_reason"]: ... or for any top-k / top-p reason (generated cases)."""
+    case["any_reason"]: ... or for any top-k / top-p reason (generated cases);
+    case["made_whole"]: True where rows must be made whole (the step taken), False
+    where none may be. Returns how many rows each result made whole."""
     from harness.vllm_step_v2 import same_step
 
     from commfold.vllm.shard_grammar import NOTE  # a grammar's bitmask, noted apart
 
+    counts = []
     for res in results:
         for r in res:
             case, where = r["case"], same_step(r)
-            r = dict(r, notes=[n for n in r["notes"] if n != NOTE])
+            r = without_whole(dict(r, notes=[n for n in r["notes"] if n != NOTE]))
+            counts.append(r["whole_rows"])
+            if case.get("made_whole") is not None:
+                assert bool(r["whole_rows"]) == case["made_whole"], (where, r["notes"])
+            # rows made whole: cut as V2 cut them, bit for bit
+            assert (r["same_cut"] is None) == (not r["whole_rows"]), where
+            assert r["same_cut"] in (True, None), where
             mode = case["mode"]
             gathers, whole = r["ours_gathers"], case.get("whole", False)
             note = r["notes"][-1] if r["notes"] else ""
@@ -56,12 +94,14 @@ def check(results):
                     ours[1], theirs[1], r["ranks"], strict=True)), where
                 limit = 0 if "logits" in case.get("logprobs_mode", "") else 4
                 assert r["score_diff"] <= limit, (where, r["score_diff"])
+    return counts
 
 
 def _truncates(p: dict) -> bool:
     """Whether V2 applies top-k / top-p to a request with these parameters (the cut's
-    bounds cost one all-gather)."""
-    return p.get("top_k", 0) not in (0, -1) or p.get("top_p", 1.0) != 1.0
+    bounds cost one all-gather; vLLM turns both off for a greedy request)."""
+    return p.get("temperature", 1.0) != 0.0 and (
+        p.get("top_k", 0) not in (0, -1) or p.get("top_p", 1.0) != 1.0)
 
 
 def _params(case) -> list[dict]:

@@ -13,6 +13,8 @@ stand-in (harness.triton_cpu) first, so V2's Triton kernels run in the interpret
 """
 from __future__ import annotations
 
+import contextlib
+
 from types import SimpleNamespace
 
 import numpy as np
@@ -386,13 +388,15 @@ def step_cases(world: int, cases: list[dict]) -> list[dict]:
         ours_runner = runner(model, case["vocab"], params, steps, mode, states, histories,
                              case.get("reasoning"))
         grammar = grammar_output(case, batch, theirs_runner.structured_outputs_worker)
-        with record_collectives() as vllm_log:
+        cuts: dict = {"v2": [], "ours": []}  # V2's top-k / top-p cut, rows made whole
+        with record_collectives() as vllm_log, v2_cut(cuts["v2"]):
             theirs = original(theirs_runner, h, batch, grammar)[0]
         notes: list[str] = []
         note = vllm_comm_log.note
         vllm_comm_log.note = lambda key, value, notes=notes: notes.append(value)
         try:
-            with record_collectives() as ours_log:
+            with record_collectives() as ours_log, padded_kernel(case.get("padded")), \
+                    whole_cut(cuts["ours"]):
                 ours = hooked_sample(original, ours_runner, h, batch, case, grammar)
         finally:
             vllm_comm_log.note = note
@@ -404,11 +408,77 @@ def step_cases(world: int, cases: list[dict]) -> list[dict]:
             vllm_counts=(theirs.num_sampled.tolist(), theirs.num_rejected.tolist()),
             dtype=(ours.sampled_token_ids.dtype, theirs.sampled_token_ids.dtype),
             ours_gathers=_vocab_gathers(ours_log, shard), calls=ours_log.calls(),
+            wide=wide_gathers(ours_log, shard), shard=shard, same_cut=same_rows(cuts),
             vllm_gathers=_vocab_gathers(vllm_log, shard),
             logprobs=_logprobs(ours), vllm_logprobs=_logprobs(theirs),
             ranks=_ranks(model.compute_logits(h[batch.logits_indices]), ours),
             score_diff=_score_diff(ours, theirs)))
     return out
+
+
+@contextlib.contextmanager
+def v2_cut(into: list):
+    """V2's Sampler's top-k / top-p cut (the rows apply_top_k_top_p returns), kept."""
+    from vllm.v1.worker.gpu.sample import sampler
+
+    original = sampler.apply_top_k_top_p
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        into.append(out.clone())
+        return out
+
+    sampler.apply_top_k_top_p = spy
+    try:
+        yield
+    finally:
+        sampler.apply_top_k_top_p = original
+
+
+@contextlib.contextmanager
+def whole_cut(into: list):
+    """(rows, cut rows) of each commfold.vllm.shard_edge_rows.cut call, kept."""
+    from commfold.vllm import shard_edge_rows
+
+    original = shard_edge_rows.cut
+
+    def spy(rows, which, *args, **kwargs):
+        out = original(rows, which, *args, **kwargs)
+        into.append((which.clone(), out.clone()))
+        return out
+
+    shard_edge_rows.cut = spy
+    try:
+        yield
+    finally:
+        shard_edge_rows.cut = original
+
+
+def same_rows(cuts: dict) -> bool | None:
+    """Whether the rows commfold made whole and cut are V2's cut rows bit for bit
+    (None: none made whole)."""
+    if not cuts["ours"]:
+        return None
+    ((which, rows),), (v2,) = cuts["ours"], cuts["v2"]
+    return bool(torch.equal(rows, v2[which]))
+
+
+@contextlib.contextmanager
+def padded_kernel(on: bool | None):
+    """With `on`: rows made whole for vLLM's top-k / top-p kernel are run with no-op
+    rows besides, to over its split batch size, as on CUDA (shard_edge_rows)."""
+    from commfold.vllm import shard_edge_rows
+
+    rows = shard_edge_rows.kernel_rows
+    if on:
+        from vllm.v1.sample.ops import topk_topp_triton
+
+        split = topk_topp_triton._SPLIT_MAX_BATCH
+        shard_edge_rows.kernel_rows = lambda d, batch, device: max(d, split + 1)
+    try:
+        yield
+    finally:
+        shard_edge_rows.kernel_rows = rows
 
 
 def _params(p: dict):
@@ -493,8 +563,15 @@ def _score_diff(ours, theirs):
 
 
 def _vocab_gathers(log, shard: int) -> int:
-    return len([e for e in log.events if e.name in ("all_gather", "gather")
-                and any(s and s[-1] >= shard for s in e.shapes)])
+    return len(wide_gathers(log, shard))
+
+
+def wide_gathers(log, shard: int) -> list[tuple[list, str, int]]:
+    """(shape, dtype, bytes) of each gather a shard wide (vLLM's of the logits, or
+    commfold's of rows made whole for vLLM's top-k / top-p kernel)."""
+    return [([list(s) for s in e.shapes], e.dtype, e.bytes) for e in log.events
+            if e.name in ("all_gather", "gather")
+            and any(s and s[-1] >= shard for s in e.shapes)]
 
 
 def prompt_cases(world: int, cases: list[dict]) -> list[dict]:

@@ -7,6 +7,8 @@ Built on harness.vllm_step_v2's runner and batch; adds the drafter's cached logi
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
@@ -53,7 +55,8 @@ def verify_cases(world: int, cases: list[dict]) -> list[dict]:
     ships it and under commfold's hook; tokens, counts, the hook's decision, the
     collectives (calls, bytes, vocab-wide gathers). case: vocab, dtype, seed, ties,
     drafts (per request its number of drafts), row_params, draft_logits (noise scale,
-    None: one-hot drafts), draft_kind, placeholder, history (harness.vllm_step_v2's)."""
+    None: one-hot drafts), draft_kind, placeholder, history (harness.vllm_step_v2's),
+    scale (of the hidden states: peaked rows)."""
     from harness import triton_cpu
 
     triton_cpu.install()
@@ -65,7 +68,7 @@ def verify_cases(world: int, cases: list[dict]) -> list[dict]:
     from harness import vllm_step
     from harness.vllm_step_v2 import (_histories, _logprobs, _params, _score_diff,
                                       _vocab_gathers, hooked_sample, input_batch,
-                                      model_state_hooks, runner, valid)
+                                      model_state_hooks, runner, valid, wide_gathers)
     from harness.vllm_tp import init_vllm_tp
 
     tp = init_vllm_tp(world, shm=False, reuse=True)
@@ -82,7 +85,7 @@ def verify_cases(world: int, cases: list[dict]) -> list[dict]:
         steps = max(case["drafts"])
         batch = input_batch(drafts, case.get("placeholder"))
         h = vllm_step.hidden(batch.num_tokens, dtype, case["seed"] + 1, case["ties"],
-                             case.get("special"))
+                             case.get("special")) * case.get("scale", 1.0)
         _drafts(case, model, batch, h)
         cache = None
         if case.get("draft_logits") is not None:
@@ -98,13 +101,14 @@ def verify_cases(world: int, cases: list[dict]) -> list[dict]:
                        reasoning=case.get("reasoning"))
             r.speculator.draft_logits = cache
             runners.append(r)
-        with record_collectives() as vllm_log:
+        cut: dict = {"v2": [], "ours": []}  # the processed (cut) target, both ways
+        with record_collectives() as vllm_log, _processed_logits(runners[0], cut):
             theirs = original(runners[0], h, batch, None)[0]
         notes: list[str] = []
         note = step_log.note
         step_log.note = lambda key, value, notes=notes: notes.append(value)
         try:
-            with record_collectives() as ours_log:
+            with record_collectives() as ours_log, _verified_shard(cut):
                 ours = hooked_sample(original, runners[1], h, batch)
         finally:
             step_log.note = note
@@ -117,12 +121,67 @@ def verify_cases(world: int, cases: list[dict]) -> list[dict]:
             dtype=(ours.sampled_token_ids.dtype, theirs.sampled_token_ids.dtype),
             accepted=[k - 1 for k in theirs.num_sampled.tolist()],
             ours_gathers=_vocab_gathers(ours_log, shard), calls=ours_log.calls(),
+            wide=wide_gathers(ours_log, shard), shard=shard,
             bytes=ours_log.bytes(), vllm_bytes=vllm_log.bytes(),
             vllm_gathers=_vocab_gathers(vllm_log, shard),
+            same_cut=_same_cut(cut, tp.rank_in_group * shard, case["vocab"]),
             logprobs=_logprobs(ours), vllm_logprobs=_logprobs(theirs),
             ranks=_ranks(model.compute_logits(h[batch.logits_indices]), ours, theirs,
                          runners[0].sampler, batch), score_diff=_score_diff(ours, theirs)))
     return out
+
+
+@contextlib.contextmanager
+def _processed_logits(runner, into: dict):
+    """V2's processed target logits (its apply_sampling_params: the top-k / top-p cut
+    included), each call's kept in into["v2"]."""
+    sampler = runner.sampler
+    original = sampler.apply_sampling_params
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        into["v2"].append(out.clone())
+        return out
+
+    sampler.apply_sampling_params = spy
+    try:
+        yield
+    finally:
+        del sampler.apply_sampling_params
+
+
+@contextlib.contextmanager
+def _verified_shard(into: dict):
+    """The shard commfold's verification processed and cut (Verified.processed), kept
+    in into["ours"]."""
+    from commfold.vllm import shard_verify
+
+    original = shard_verify.verify
+
+    def spy(*args, **kwargs):
+        got = original(*args, **kwargs)
+        if not isinstance(got, str):
+            into["ours"].append(got.processed.clone())
+        return got
+
+    shard_verify.verify = spy
+    try:
+        yield
+    finally:
+        shard_verify.verify = original
+
+
+def _same_cut(cut: dict, start: int, vocab: int) -> bool | None:
+    """Whether this rank's processed, cut columns are V2's, bit for bit (None: a side
+    did not process the logits, or the step was given back)."""
+    if not cut["v2"] or len(cut["ours"]) != 1:
+        return None
+    v2 = torch.cat(cut["v2"])
+    ours = cut["ours"][0]
+    n = max(0, min(ours.shape[1], vocab - start))
+    a, b = ours[:, :n], v2[:, start:start + n]
+    return bool(torch.equal(a.isnan(), b.isnan()) and torch.equal(
+        a.nan_to_num(0.0), b.nan_to_num(0.0)))
 
 
 def _ranks(logits, out, theirs, sampler, batch):

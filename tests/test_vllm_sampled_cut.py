@@ -3,9 +3,10 @@ through commfold.vllm.sampled_pick) against V2's own ``GPUModelRunner.sample``: 
 real Sampler, vLLM's top-k / top-p Triton kernel and V2's Gumbel kernel in Triton's
 interpreter, on 2 gloo ranks (4 with -m slow). The same step both ways must give the
 same tokens bit for bit; a step is drawn from the shards (one more small all-gather:
-the cut's bounds) or given back with the reason in the step log - the candidates not
-reaching the mass p, a token at the cut's edge that could be drawn, a top_k too large
-to pay - and then its tokens are V2's own."""
+the cut's bounds; one more where a row's draw hangs on the cut's edge: those rows made
+whole for vLLM's kernel) or given back with the reason in the step log - the
+candidates not reaching the mass p, more rows at the cut's edge than pay, a top_k too
+large to pay - and then its tokens are V2's own."""
 from __future__ import annotations
 
 import pytest
@@ -56,13 +57,21 @@ CASES = [
     # greedy requests: vLLM turns their top_k / top_p off (greedy, no cut)
     dict(vocab=V, dtype="float32", seed=40, ties=False, rows=2, scale=4.0,
          mode="greedy", params=dict(temperature=0.0, top_k=8, top_p=0.5)),
+    # a draw at the edge of top_p 0.9 in 2 rows of 8 (bf16: up to a quarter): those rows
+    # made whole, cut by vLLM's kernel, drawn over the whole row; the same with the
+    # kernel run on no-op rows besides (as on CUDA, where the batch size picks its path)
+    dict(vocab=V, dtype="bfloat16", seed=32, ties=False, rows=8, mode="sample", scale=5.0,
+         made_whole=True, params=dict(temperature=1.0, seed=11, top_p=0.9)),
+    dict(vocab=V, dtype="bfloat16", seed=32, ties=False, rows=8, mode="sample", scale=5.0,
+         made_whole=True, padded=True, params=dict(temperature=1.0, seed=11, top_p=0.9)),
 ]
 
 
 def test_top_k_top_p_steps_equal_v2s_sampler(vllm_v2_ranks):
     from harness.vllm_step_v2 import step_cases
 
-    check(vllm_v2_ranks.run(step_cases, 2, CASES))
+    made = check(vllm_v2_ranks.run(step_cases, 2, CASES))
+    assert any(made), made  # rows made whole, and steps without
 
 
 ROW = st.fixed_dictionaries({
@@ -127,6 +136,7 @@ def _within_bounds(ranks, case: dict) -> None:
 
     (res,) = ranks.run(kept_and_bounds, 2, [dict(case, rows=16)])[0]
     assert res["refused"] or res["reason"] is not None or res["broken"] == [], res
+    assert not res["subset_differs"], res  # rows made whole: cut as in the whole batch
 
 
 @settings(max_examples=5, deadline=None, derandomize=True,
@@ -134,8 +144,10 @@ def _within_bounds(ranks, case: dict) -> None:
 @given(**CUT_CASE)
 def test_vllms_kernel_keeps_within_the_bounds(vllm_v2_ranks, **case):
     """The claim the draw rests on, row by row against vLLM's own kernel (Triton's
-    interpreter): every token above `keep` kept, none below `drop` - over flat, peaked
-    and tied rows, bf16-rounded values, rows mostly -inf, 2 and 4 shards."""
+    interpreter): every token above `keep` kept, none below `drop`, every row with a
+    token between marked in doubt; a third of the rows cut alone as in the whole set -
+    over flat, peaked and tied rows, bf16-rounded values, rows mostly -inf, 2 and 4
+    shards."""
     _within_bounds(vllm_v2_ranks, case)
 
 
@@ -146,3 +158,66 @@ def test_vllms_kernel_keeps_within_the_bounds(vllm_v2_ranks, **case):
 def test_vllms_kernel_keeps_within_the_bounds_sweep(vllm_v2_ranks, **case):
     """The same over more rows (opt-in: -m slow)."""
     _within_bounds(vllm_v2_ranks, case)
+
+
+def test_rows_made_whole_cost_at_most_half_of_vllms_gather(monkeypatch):
+    """The limit: the rows' float32 columns at most half the bytes of vLLM's gather of
+    the step's raw logits (a quarter of a bf16 step's rows, half a float32's); none
+    without Triton (vLLM's sort-based cut may order ties by batch)."""
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    from commfold.vllm.shard_edge_rows import gathered_bytes, refusal
+
+    monkeypatch.setattr(topk_topp_sampler, "HAS_TRITON", False)
+    assert "sort-based" in refusal(1, 16, 2)
+    monkeypatch.setattr(topk_topp_sampler, "HAS_TRITON", True)
+    assert refusal(4, 16, 2) is None and "5 of 16 rows" in refusal(5, 16, 2)
+    assert refusal(8, 16, 4) is None and refusal(9, 16, 4) is not None
+    assert refusal(1, 3, 2) is not None and refusal(1, 3, 4) is None
+    for d, rows, item in ((4, 16, 2), (8, 16, 4), (64, 256, 2)):
+        assert 2 * gathered_bytes(d, 75968) <= rows * 75968 * item
+
+
+def test_rows_made_whole_take_the_batchs_kernel_path(monkeypatch):
+    """On CUDA-like platforms, where vLLM's kernel picks its path by batch size, a few
+    rows of a batch over _SPLIT_MAX_BATCH run with no-op rows to over it; elsewhere,
+    or where the batch is small too, as they are."""
+    import torch
+    from vllm.platforms import current_platform
+    from vllm.v1.sample.ops import topk_topp_triton
+
+    from commfold.vllm.shard_edge_rows import kernel_rows
+
+    split = topk_topp_triton._SPLIT_MAX_BATCH
+    cpu = torch.device("cpu")
+    assert kernel_rows(3, 256, cpu) == 3
+    monkeypatch.setattr(type(current_platform), "is_cuda_alike", lambda self: True)
+    assert kernel_rows(3, 256, cpu) == split + 1
+    assert kernel_rows(3, split, cpu) == 3 and kernel_rows(split + 5, 256, cpu) == split + 5
+
+
+def test_rows_made_whole_are_each_ranks_columns_in_order():
+    """whole(): the rows asked for, every rank's real columns side by side, the padding
+    past the vocab cut (as V2's logits), contiguous."""
+    import torch
+
+    from commfold.vllm.shard_edge_rows import whole
+
+    vocab, world, shard = 10, 3, 4
+    row = torch.arange(3 * vocab, dtype=torch.float32).view(3, vocab)
+
+    class Comm:
+        def world_size(self):
+            return world
+
+        def all_gather(self, x):
+            parts = []
+            for q in range(world):
+                n = max(0, min(shard, vocab - q * shard))
+                mine = torch.full_like(x, float("-inf"))
+                mine[:, :n] = row[[2, 0]][:, q * shard:q * shard + n]
+                parts.append(mine)
+            return torch.cat(parts)
+
+    got = whole(Comm(), row[:, :shard], torch.tensor([2, 0]), shard, vocab)
+    assert torch.equal(got, row[[2, 0]]) and got.is_contiguous()

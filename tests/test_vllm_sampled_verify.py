@@ -28,11 +28,22 @@ def _logprobs(case) -> bool:
 
 
 def _check(results):
+    """Each result against V2's; returns how many rows each made whole."""
+    from harness.sampled_checks import without_whole
     from harness.vllm_step_v2 import logprobs_agree, same_step
 
+    counts = []
     for res in results:
         for r in res:
             case, where = r["case"], same_step(r)
+            r = without_whole(r)  # the rows made whole: their gather checked
+            counts.append(r["whole_rows"])
+            if case.get("made_whole") is not None:
+                assert bool(r["whole_rows"]) == case["made_whole"], (where, r["notes"])
+            # the target as V2 processed and cut it, bit for bit, where both processed
+            assert r["same_cut"] in (True, None), where
+            if case["mode"] == "cut" and len(r["notes"]) == 1:
+                assert r["same_cut"], where
             assert logprobs_agree(r), (where, r["logprobs"], r["vllm_logprobs"], r["ranks"])
             if r["logprobs"] is not None:  # logits exact; logprobs: V2's own sum order
                 limit = 0 if "logits" in case.get("logprobs_mode", "") else 4
@@ -52,13 +63,17 @@ def _check(results):
                 assert r["calls"] == 2 + (not aligned) + min_p + scoring, (where, r["calls"])
                 if not scoring:
                     assert r["bytes"] == _bytes(case), (where, r["bytes"])
-            elif case["mode"] == "cut":  # local, or given back at the cut's edge
+            elif case["mode"] == "cut":  # local (rows made whole), or given back
                 assert r["notes"][0] == "verify_sampled", where
                 assert len(r["notes"]) == 1 or r["notes"][1].startswith("vLLM (top-"), where
                 assert r["ours_gathers"] == (len(r["notes"]) - 1), where
+                if len(r["notes"]) == 1 and not scoring:  # the bounds' exchange besides
+                    assert r["bytes"] == _bytes(case, r["whole_rows"]) + _cut_bytes(case), \
+                        (where, r["bytes"])
             else:
                 assert r["notes"][-1].startswith("vLLM ("), where
                 assert case["mode"] in r["notes"][-1], (where, r["notes"])
+    return counts
 
 
 def _processes(case) -> bool:
@@ -82,8 +97,9 @@ def _min_p(case) -> bool:
                                     for p in case["row_params"])
 
 
-def _bytes(case) -> int:
-    """What shard_verify.exchanged_bytes says a rank sends for the case's step."""
+def _bytes(case, whole_rows: int = 0) -> int:
+    """What shard_verify.exchanged_bytes says a rank sends for the case's step
+    (whole_rows: rows made whole for vLLM's top-k / top-p kernel)."""
     from commfold.vllm.shard_verify import exchanged_bytes
 
     shard = -(-case["vocab"] // 64) * 64 // 2  # vLLM pads the vocab to 64
@@ -91,7 +107,24 @@ def _bytes(case) -> int:
     item = 4 if case["dtype"] == "float32" else 2
     return exchanged_bytes(rows, len(case["drafts"]), shard, case["vocab"], 2, item,
                            case.get("draft_logits") is not None, _min_p(case),
-                           _processes(case))
+                           _processes(case), whole_rows)
+
+
+def _cut_bytes(case) -> int:
+    """What shard_top_k_top_p.exchanged_bytes says a rank sends for the bounds of the
+    case's top-k / top-p (each request's top_k / top_p on each of its rows)."""
+    import torch
+
+    from commfold.vllm.shard_top_k_top_p import exchanged_bytes
+
+    v = case["vocab"]
+    shard = -(-v // 64) * 64 // 2
+    each = [(p.get("top_k") or v, p.get("top_p", 1.0))
+            for p, n in zip(case["row_params"], case["drafts"]) for _ in range(n + 1)]
+    if all(k == v and p == 1.0 for k, p in each):  # no cut: no bounds exchanged
+        return 0
+    return exchanged_bytes(len(each), torch.tensor([k for k, _ in each]),
+                           torch.tensor([p for _, p in each]), v, shard)
 
 
 def _bad_words(case: dict, reqs: int) -> list[list[int]]:
@@ -198,7 +231,8 @@ CASES += [dict(vocab=ODD, dtype="float32", seed=24, ties=False, drafts=[2, 2, 2,
                            for s, b in enumerate((3, 1, 1, 2))],
                draft_kind="fixed", fixed=[17, 19990, 17, 17], mode="verify_sampled")]
 # top-k / top-p: V2 cuts the target logits before verifying; taken where the bounds
-# of the kernel's cut leave no token in doubt, else given back with the reason
+# of the kernel's cut leave no token in doubt, the rows where they do made whole and
+# cut by vLLM's kernel (up to half the bytes of vLLM's gather), else given back
 CUT = dict(vocab=ODD, dtype="float32", ties=False, draft_kind="mixed", mode="cut")
 CASES += [dict(CUT, seed=30, drafts=[2, 2], row_params=[
               dict(temperature=0.8, seed=1, top_k=1), dict(temperature=0.7, seed=2, top_k=2)]),
@@ -214,6 +248,24 @@ CASES += [dict(CUT, seed=30, drafts=[2, 2], row_params=[
                row_params=[dict(temperature=1.0, seed=8, top_p=0.5, logit_bias={12345: 15.0}),
                            dict(temperature=0.5, seed=9, top_p=0.9,
                                 logit_bias={77: 12.0})])]
+PLAIN = [dict(temperature=0.9, seed=20), dict(temperature=0.7, seed=21),
+         dict(temperature=1.2, seed=22)]
+CASES += [
+    # top_p 0.9 on one request of four (bf16: its 4 rows of 16, a quarter, made whole)
+    dict(CUT, seed=40, dtype="bfloat16", scale=4.0, drafts=[3, 3, 3, 3], made_whole=True,
+         row_params=[dict(temperature=0.8, seed=1, top_p=0.9), *PLAIN]),
+    # top_p 0.95 and top-k + top-p, the drafter's logits: 8 rows of 16 (float32: half)
+    dict(CUT, seed=41, scale=4.0, drafts=[3, 3, 3, 3], draft_kind="top", draft_logits=0.5,
+         made_whole=True, row_params=[dict(temperature=0.7, seed=1, top_p=0.95),
+                                      dict(temperature=1.0, seed=2, top_k=30, top_p=0.9),
+                                      *PLAIN[:2]]),
+    # integer logits: ties at the k-th value
+    dict(CUT, seed=42, ties=True, drafts=[3, 3, 3, 3], made_whole=True,
+         row_params=[dict(temperature=1.0, seed=1, top_k=4), *PLAIN]),
+    # top_p on two requests of four, bf16: 8 rows of 16 in doubt, more than pays
+    dict(CUT, seed=40, dtype="bfloat16", scale=4.0, drafts=[3, 3, 3, 3], made_whole=False,
+         row_params=[dict(temperature=0.8, seed=1, top_p=0.9),
+                     dict(temperature=1.0, seed=2, top_p=0.95), *PLAIN[1:]])]
 # bad words (matched through the output so far; their masked tokens biased far above
 # the rest, so a word left unmasked is accepted or resampled)
 BAD = dict(vocab=ODD, dtype="float32", seed=18, ties=False, drafts=[2, 2], history=6,
@@ -250,7 +302,8 @@ def test_sampled_verification_equals_v2s(vllm_v2_ranks):
     from harness.vllm_verify_v2 import verify_cases
 
     results = vllm_v2_ranks.run(verify_cases, 2, CASES)
-    _check(results)
+    made = _check(results)
+    assert any(made), made  # rows made whole for vLLM's top-k / top-p kernel
     # the cases reach both outcomes: some drafts accepted, some rejected
     accepted = [a for res in results for r in res for a in r["accepted"]]
     assert 0 in accepted and any(a >= 2 for a in accepted), accepted
@@ -290,6 +343,32 @@ def test_sampled_verification_examples(vllm_v2_ranks, vocab, dtype, rows, ties, 
     case = dict(vocab=vocab, dtype=dtype, seed=seed, ties=ties, drafts=steps[:len(rows)],
                 row_params=rows, draft_logits=noise, draft_kind=kind, history=4,
                 mode="verify_sampled" if sampled else "verify")
+    _check(vllm_v2_ranks.run(verify_cases, 2, [case]))
+
+
+CUT_ROW = st.fixed_dictionaries({
+    "temperature": st.sampled_from([0.5, 0.8, 1.0, 1.3]),
+    "seed": st.one_of(st.none(), st.integers(-2**40, 2**40)),
+    "top_k": st.sampled_from([0, 0, 1, 4, 30]),
+    "top_p": st.sampled_from([1.0, 0.5, 0.9, 0.95]),
+})
+
+
+@settings(max_examples=2, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(vocab=st.integers(8200, 24600), dtype=st.sampled_from(["float32", "bfloat16"]),
+       cut=CUT_ROW, ties=st.booleans(), seed=st.integers(0, 2**16),
+       scale=st.sampled_from([1.0, 4.0]), noise=st.sampled_from([None, 0.5]))
+def test_top_k_top_p_verification_examples(vllm_v2_ranks, vocab, dtype, cut, ties, seed,
+                                           scale, noise):
+    """One request of four with top-k / top-p (of 16 rows): taken - its rows in doubt
+    made whole for vLLM's kernel, or none in doubt - or given back with the reason;
+    V2's tokens either way."""
+    from harness.vllm_verify_v2 import verify_cases
+
+    case = dict(vocab=vocab, dtype=dtype, seed=seed, ties=ties, drafts=[3, 3, 3, 3],
+                row_params=[cut, *PLAIN], draft_logits=noise, draft_kind="mixed",
+                scale=scale, mode="cut")
     _check(vllm_v2_ranks.run(verify_cases, 2, [case]))
 
 

@@ -40,7 +40,7 @@ from typing import NamedTuple
 import torch
 
 from commfold.distributed.collectives import communicator
-from commfold.vllm import hook_points, runtime, stop_restore, target_pick
+from commfold.vllm import hook_points, runtime, step_log, stop_restore, target_pick
 from commfold.vllm.hook_points import Pinned
 from commfold.vllm.logits_head import LogitsHead
 
@@ -102,7 +102,11 @@ POINTS = tuple((_S + where, Pinned(tuple(zip(_RELEASES, hashes))))
     (where, Pinned(tuple(zip(_RELEASES, hashes)))) for where, hashes in _CUT_SOURCES.items()
 ) + tuple(  # the kernel's tiles (shard_top_k_top_p.block_size)
     (_OPS + "topk_topp_triton:", f"block_size, block_size_trunc, num_warps = {tiles}")
-    for tiles in ("256, 128, 4", "4096, 2048, 4", "8192, 4096, 8"))
+    for tiles in ("256, 128, 4", "4096, 2048, 4", "8192, 4096, 8")) + (
+    # which rows its launch leaves to the split pipeline (commfold.vllm.shard_edge_rows)
+    (_OPS + "topk_topp_triton:", "split_covers_ponly = (\n        current_"
+     "platform.is_cuda_alike()\n        and topp_enabled\n        and batch_size <= "
+     "_SPLIT_MAX_BATCH\n    )"),)
 
 
 def state(environ=os.environ, runner=None) -> runtime.HookState:
@@ -153,10 +157,12 @@ class Drawn(NamedTuple):
 def draw(sampler, head: LogitsHead, shard: torch.Tensor, input_batch) -> Drawn | str:
     """V2's sampled tokens for the step from this rank's `shard` [rows, head.shard], or
     why the step goes to V2's samplers (NAN: a row holds NaN; a top-k / top-p cut
-    that could not be settled) - every rank alike. Every rank calls it together."""
+    that could not be settled) - every rank alike. A row whose draw hangs on the
+    cut's edge is made whole, cut by vLLM's kernel and drawn over the whole row
+    (commfold.vllm.shard_edge_rows). Every rank calls it together."""
     import numpy as np  # not at import: commfold imports without numpy
 
-    from commfold.vllm import shard_gumbel, shard_top_k_top_p
+    from commfold.vllm import shard_edge_rows, shard_gumbel, shard_top_k_top_p
 
     comm = communicator(head.comm)
     start = comm.rank() * head.shard
@@ -193,8 +199,24 @@ def draw(sampler, head: LogitsHead, shard: torch.Tensor, input_batch) -> Drawn |
     value, index = maxima(work)
     value = value.masked_fill(processed[:, :n_local].isnan().any(-1), float("nan"))
     rival = None if near is None else maxima(near)[0]
-    tokens = first_max(comm, value, index, rival)
-    return tokens if isinstance(tokens, str) else Drawn(tokens, processed)
+    got = first_max(comm, value, index, rival, edges=True)
+    if isinstance(got, str):
+        return got
+    tokens, edge = got
+    if edge is not None and bool(edge.any()):  # from gathered values: every rank alike
+        which = edge.nonzero()[:, 0]
+        why = shard_edge_rows.refusal(len(which), len(edge), shard.element_size())
+        if why is not None:
+            return why
+        # those rows made whole, cut by vLLM's kernel, drawn over the row as V2 draws
+        whole = shard_edge_rows.whole(comm, processed[:, :n_local], which, head.shard,
+                                      head.vocab)
+        cut = shard_edge_rows.cut(whole, which, states, input_batch, len(edge))
+        tokens[which] = shard_gumbel.block_maxima(
+            cut, 0, mapping[which], states.temperature.gpu, states.seeds.gpu, pos[which],
+            bool(getattr(sampler, "use_fp64_gumbel", False)))[1]
+        step_log.note(shard_edge_rows.NOTE_KEY, shard_edge_rows.note(len(which)))
+    return Drawn(tokens, processed)
 
 
 NAN = "NaN logits: V2's own pick"
@@ -307,14 +329,14 @@ def _bad_words(state, work, start: int, input_batch, ids: torch.Tensor) -> None:
     idx_np = input_batch.idx_mapping_np
     slots = np.unique(idx_np)
     most = int(state.num_bad_words.np[idx_np].max())
-    ids, offsets = state.bad_word_token_ids.gpu, state.bad_word_offsets.gpu
-    probe_ids = ids.clone()
-    lasts = torch.zeros(ids.shape[0], most, dtype=torch.int64, device=ids.device)
+    table, offsets = state.bad_word_token_ids.gpu, state.bad_word_offsets.gpu
+    probe_ids = table.clone()
+    lasts = torch.zeros(table.shape[0], most, dtype=torch.int64, device=table.device)
     for slot in slots:
         words = int(state.num_bad_words.np[slot])
         ends = offsets[slot, 1:words + 1].long() - 1
-        lasts[slot, :words] = ids[slot, ends].long()
-        probe_ids[slot, ends] = torch.arange(words, dtype=ids.dtype, device=ids.device)
+        lasts[slot, :words] = table[slot, ends].long()
+        probe_ids[slot, ends] = torch.arange(words, dtype=table.dtype, device=table.device)
     mapping = input_batch.expanded_idx_mapping
     probe = work.new_zeros(work.shape[0], most)
     req = state.req_states
@@ -393,12 +415,13 @@ def shard_bits(mask: torch.Tensor, start: int, n: int, idx_np) -> torch.Tensor:
 
 
 def first_max(comm, value: torch.Tensor, index: torch.Tensor,
-              rival: torch.Tensor | None = None) -> torch.Tensor | str:
+              rival: torch.Tensor | None = None, edges: bool = False):
     """The global index of the first maximum over ranks of each row's (value, index)
     (one all-gather of an int64 pair per row per rank); NAN where a value is NaN.
     rival: each row's best value among tokens a top-k / top-p cut may or may not keep
     (-inf: none), gathered with the pair: BOUNDARY where one is not below the row's
-    maximum (which token V2 draws then hangs on the cut's exact edge)."""
+    maximum (which token V2 draws then hangs on the cut's exact edge) - or, with
+    edges, (tokens, those rows [rows] bool or None), alike on every rank."""
     bits = _BITS[value.dtype]
     columns = [value.view(bits).to(torch.int64), index]
     if rival is not None:
@@ -408,9 +431,12 @@ def first_max(comm, value: torch.Tensor, index: torch.Tensor,
     values = pairs[..., 0].to(bits).view(value.dtype)
     if bool(values.isnan().any()):
         return NAN
+    edge = None
     if rival is not None:
         rivals = pairs[..., 2].to(bits).view(value.dtype).amax(0)
-        if bool(((rivals >= values.amax(0)) & (rivals > float("-inf"))).any()):
+        edge = (rivals >= values.amax(0)) & (rivals > float("-inf"))
+        if not edges and bool(edge.any()):
             return BOUNDARY
     winner = values.argmax(dim=0, keepdim=True)  # the first rank holding the maximum
-    return pairs[..., 1].gather(0, winner).squeeze(0)
+    tokens = pairs[..., 1].gather(0, winner).squeeze(0)
+    return (tokens, edge) if edges else tokens

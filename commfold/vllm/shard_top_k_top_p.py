@@ -21,11 +21,14 @@ computes the same two thresholds per row: ``keep`` (every token above it is kept
 however the search ended) and ``drop`` (no token below it is). commfold.vllm.
 sampled_pick then draws over the tokens above ``keep`` and, apart, over those between:
 the token is V2's when the best noised token above ``keep`` beats every one between
-(the draw is then the same over any set the kernel may have kept); otherwise the step
-is gathered and V2 samples it. Rows whose cut cannot be bounded from the gathered
-values (the mass p reaches past the candidates, +-inf logits, a top-p row whose
-float32 sums could overflow or underflow in the kernel) give the step to V2 as well,
-with the reason.
+(the draw is then the same over any set the kernel may have kept); otherwise that
+row is made whole and cut by vLLM's own kernel (commfold.vllm.shard_edge_rows), or,
+past its limit, the step is gathered and V2 samples it. ``Cut.doubt`` names, from
+the gathered values alone, every row where some rank may hold a token between the
+bounds (V2's verification makes those rows whole). Rows whose cut cannot be bounded
+from the gathered values (the mass p reaches past the candidates, +-inf logits, a
+top-p row whose float32 sums could overflow or underflow in the kernel) give the
+step to V2 as well, with the reason.
 """
 from __future__ import annotations
 
@@ -60,6 +63,14 @@ def candidates(top_k: torch.Tensor, top_p: torch.Tensor, vocab: int, shard: int)
     return min(max(k, p), shard // SHARD_FRACTION)
 
 
+def exchanged_bytes(rows: int, top_k: torch.Tensor, top_p: torch.Tensor, vocab: int,
+                    shard: int) -> int:
+    """What one rank sends in cut()'s all-gather for `rows` rows with these top_k /
+    top_p (one per row)."""
+    m = candidates(top_k, top_p, vocab, shard)
+    return rows * ((m + m % 2) // 2 + _STATS) * 8
+
+
 def refusal(top_k: torch.Tensor, vocab: int, shard: int) -> str | None:
     """Why the step's top_k is not taken on shards (its exchange would not pay)."""
     active = top_k[top_k < vocab]
@@ -72,6 +83,9 @@ class Cut(NamedTuple):
     keep: torch.Tensor  # [rows] float64: tokens above are in any set the kernel keeps
     drop: torch.Tensor  # [rows] float64: tokens below are in none
     rows: torch.Tensor  # [rows] bool: rows the kernel truncates at all
+    # [rows] bool: rows where a rank may hold a token between drop and keep (one it
+    # sent, or its largest unsent value not below drop): alike on every rank
+    doubt: torch.Tensor
 
 
 def cut(comm, work: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, vocab: int,
@@ -154,7 +168,9 @@ def _bounds(g: torch.Tensor, m: int, top_k: torch.Tensor, top_p: torch.Tensor,
             return bounds
         if bounds is not None:
             keep[r], drop[r], cut_rows[r] = bounds[0], bounds[1], True
-    return Cut(keep, drop, cut_rows)
+    sent = (values >= drop[:, None]) & (values <= keep[:, None])  # [w, rows, m']
+    doubt = cut_rows & (sent.any(-1).any(0) | (st[..., 4] >= drop).any(0))
+    return Cut(keep, drop, cut_rows, doubt)
 
 
 class _Rows(NamedTuple):

@@ -37,8 +37,11 @@ temperature, min_p) by the sampled draw's own shard processing
 (commfold.vllm.sampled_pick.process, pinned with the draw); the columns a rank
 borrows from its neighbours for a split block are then sent processed (float32).
 Top-k / top-p: the bounds of V2's cut (commfold.vllm.shard_top_k_top_p) mask what
-they prove dropped; a token they leave in doubt anywhere gives the step to V2 (a flag
-beside the NaN flag), since every probability of a row depends on the kept set.
+they prove dropped; a row where they leave a token in doubt on any rank (known on
+every rank from the bounds' exchange) is made whole and cut by vLLM's own kernel
+(commfold.vllm.shard_edge_rows: one all-gather of those rows), since every
+probability of a row depends on the kept set; past that module's limit the step is
+V2's.
 commfold's sampled drafter fills the cache, on each rank, only where this rank
 reads it (commfold.vllm.draft_cache).
 
@@ -62,7 +65,7 @@ import torch
 
 from commfold.distributed.collectives import communicator
 from commfold.vllm import (draft_cache, hook_points, runtime, sampled_pick,
-                           shard_top_k_top_p, target_pick, verify_kernels)
+                           shard_top_k_top_p, step_log, target_pick, verify_kernels)
 from commfold.vllm.decision import verify_method, verify_refusal
 from commfold.vllm.hook_points import Pinned
 from commfold.vllm.logits_head import LogitsHead
@@ -156,7 +159,36 @@ class Verified(NamedTuple):
     processed: torch.Tensor  # [rows, shard]: the shard as V2 processed it (logprobs)
 
 
-EDGE = "top-k / top-p under spec decoding: a token at the cut's edge"
+def _cut(comm, head: LogitsHead, target: torch.Tensor, states, input_batch, start: int,
+         itemsize: int) -> str | None:
+    """V2's top-k / top-p cut on this rank's processed columns `target` (in place): the
+    bounds' certain drops on every row, vLLM's kernel on the rows made whole where a
+    rank may hold a token between the bounds (every probability of a row depends on
+    the kept set); why the step goes to V2 where neither can be had (every rank
+    alike). Every rank calls it together."""
+    from commfold.vllm import shard_edge_rows
+
+    mapping = input_batch.expanded_idx_mapping
+    bounds = shard_top_k_top_p.cut(comm, target, states.top_k.gpu[mapping],
+                                   states.top_p.gpu[mapping], head.vocab, head.shard)
+    if isinstance(bounds, str):
+        return bounds
+    rows = target.shape[0]
+    which = bounds.doubt.nonzero()[:, 0]
+    exact = None
+    if len(which):
+        why = shard_edge_rows.refusal(len(which), rows, itemsize)
+        if why is not None:
+            return why
+        whole = shard_edge_rows.whole(comm, target, which, head.shard, head.vocab)
+        exact = shard_edge_rows.cut(whole, which, states, input_batch, rows, "states")
+    wide = target.double()
+    below = bounds.rows[:, None] & (wide <= bounds.keep[:, None])
+    target.masked_fill_(below, float("-inf"))  # V2's cut, where it is certain
+    if exact is not None:  # ... and where it is not, vLLM's kernel's
+        target[which] = exact[:, start:start + target.shape[1]]
+        step_log.note(shard_edge_rows.NOTE_KEY, shard_edge_rows.note(len(which)))
+    return None
 
 
 def verify(rejection_sampler, head: LogitsHead, shard: torch.Tensor, input_batch,
@@ -165,8 +197,9 @@ def verify(rejection_sampler, head: LogitsHead, shard: torch.Tensor, input_batch
     """The step's verification as V2's RejectionSampler's ``rejection_sample`` gives
     it, from this rank's `shard` [rows, head.shard]; why the step goes to V2 where a
     rank's shard or the resampled values hold NaN, or where V2's top-k / top-p cut is
-    not certain for a token (every rank alike). invalid_drafts: the rows whose draft
-    V2 verifies as -1 (a grammar's, up to vLLM 0.33). Every rank calls it together."""
+    not certain for more rows than can be made whole (every rank alike).
+    invalid_drafts: the rows whose draft V2 verifies as -1 (a grammar's, up to vLLM
+    0.33). Every rank calls it together."""
     import numpy as np  # not at import: commfold imports without numpy
     from vllm.triton_utils import triton
     from vllm.v1.worker.gpu.spec_decode.rejection_sampler import gather_draft_sampled
@@ -182,6 +215,7 @@ def verify(rejection_sampler, head: LogitsHead, shard: torch.Tensor, input_batch
     mapping, local_pos = input_batch.expanded_idx_mapping, input_batch.expanded_local_pos
     idx_np = input_batch.idx_mapping_np
     processing = bool(np.any(sampler.needs_logits_processing[idx_np]))
+    itemsize = shard.element_size()  # the raw logits' (vLLM's gather)
     start = rank * head.shard
     n_real = max(0, min(head.shard, head.vocab - start))
     if processing:  # V2's processing on this rank's columns, the draft tokens as V2's
@@ -193,16 +227,10 @@ def verify(rejection_sampler, head: LogitsHead, shard: torch.Tensor, input_batch
         shard = buf[:, :head.shard]
     # this rank's real columns (no padding: V2's rows are cut to the vocab)
     target = shard[:, :n_real]
-    edge = False  # a token of this rank's the top-k / top-p cut may keep or drop
     if processing and sampled_pick.truncates(states, idx_np):
-        bounds = shard_top_k_top_p.cut(comm, target, states.top_k.gpu[mapping],
-                                       states.top_p.gpu[mapping], head.vocab, head.shard)
-        if isinstance(bounds, str):  # from gathered values: alike on every rank
-            return bounds
-        wide = target.double()
-        below = bounds.rows[:, None] & (wide <= bounds.keep[:, None])
-        edge = bool((below & (wide >= bounds.drop[:, None])).any())
-        target.masked_fill_(below, float("-inf"))  # V2's cut, where it is certain
+        why = _cut(comm, head, target, states, input_batch, start, itemsize)
+        if why is not None:  # from gathered values: alike on every rank
+            return why
     real_draft = draft  # the tokens drafted (a grammar's invalid ones too)
     if invalid_drafts is not None:  # V2 verifies these drafts as -1 (rejected)
         draft = draft.masked_fill(invalid_drafts, -1)
@@ -253,12 +281,10 @@ def verify(rejection_sampler, head: LogitsHead, shard: torch.Tensor, input_batch
         payload[:, i * top:i * top + nb] = x.view(torch.int32)
     payload[:, k * top:k * top + 2 * nb] = t_arg.view(torch.int32)
     payload[:, -2] = at_draft.view(torch.int32)
-    payload[:, -1] = int(nan_here) | 2 * int(edge)
+    payload[:, -1] = int(nan_here)
     got = comm.all_gather(payload).view(world, rows, -1)
     if bool((got[:, :, -1] & 1).any()):
         return sampled_pick.NAN
-    if bool(got[:, :, -1].any()):
-        return EDGE
     blocks = lay.blocks
     full = [torch.zeros(rows, blocks, **f32) for _ in range(4)]
     argmax = torch.zeros(rows, blocks, dtype=torch.int64, device=device)

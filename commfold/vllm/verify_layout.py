@@ -70,17 +70,19 @@ def sent(lay: Layout, rank: int, shard: torch.Tensor) -> torch.Tensor:
 
 def exchanged_bytes(rows: int, reqs: int, shard: int, vocab: int, world: int,
                     itemsize: int, draft_logits: bool, min_p: bool = False,
-                    processed: bool = False) -> int:
+                    processed: bool = False, whole_rows: int = 0) -> int:
     """What one rank sends in verify()'s collectives for a step of `rows` logits rows
     and `reqs` requests (raw logits of `itemsize` bytes; vLLM's gather sends
     rows * shard * itemsize); min_p: a request of the step uses it; processed: V2
-    processes the step's logits (the borrowed columns then go as float32)."""
+    processes the step's logits (the borrowed columns then go as float32);
+    whole_rows: rows made whole for vLLM's top-k / top-p kernel (float32 columns).
+    The bounds' own exchange (top-k / top-p) is not counted."""
     lay = Layout(shard, vocab, world)
     top = max(lay.first[q + 1] - lay.first[q] for q in range(world))
     k = 4 if draft_logits else 2
     item = 4 if processed else itemsize
     return rows * lay.width() * item + rows * ((k + 2) * top + 2 + min_p) * 4 + \
-        reqs * 16
+        reqs * 16 + whole_rows * shard * 4
 
 
 NO_SAVING = ("a vocab whose 8192-column blocks split this way sends no fewer bytes from "
