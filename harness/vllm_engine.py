@@ -192,3 +192,30 @@ def serve_runs(run, runs_json: str, label=lambda env: ()) -> None:
     print(TOKENS_MARK + json.dumps(results), flush=True)
     os._exit(0)
 
+
+def engine_runs(module: str, tmp: Path, runs: dict[str, dict], timeout: int = 3600) -> dict:
+    """The engines of a harness serving its runs with serve_runs (``python -m module
+    TMP '<runs>'``), in Model Runner V2's engine environment, each run's environment
+    plus its step log under tmp/log-NAME; the output kept in tmp/engines.log. Returns
+    out (name -> the run's result), printed (stdout and stderr lines: vLLM's log
+    handlers print commfold's lines there) and steps (name -> rank -> step logs)."""
+    import json
+    import subprocess
+    import sys
+
+    from commfold.distributed.comm_log import read_step_logs
+    from harness.vllm_models import engine_env
+
+    env = engine_env(tmp, v2=True)
+    given = [{**run, "COMMFOLD_COMM_LOG_DIR": str(tmp / f"log-{name}")}
+             for name, run in runs.items()]
+    proc = subprocess.run([sys.executable, "-m", module, str(tmp), json.dumps(given)],
+                          env=env, cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=timeout)
+    (tmp / "engines.log").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith(TOKENS_MARK)]
+    return dict(out=dict(zip(runs, json.loads(line[len(TOKENS_MARK):]))),
+                printed=(proc.stdout + proc.stderr).splitlines(),
+                steps={name: read_step_logs(tmp / f"log-{name}") for name in runs})
+

@@ -12,40 +12,24 @@ Opt-in (two engines, about four minutes on 2 cores): `slow`, run with
 `python -m pytest -m slow tests/test_vllm_draft_sampled_engine.py`."""
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from harness.vllm_models import engine_env, require_vllm_installed
+from harness.vllm_models import require_vllm_installed
 
-from commfold.distributed.comm_log import CommLog, read_step_logs
-from harness.vllm_draft_engine_v2 import TOKENS_MARK, VOCAB
+from commfold.distributed.comm_log import CommLog
+from harness.vllm_draft_engine_v2 import VOCAB
+from harness.vllm_engine import engine_runs
 
 pytestmark = [*require_vllm_installed(group="module"), pytest.mark.engine, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[1]
 RUNS = {"vllm": "", "commfold": "1"}
 SHARD = VOCAB // 2  # the vocab rows a rank holds (32000: no padding at TP=2)
 
 
 @pytest.fixture(scope="module")
 def draft_runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("drafts")
-    env = engine_env(tmp, v2=True)
-    runs = [{"COMMFOLD_VLLM": on, "COMMFOLD_COMM_LOG_DIR": str(tmp / f"log-{name}")}
-            for name, on in RUNS.items()]
-    proc = subprocess.run([sys.executable, "-m", "harness.vllm_draft_engine_v2", str(tmp),
-                           json.dumps(runs)], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=3600)
-    (tmp / "engines.log").write_text(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    (line,) = [x for x in proc.stdout.splitlines() if x.startswith(TOKENS_MARK)]
-    return dict(out=dict(zip(RUNS, json.loads(line[len(TOKENS_MARK):]))),
-                printed=(proc.stdout + proc.stderr).splitlines(),
-                steps={n: read_step_logs(tmp / f"log-{n}") for n in RUNS})
+    return engine_runs("harness.vllm_draft_engine_v2", tmp_path_factory.mktemp("drafts"),
+                       {name: {"COMMFOLD_VLLM": on} for name, on in RUNS.items()})
 
 
 def _served(by_rank):

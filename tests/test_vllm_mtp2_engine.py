@@ -13,50 +13,35 @@ Opt-in (three engines, minutes each on 2 cores): `slow`, run with
 `python -m pytest -m slow tests/test_vllm_mtp2_engine.py`."""
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from harness.vllm_models import engine_env, require_vllm_installed
+from harness.vllm_models import require_vllm_installed
 
-from commfold.distributed.comm_log import CommLog, read_step_logs
-from harness.vllm_mtp2 import TOKENS_MARK, VOCAB
+from commfold.distributed.comm_log import CommLog
+from harness.vllm_engine import engine_runs
+from harness.vllm_mtp2 import VOCAB
 
 pytestmark = [*require_vllm_installed(group="module"), pytest.mark.engine, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[1]
 RUNS = {"vllm": ("", False), "commfold": ("1", False), "commfold-local-argmax": ("1", True)}
 SHARD = 512  # the vocab rows a rank holds (1000 padded to 1024 at TP=2)
 
 
 @pytest.fixture(scope="module")
 def mtp2_runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("mtp2")
-    env = engine_env(tmp, v2=True)
-    runs = [{"COMMFOLD_VLLM": on, "local_argmax": local,
-             "COMMFOLD_COMM_LOG_DIR": str(tmp / f"log-{name}")}
-            for name, (on, local) in RUNS.items()]
-    proc = subprocess.run([sys.executable, "-m", "harness.vllm_mtp2", str(tmp),
-                           json.dumps(runs)], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=3600)
-    (tmp / "engines.log").write_text(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    (line,) = [x for x in proc.stdout.splitlines() if x.startswith(TOKENS_MARK)]
-    printed = (proc.stdout + proc.stderr).splitlines()
-    return dict(out=dict(zip(RUNS, json.loads(line[len(TOKENS_MARK):]))),
-                lines=[(x.split(" ", 1)[0], x.split("commfold: ", 1)[1]) for x in printed
+    got = engine_runs("harness.vllm_mtp2", tmp_path_factory.mktemp("mtp2"),
+                      {name: {"COMMFOLD_VLLM": on, "local_argmax": local}
+                       for name, (on, local) in RUNS.items()})
+    return dict(got, lines=[(x.split(" ", 1)[0], x.split("commfold: ", 1)[1])
+                       for x in got["printed"]
                        if "commfold: MultiModuleMTPSpeculator" in x
-                       and x.startswith("(Worker_TP")],  # through vLLM's handlers
-                stderr=proc.stderr,
-                steps={n: read_step_logs(tmp / f"log-{n}") for n in RUNS})
+                       and x.startswith("(Worker_TP")])  # through vLLM's handlers
 
 
 def test_mtp2_tokens_equal_vllms(mtp2_runs):
     out = mtp2_runs["out"]
-    assert "TypeError" not in mtp2_runs["stderr"]
+    assert not any("TypeError" in x for x in mtp2_runs["printed"])
     assert all(len(t) == 10 for t in out["vllm"]["tokens"])
     assert out["vllm"]["spec"]["num_draft_tokens"] > 0, out["vllm"]["spec"]
     for name in ("commfold", "commfold-local-argmax"):

@@ -16,39 +16,22 @@ Opt-in (two engines, minutes each on 2 cores): `slow`, run with
 `python -m pytest -m slow tests/test_vllm_mtp2_sampled_engine.py`."""
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from harness.vllm_models import engine_env, require_vllm_installed
-
-from commfold.distributed.comm_log import read_step_logs
-from harness.vllm_mtp2 import TOKENS_MARK
+from harness.vllm_engine import engine_runs
+from harness.vllm_models import require_vllm_installed
 
 pytestmark = [*require_vllm_installed(group="module"), pytest.mark.engine, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[1]
 RUNS = {"vllm": "", "commfold": "1"}
 SHARD = 512  # the vocab rows a rank holds (1000 padded to 1024 at TP=2)
 
 
 @pytest.fixture(scope="module")
 def sampled_runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("mtp2s")
-    env = engine_env(tmp, v2=True)
-    runs = [{"COMMFOLD_VLLM": on, "sampled": True,
-             "COMMFOLD_COMM_LOG_DIR": str(tmp / f"log-{name}")} for name, on in RUNS.items()]
-    proc = subprocess.run([sys.executable, "-m", "harness.vllm_mtp2", str(tmp),
-                           json.dumps(runs)], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=3600)
-    (tmp / "engines.log").write_text(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    (line,) = [x for x in proc.stdout.splitlines() if x.startswith(TOKENS_MARK)]
-    return dict(out=dict(zip(RUNS, json.loads(line[len(TOKENS_MARK):]))),
-                steps={n: read_step_logs(tmp / f"log-{n}") for n in RUNS})
+    return engine_runs("harness.vllm_mtp2", tmp_path_factory.mktemp("mtp2s"),
+                       {name: {"COMMFOLD_VLLM": on, "sampled": True}
+                        for name, on in RUNS.items()})
 
 
 def test_mtp_sampled_tokens_equal_vllms(sampled_runs):
