@@ -25,7 +25,8 @@ _KINDS = {"2": (2, {"timeout": 600}), "4": (4, {"timeout": 600}),
           # and Triton reads TRITON_INTERPRET at its own import
           # the pick's cost rule off: these test V2's picks on tiny vocabularies, where
           # the rule would leave logprobs steps to vLLM (commfold.vllm.pick_cost)
-          "vllm_v2": (2, {"timeout": 300, "threads": 1, "spawn": True,
+          # (10 minutes: a case list runs interpreted kernels, slow on a loaded machine)
+          "vllm_v2": (2, {"timeout": 600, "threads": 1, "spawn": True,
                           "env": {"TRITON_INTERPRET": "1",
                                   "COMMFOLD_PICK_COST_RULE": "0"}})}
 _KINDS["vllm_v2_4"] = (4, _KINDS["vllm_v2"][1])  # the same, 4 ranks
