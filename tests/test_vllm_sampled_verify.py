@@ -354,6 +354,7 @@ CUT_ROW = st.fixed_dictionaries({
 })
 
 
+@pytest.mark.slow  # the fixed cases above cover the rows made whole; ~1 min more
 @settings(max_examples=2, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(vocab=st.integers(8200, 24600), dtype=st.sampled_from(["float32", "bfloat16"]),
