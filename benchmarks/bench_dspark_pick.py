@@ -1,5 +1,5 @@
 """DSpark's greedy draft block, the pick alone: vLLM's one gather of the block's base
-draft logits vs commfold.vllm.dspark_pick's one (value, index) exchange per position,
+draft logits vs commfold.vllm.spec_decode.dspark_pick's one (value, index) exchange per position,
 at TP=2 in vLLM's own TP group, its CPU shared-memory communicator and gloo side by
 side in one run, on vLLM's real ParallelLMHead + LogitsProcessor and DSpark Markov
 head (harness/dspark_block.py), bf16:
@@ -39,7 +39,7 @@ def measure(vocabs, reqs_list, positions_list, rounds, comms):
 
     from commfold.config import Config
     from commfold.ops.local_argmax import local_argmax
-    from commfold.vllm import dspark_pick
+    from commfold.vllm.spec_decode import dspark_pick
     from harness import dspark_block as db
     from harness.vllm_tp import init_vllm_tp
 

@@ -5,7 +5,7 @@ ParallelLMHead + LogitsProcessor (V=151936, hidden 1024, bf16 by default) and it
 real Sampler:
 
 - vLLM: compute_logits (LM-head matmul + all-gather of the logits) + Sampler;
-- commfold: compute_logits on this rank's shard + commfold.vllm.target_pick's pick
+- commfold: compute_logits on this rank's shard + commfold.vllm.target.target_pick's pick
   (greedy: one (value, index) pair per row per rank; logprobs=k: two small
   all-gathers);
 - greedy also: vLLM's hand-written get_top_tokens (what vLLM uses for drafters,
@@ -47,7 +47,7 @@ def measure(batches, modes, vocab, hidden, dtype, iters, shm, pick_only=False):
 
     from harness import vllm_step as vs
     from harness.vllm_tp import init_vllm_tp
-    from commfold.vllm.target_pick import Picker
+    from commfold.vllm.target.target_pick import Picker
 
     current_platform.register_triton_kernel_overrides()
     init_vllm_tp(2, shm=shm)
@@ -98,7 +98,7 @@ def _pick_only(picker, runner, model, h, md, mode, iters) -> dict:
         return runner.sampler(logits=picker.gather(x), sampling_metadata=md)
 
     def commfold_pick(x):
-        from commfold.vllm.target_pick import _Pending
+        from commfold.vllm.target.target_pick import _Pending
 
         return picker.sample(_Pending(x, pick_mode, picker.pick(x, pick_mode)), None)
 

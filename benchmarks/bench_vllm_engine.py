@@ -67,7 +67,7 @@ def variants() -> dict[str, dict]:
     out = {"vllm": ({"COMMFOLD_VLLM": ""}, False),
            "vllm-local-argmax": ({"COMMFOLD_VLLM": ""}, True),
            "commfold": ({"COMMFOLD_VLLM": "1"}, False)}
-    if importlib.util.find_spec("commfold.vllm.target_pick") is not None:
+    if importlib.util.find_spec("commfold.vllm.target.target_pick") is not None:
         out["commfold-no-target-pick"] = ({"COMMFOLD_VLLM": "1", "COMMFOLD_TARGET_PICK": "0"},
                                           False)
     return out
@@ -101,7 +101,7 @@ def measure(models, method, variant, concurrency, tokens, repeats, log_tokens) -
     per engine step by phase over its decode steps (those that drafted, under spec
     decoding)."""
     from commfold.distributed.comm_log import read_step_logs
-    from commfold.vllm.step_log import PAUSED
+    from commfold.vllm.observe.step_log import PAUSED
     from harness.vllm_engine import logits_gather_ms
     from harness.vllm_spec import engine, generate
 

@@ -4,7 +4,7 @@ ParallelLMHead + LogitsProcessor, LM-head matmul included), side by side in one 
 - ``vllm``: vLLM's hand-written ``LogitsProcessor.get_top_tokens`` (per-rank max, a
   gather of (value, index) pairs) - the strongest alternative a vLLM user has;
 - ``gather``: the full logits gathered, then argmax (vLLM's default path);
-- ``commfold``: ``commfold.vllm.top_tokens.lm_head_top_tokens`` (compute_logits ->
+- ``commfold``: ``commfold.vllm.spec_decode.top_tokens.lm_head_top_tokens`` (compute_logits ->
   argmax compiled with the local_argmax pass).
 
 At batch 1 the LM-head matmul is 90-99% of each call, so the variants differ by a
@@ -46,7 +46,7 @@ def _head(vocab: int, hidden: int, dtype):
 def measure(comms, batches, vocabs, hidden: int, iters: int, dtype: str = "float32"):
     """On every rank (a RankPool of 2): one row per (communicator, V, B)."""
     from harness.vllm_tp import init_vllm_tp, shm_supported
-    from commfold.vllm.top_tokens import lm_head_top_tokens
+    from commfold.vllm.spec_decode.top_tokens import lm_head_top_tokens
 
     dt = getattr(torch, dtype)
     rows = []

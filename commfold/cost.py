@@ -60,7 +60,7 @@ LOCAL_PICK = "vllm_local_pick"
 # the same with top-k logprobs: two small exchanges (local_logprobs) against the gather
 LOCAL_LOGPROBS = "vllm_local_logprobs"
 # DSpark's greedy draft block: one (value, index) exchange per position from the base
-# logits' shard (commfold.vllm.dspark_pick) or vLLM's one gather of the block's logits
+# logits' shard (commfold.vllm.spec_decode.dspark_pick) or vLLM's one gather of the block's logits
 DSPARK_PICK = "vllm_dspark_pick"
 
 # Communicators (Site.comm): what moves the data in the rewritten code

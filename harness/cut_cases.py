@@ -1,11 +1,11 @@
 """vLLM's own top-k / top-p kernel against commfold's bounds of its cut, row by row, in
-one process (tests of commfold.vllm.shard_top_k_top_p): a row set is masked by vLLM's
+one process (tests of commfold.vllm.sample.shard_top_k_top_p): a row set is masked by vLLM's
 ``apply_top_k_top_p`` (its Triton kernel in Triton's interpreter) and, split into
 `world` vocab shards, bounded by ``_payload`` / ``_bounds`` as the ranks would (their
 all-gather stood in by stacking the shards' payloads). Every row must keep every token
 above ``keep`` and none below ``drop``; a row with a token between them on any shard
 must be marked ``doubt``; and the kernel must cut a subset of the rows as it cuts
-them in the whole set (what commfold.vllm.shard_edge_rows rests on)."""
+them in the whole set (what commfold.vllm.sample.shard_edge_rows rests on)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -44,7 +44,7 @@ def kept_and_bounds(world: int, cases: list[dict]) -> list[dict]:
     triton_cpu.install()
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
-    from commfold.vllm import shard_top_k_top_p as cut
+    from commfold.vllm.sample import shard_top_k_top_p as cut
 
     out = []
     for case in cases:

@@ -1,6 +1,6 @@
 """One DSpark draft block, vLLM's own ``DSparkSpeculator._sample_sequential`` on a
 speculator with only what that method reads (tests and benchmarks of
-commfold.vllm.dspark_pick): a drafter with vLLM's real sharded ParallelLMHead +
+commfold.vllm.spec_decode.dspark_pick): a drafter with vLLM's real sharded ParallelLMHead +
 LogitsProcessor and its shipped (replicated) DSparkMarkovHead, Qwen3DSparkForCausalLM's
 own methods, in a vLLM TP group of rank-pool processes. ``run_block`` returns the
 block's draft tokens and the collectives it ran."""

@@ -1,20 +1,20 @@
 """What every sampled-step result of harness.vllm_step_v2.step_cases must hold against
-V2's own Sampler (tests of commfold.vllm.sampled_pick): the same tokens, the decision
+V2's own Sampler (tests of commfold.vllm.sample.sampled_pick): the same tokens, the decision
 the case names, the collectives the pick needs and no vocab-wide gather on a step
 taken; on a step left to vLLM, the reason in the step log and vLLM's gather."""
 from __future__ import annotations
 
 
-EDGE = "top-k / top-p: a token at the cut's edge"  # commfold.vllm.sampled_pick.BOUNDARY
+EDGE = "top-k / top-p: a token at the cut's edge"  # commfold.vllm.sample.sampled_pick.BOUNDARY
 WHOLE = "rows made whole for vLLM's top-k / top-p kernel"  # shard_edge_rows.note's end
 
 
 def made_whole(r) -> int:
     """How many rows a step's result made whole for vLLM's top-k / top-p kernel (its
-    step-log note, commfold.vllm.shard_edge_rows), the gather that did so checked:
+    step-log note, commfold.vllm.sample.shard_edge_rows), the gather that did so checked:
     one of [rows, shard] float32 per rank, as many bytes as
     shard_edge_rows.gathered_bytes says."""
-    from commfold.vllm.shard_edge_rows import gathered_bytes, note
+    from commfold.vllm.sample.shard_edge_rows import gathered_bytes, note
 
     made = [n for n in r["notes"] if n.endswith(WHOLE)]
     if not made:
@@ -46,7 +46,7 @@ def check(results):
     where none may be. Returns how many rows each result made whole."""
     from harness.vllm_step_v2 import same_step
 
-    from commfold.vllm.shard_grammar import NOTE  # a grammar's bitmask, noted apart
+    from commfold.vllm.sample.shard_grammar import NOTE  # a grammar's bitmask, noted apart
 
     counts = []
     for res in results:
@@ -122,7 +122,7 @@ def _penalized(p: dict) -> bool:
 
 
 def mode_of(rows: list[dict]) -> str:
-    """The mode commfold.vllm.decision.decide_v2 gives these requests' step."""
+    """The mode commfold.vllm.target.decision.decide_v2 gives these requests' step."""
     logprobs = any(p.get("logprobs") is not None for p in rows)
     if any(_penalized(p) or p.get("logit_bias") or p.get("allowed_token_ids")
            for p in rows) or any(p.get("temperature", 1.0) != 0.0 for p in rows):

@@ -1,5 +1,5 @@
 """Probabilistic drafting on Model Runner V2, both ways, then the verified step (tests
-of commfold.vllm.draft_sampled): V2's own ``DraftModelSpeculator.sample_draft``
+of commfold.vllm.spec_decode.draft_sampled): V2's own ``DraftModelSpeculator.sample_draft``
 (``gumbel_sample`` over the gathered drafter logits, the draft cache written whole)
 against the same method under commfold's hook, on vLLM's real ParallelLMHead +
 LogitsProcessor in a vLLM TP group of spawned ranks, V2's Triton kernels in Triton's
@@ -70,8 +70,8 @@ def draft_cases(world: int, cases: list[dict]) -> list[dict]:
     from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
 
     from commfold.config import Config
-    from commfold.vllm import draft, draft_sampled
-    from commfold.vllm.runtime import Runner
+    from commfold.vllm.spec_decode import draft, draft_sampled
+    from commfold.vllm.compat.runtime import Runner
     from harness.vllm_tp import init_vllm_tp
 
     tp = init_vllm_tp(world, shm=False, reuse=True)
@@ -95,7 +95,8 @@ def _case(case, rank: int, world: int, sample, drafted) -> dict:
     from vllm import SamplingParams
 
     from commfold.distributed.comm_log import record_collectives
-    from commfold.vllm import draft_cache, step_log, verify_layout
+    from commfold.vllm.spec_decode import draft_cache, verify_layout
+    from commfold.vllm.observe import step_log
     from harness import vllm_step
     from harness.vllm_step_v2 import _vocab_gathers, hooked_sample, input_batch, runner, valid
 

@@ -106,7 +106,7 @@ environ = environment
 def pause_target_pick(worker, paused: bool) -> bool:
     """For ``LLM.collective_rpc``: commfold's target pick paused (vLLM's path) or
     resumed in each worker (needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 to send it)."""
-    from commfold.vllm.pause import pause
+    from commfold.vllm.target.switch import pause
 
     return pause(paused)
 

@@ -83,7 +83,7 @@ ENGINE_ENV = {
     "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc(pause_target_pick)
     "COMMFOLD_FUSE_COST_RULE": "0",  # every rewrite shown: harness/vllm_engine.py, BASE_ENV
     # every step the target pick may take is taken: its logprobs path on this tiny vocab
-    # would be left to vLLM (commfold.vllm.pick_cost)
+    # would be left to vLLM (commfold.vllm.target.pick_cost)
     "COMMFOLD_PICK_COST_RULE": "0",
 }
 # Inductor's CPU ISA probe done once here, not in every worker (~35 s a start)

@@ -1,5 +1,5 @@
 """One engine step's logits and token pick, both ways, in a vLLM TP group of rank-pool
-processes (tests and benchmarks of commfold.vllm.target_pick): vLLM's real
+processes (tests and benchmarks of commfold.vllm.target.target_pick): vLLM's real
 ParallelLMHead and LogitsProcessor (TinyLM), a stand-in for what the hook reads of
 vLLM's model runner (its model, input batch, sampler), and ``step_both_ways`` - the
 hook's local shard and pick, and vLLM's full gather with its own Sampler /
@@ -138,7 +138,7 @@ def step_both_ways(model, md, h, spec=None, logprobs_mode="raw_logprobs", cost_r
     why, the collectives each way); cost_rule: the pick's cost rule as users get it
     (off by default: these steps test the pick on tiny vocabularies)."""
     from commfold.distributed.comm_log import record_collectives
-    from commfold.vllm.target_pick import Picker
+    from commfold.vllm.target.target_pick import Picker
 
     r = runner(model, md, logprobs_mode)
     picker = Picker.build(r)
@@ -170,7 +170,7 @@ def hook_v2_draft_pick():
     from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
 
     from commfold.config import Config
-    from commfold.vllm import draft as vllm_draft
+    from commfold.vllm.spec_decode import draft as vllm_draft
 
     original = DraftModelSpeculator.__dict__["sample_draft"]
     original = getattr(original, "__wrapped__", original)

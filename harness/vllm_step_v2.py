@@ -1,5 +1,5 @@
 """One Model Runner V2 sampling step both ways, in a vLLM TP group of rank-pool
-processes spawned for V2 (tests of commfold.vllm.target_pick_v2): vLLM's real
+processes spawned for V2 (tests of commfold.vllm.target.target_pick_v2): vLLM's real
 ParallelLMHead + LogitsProcessor (harness.vllm_step.TinyLM), V2's real Sampler,
 RejectionSampler, RequestState and InputBatch, and V2's own
 ``GPUModelRunner.sample`` run on a stand-in runner holding what it reads - once as
@@ -137,7 +137,7 @@ def new_draft_logits(steps: int, vocab: int, dtype: torch.dtype):
 
 def model_state_hooks() -> bool:
     """Whether this vLLM's target pick acts through the model state (from 0.34)."""
-    from commfold.vllm import target_pick_v2
+    from commfold.vllm.target import target_pick_v2
 
     return target_pick_v2.hook_set() is not target_pick_v2.HOOK_SETS[0]
 
@@ -224,7 +224,7 @@ def hooked_sample(original, r, hidden, batch, case: dict | None = None, grammar=
     (as a context-parallel batch restored for sampling)."""
     import dataclasses
 
-    from commfold.vllm import target_pick_state, target_pick_v2
+    from commfold.vllm.target import target_pick_state, target_pick_v2
 
     if not model_state_hooks():
         return target_pick_v2._sample(original)(r, hidden, batch, grammar)[0]
@@ -255,7 +255,7 @@ def left_alone(world: int) -> list[dict]:
     import vllm.v1.worker.cpu.shm  # noqa: F401  (what vLLM's CPU worker imports first)
     from vllm.v1.worker.gpu.model_states.interface import ModelState
 
-    from commfold.vllm import target_pick_state
+    from commfold.vllm.target import target_pick_state
     from harness import vllm_step
     from harness.vllm_tp import init_vllm_tp
 
@@ -346,7 +346,7 @@ def step_cases(world: int, cases: list[dict]) -> list[dict]:
     import vllm.v1.worker.cpu.shm  # noqa: F401  (what vLLM's CPU worker imports first)
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
-    from commfold.vllm import step_log as vllm_comm_log
+    from commfold.vllm.observe import step_log as vllm_comm_log
     from commfold.distributed.comm_log import record_collectives
     from harness import vllm_step
     from harness.vllm_tp import init_vllm_tp
@@ -437,8 +437,8 @@ def v2_cut(into: list):
 
 @contextlib.contextmanager
 def whole_cut(into: list):
-    """(rows, cut rows) of each commfold.vllm.shard_edge_rows.cut call, kept."""
-    from commfold.vllm import shard_edge_rows
+    """(rows, cut rows) of each commfold.vllm.sample.shard_edge_rows.cut call, kept."""
+    from commfold.vllm.sample import shard_edge_rows
 
     original = shard_edge_rows.cut
 
@@ -467,7 +467,7 @@ def same_rows(cuts: dict) -> bool | None:
 def padded_kernel(on: bool | None):
     """With `on`: rows made whole for vLLM's top-k / top-p kernel are run with no-op
     rows besides, to over its split batch size, as on CUDA (shard_edge_rows)."""
-    from commfold.vllm import shard_edge_rows
+    from commfold.vllm.sample import shard_edge_rows
 
     rows = shard_edge_rows.kernel_rows
     if on:
@@ -587,8 +587,9 @@ def prompt_cases(world: int, cases: list[dict]) -> list[dict]:
     from vllm.v1.worker.gpu.sample import prompt_logprob
 
     from commfold.distributed.comm_log import record_collectives
-    from commfold.vllm import step_log, target_pick_v2, v2_pick
-    from commfold.vllm.logits_head import LogitsHead
+    from commfold.vllm.observe import step_log
+    from commfold.vllm.target import target_pick_v2, v2_pick
+    from commfold.vllm.target.logits_head import LogitsHead
     from harness import vllm_step
     from harness.vllm_tp import init_vllm_tp
 

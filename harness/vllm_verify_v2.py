@@ -1,7 +1,7 @@
 """Spec-decode steps with sampled requests through Model Runner V2's own
 ``GPUModelRunner.sample`` (its real Sampler, RejectionSampler, InputBatch on vLLM's
 real ParallelLMHead + LogitsProcessor), once as vLLM ships it and once under
-commfold's hook (commfold.vllm.shard_verify), in a vLLM TP group of spawned ranks.
+commfold's hook (commfold.vllm.spec_decode.shard_verify), in a vLLM TP group of spawned ranks.
 Built on harness.vllm_step_v2's runner and batch; adds the drafter's cached logits
 (V2's ``speculator.draft_logits``) and drafts chosen to be accepted or rejected.
 """
@@ -64,7 +64,7 @@ def verify_cases(world: int, cases: list[dict]) -> list[dict]:
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
     from commfold.distributed.comm_log import record_collectives
-    from commfold.vllm import step_log
+    from commfold.vllm.observe import step_log
     from harness import vllm_step
     from harness.vllm_step_v2 import (_histories, _logprobs, _params, _score_diff,
                                       _vocab_gathers, hooked_sample, input_batch,
@@ -154,7 +154,7 @@ def _processed_logits(runner, into: dict):
 def _verified_shard(into: dict):
     """The shard commfold's verification processed and cut (Verified.processed), kept
     in into["ours"]."""
-    from commfold.vllm import shard_verify
+    from commfold.vllm.spec_decode import shard_verify
 
     original = shard_verify.verify
 
@@ -211,8 +211,9 @@ def method_refusals(world: int, configs: dict) -> dict:
     from vllm import SamplingParams
     from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
 
-    from commfold.vllm import shard_verify, v2_pick
-    from commfold.vllm.decision import _sampler_method
+    from commfold.vllm.spec_decode import shard_verify
+    from commfold.vllm.target import v2_pick
+    from commfold.vllm.target.decision import _sampler_method
     from harness.vllm_step_v2 import input_batch, sampler_for
 
     out = {}
@@ -231,7 +232,7 @@ def method_refusals(world: int, configs: dict) -> dict:
 
 
 def launch_arguments(world: int, forms: dict | None = None) -> dict:
-    """In a spawned rank: per kernel commfold.vllm.verify_kernels launches, (the
+    """In a spawned rank: per kernel commfold.vllm.spec_decode.verify_kernels launches, (the
     argument names it passes, launch options left out; the installed kernel's
     parameter names), from each launch function run on stand-in tensors with the
     kernel replaced by a recorder. forms: {name: release} in place of
@@ -244,7 +245,7 @@ def launch_arguments(world: int, forms: dict | None = None) -> dict:
 
     from vllm.v1.worker.gpu.spec_decode import rejection_sampler_utils as ru
 
-    from commfold.vllm import verify_kernels
+    from commfold.vllm.spec_decode import verify_kernels
 
     got: dict = {}
 

@@ -24,7 +24,7 @@ _KINDS = {"2": (2, {"timeout": 600}), "4": (4, {"timeout": 600}),
           # Model Runner V2: spawned, so harness.triton_cpu registers before vLLM imports
           # and Triton reads TRITON_INTERPRET at its own import
           # the pick's cost rule off: these test V2's picks on tiny vocabularies, where
-          # the rule would leave logprobs steps to vLLM (commfold.vllm.pick_cost)
+          # the rule would leave logprobs steps to vLLM (commfold.vllm.target.pick_cost)
           # (10 minutes: a case list runs interpreted kernels, slow on a loaded machine)
           "vllm_v2": (2, {"timeout": 600, "threads": 1, "spawn": True,
                           "env": {"TRITON_INTERPRET": "1",

@@ -141,10 +141,10 @@ def test_cached_report_names_the_moved_line(ranks2, tmp_path):
 def test_many_token_picks_in_one_process_all_compile():
     """Dynamo stops compiling a code object after its recompile limit and runs it
     eagerly (a pick would gather again, silently): each pick built by
-    commfold.vllm.top_tokens has a code object of its own, so a process holding more
+    commfold.vllm.spec_decode.top_tokens has a code object of its own, so a process holding more
     picks than the limit (drafters, test suites) compiles every one with commfold."""
     from commfold.report import clear_reports, reports
-    from commfold.vllm.top_tokens import top_tokens_fn
+    from commfold.vllm.spec_decode.top_tokens import top_tokens_fn
 
     limit = torch._dynamo.config.recompile_limit
     clear_reports()

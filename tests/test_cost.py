@@ -77,7 +77,7 @@ def test_no_measured_figure_in_passes_or_patterns():
 
 def test_batch_sharded_pick_weighs_bytes_moved():
     """V2's batch-sharded sampling stays when its all-to-all moves fewer bytes than the
-    pick's pairs (commfold.vllm.target_pick_v2 asks this per step)."""
+    pick's pairs (commfold.vllm.target.target_pick_v2 asks this per step)."""
     def site(rows, vocab, world, dtype):
         return cost.Site(cost.BATCH_SHARDED_PICK, dtype=dtype, rows=rows, vocab=vocab,
                          world=world)
@@ -107,10 +107,10 @@ def test_the_pick_rule_weighs_the_gathered_bytes():
 
 
 def test_the_pick_rule_per_engine_step_and_its_switch(monkeypatch):
-    """commfold.vllm.pick_cost asks the table with a step's rows and the TP group's
+    """commfold.vllm.target.pick_cost asks the table with a step's rows and the TP group's
     communicator spec (vLLM's custom ops on CUDA here); COMMFOLD_PICK_COST_RULE=0
     takes every step."""
-    from commfold.vllm import pick_cost
+    from commfold.vllm.target import pick_cost
 
     args = (torch.bfloat16, "cuda", "vllm:tp:0", 151936, 2)
     assert "cost rule: 16 row(s)" in pick_cost.slower("draft", 16, *args)
@@ -127,7 +127,8 @@ def test_sampled_verification_is_left_where_it_sends_no_fewer_bytes(monkeypatch)
     vLLM's; real vocabularies keep it; COMMFOLD_PICK_COST_RULE=0 takes it."""
     from types import SimpleNamespace
 
-    from commfold.vllm import pick_cost, verify_layout
+    from commfold.vllm.target import pick_cost
+    from commfold.vllm.spec_decode import verify_layout
 
     def head(vocab: int, world: int):
         shard = -(-vocab // 64) * 64 // world
@@ -152,7 +153,7 @@ def test_the_dspark_block_rule_weighs_the_gather_per_exchange(monkeypatch):
     """DSpark's block: one exchange per position against one gather of the block's
     logits; below the measured bytes per exchange (2 KiB on shared memory, 64 KiB on
     gloo) vLLM's gather; the switch takes every block."""
-    from commfold.vllm import pick_cost
+    from commfold.vllm.target import pick_cost
 
     def why(comm, reqs, positions, vocab):
         return cost.why_slower(cost.dspark_site("cpu", comm, torch.bfloat16, reqs, positions,

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from commfold.vllm import step_log as vllm_comm_log
+from commfold.vllm.observe import step_log as vllm_comm_log
 
 VLLM_033_SOURCES = Path("/work/src033/src/vllm")
 _COMMUNICATOR = "distributed/device_communicators/cuda_communicator.py"

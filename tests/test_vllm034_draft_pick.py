@@ -175,7 +175,7 @@ def test_draft_pick_equals_034_sample_draft(ranks, cases):
 
 
 def test_draft_pick_nan_rule_of_034():
-    from commfold.vllm import draft
+    from commfold.vllm.spec_decode import draft
 
     assert draft.v2_nan_as_neginf() is True
 
@@ -183,7 +183,7 @@ def test_draft_pick_nan_rule_of_034():
 def test_step_log_finds_what_034s_pynccl_sends():
     from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
 
-    from commfold.vllm.step_log import pynccl_sent
+    from commfold.vllm.observe.step_log import pynccl_sent
 
     sent = pynccl_sent(PyNcclCommunicator)
     assert sent["all_to_all_single"] == ("all_to_all", 1, "input_tensor"), sent

@@ -72,7 +72,7 @@ def test_a_pinned_point_holds_the_same_hash_statically_and_imported(compat, tree
     import inspect
     import sys
 
-    from commfold.vllm.hook_points import Pinned, missing, source_hash
+    from commfold.vllm.compat.hook_points import Pinned, missing, source_hash
 
     path = tree / "sampler.py"
     path.write_text(METHOD)
@@ -109,8 +109,8 @@ def test_a_hook_for_other_releases_is_marked_not_moved(compat, tree):
 
 
 def test_rows_are_the_registrys_points(compat, tree):
-    """One row per point of every hook in commfold.vllm.hooks.HOOKS, under its label."""
-    from commfold.vllm import hooks
+    """One row per point of every hook in commfold.vllm.compat.hooks.HOOKS, under its label."""
+    from commfold.vllm.compat import hooks
 
     rows = compat.report([compat.Sources(tree)])
     for hook in hooks.HOOKS:

@@ -1,4 +1,4 @@
-"""Spec-decode verification methods (commfold.vllm.decision): commfold's greedy verify
+"""Spec-decode verification methods (commfold.vllm.target.decision): commfold's greedy verify
 replaces vLLM's only under strict greedy verification; every other method vLLM
 defines, and any it does not know, runs vLLM's code. The methods are read from vLLM's
 sources - the installed vLLM's, and vLLM 0.33's and 0.34's where an unpacked copy is
@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from commfold.vllm.decision import (LEFT_TO_VLLM, STRICT_GREEDY, V2Step, all_to_all_bytes,
+from commfold.vllm.target.decision import (LEFT_TO_VLLM, STRICT_GREEDY, V2Step, all_to_all_bytes,
                                     decide, decide_v2, pick_bytes, verify_method,
                                     verify_refusal)
 
@@ -196,7 +196,7 @@ def test_v2_steps_that_stay_vllms(change, why):
     mode, reason = decide_v2(step, spec=False, structured=False)
     assert mode is None and reason.startswith(why), reason
     assert decide_v2(GREEDY_V2, spec=False, structured=False) == ("greedy", "all greedy")
-    # structured output: its bitmask on the shards (commfold.vllm.shard_grammar), under
+    # structured output: its bitmask on the shards (commfold.vllm.sample.shard_grammar), under
     # spec decoding too
     assert decide_v2(GREEDY_V2, spec=False, structured=True) == ("greedy", "all greedy")
     assert decide_v2(GREEDY_V2, spec=True, structured=True, verify="standard") == \
@@ -221,10 +221,10 @@ def test_v2_sampled_steps(change, want):
     shards when all its processing is local; under spec decoding V2's probabilistic
     verification is taken ("verify_sampled") with its processing in SPEC_LOCAL (no
     top-k / top-p) and logprobs as in sampled steps; with top-k / top-p too (the cut's
-    bounds, commfold.vllm.shard_top_k_top_p)."""
+    bounds, commfold.vllm.sample.shard_top_k_top_p)."""
     import dataclasses
 
-    from commfold.vllm.decision import SPEC_LOCAL
+    from commfold.vllm.target.decision import SPEC_LOCAL
 
     step = dataclasses.replace(GREEDY_V2, **change)
     assert decide_v2(step, spec=False, structured=False) == want
@@ -292,7 +292,7 @@ def test_v2_greedy_logprobs_are_picked_locally(mode):
     (5, "other", 151936, (None, "logprobs_mode other")),
 ])
 def test_v2_prompt_logprobs_decision(k, mode, vocab, want):
-    from commfold.vllm.decision import decide_v2_prompt
+    from commfold.vllm.target.decision import decide_v2_prompt
 
     assert decide_v2_prompt(k, mode, vocab) == want
 

@@ -68,7 +68,7 @@ def _raises(fn, h):
 def _check_picks():
     from commfold import Config
     from commfold.distributed.comm_log import record_collectives
-    from commfold.vllm.top_tokens import RemappedPick, draft_top_tokens
+    from commfold.vllm.spec_decode.top_tokens import RemappedPick, draft_top_tokens
 
     torch._dynamo.reset()
     init_vllm_tp(2, shm=False)  # gloo: the profiler sees every collective

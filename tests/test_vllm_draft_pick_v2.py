@@ -1,7 +1,7 @@
 """commfold's draft pick inside Model Runner V2's speculator: vLLM's own
 ``DraftModelSpeculator.sample_draft`` (greedy drafting: ``compute_draft_logits(...)
 .argmax(-1)``, a full-vocab gather per draft step) against the same method under
-commfold's hook (commfold.vllm.draft), on vLLM's real ParallelLMHead +
+commfold's hook (commfold.vllm.spec_decode.draft), on vLLM's real ParallelLMHead +
 LogitsProcessor in a vLLM TP=2 group: identical draft tokens (ties across shards,
 vocab padding, bf16), one (value, index) pair per row per rank instead of the
 gather; a speculator with an acceptance estimator (adaptive verification reads the

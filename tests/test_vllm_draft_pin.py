@@ -11,15 +11,15 @@ pytestmark = require_vllm_installed()
 
 def _pick_state():
     from commfold.config import Config
-    from commfold.vllm import draft
-    from commfold.vllm.runtime import Runner
+    from commfold.vllm.spec_decode import draft
+    from commfold.vllm.compat.runtime import Runner
 
     (pick, _) = draft.states(Config(passes=("local_argmax",)), {}, Runner(2, "test"))
     return pick
 
 
 def test_installed_sample_draft_is_pinned():
-    from commfold.vllm import draft
+    from commfold.vllm.spec_decode import draft
 
     assert draft.sample_draft_unpinned() == []
     assert _pick_state().on, _pick_state()

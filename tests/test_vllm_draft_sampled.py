@@ -1,4 +1,4 @@
-"""commfold's probabilistic drafting on Model Runner V2 (commfold.vllm.draft_sampled)
+"""commfold's probabilistic drafting on Model Runner V2 (commfold.vllm.spec_decode.draft_sampled)
 against V2's own ``DraftModelSpeculator.sample_draft`` - ``gumbel_sample`` over the
 drafter's gathered logits, V2's Triton kernels in Triton's interpreter - on 2 gloo
 ranks, then the drafts verified through V2's own ``GPUModelRunner.sample``: the same
@@ -33,7 +33,7 @@ def _shard(vocab: int) -> int:
 
 
 def _check(results):
-    from commfold.vllm import draft_sampled, shard_verify
+    from commfold.vllm.spec_decode import draft_sampled, shard_verify
 
     for res in results:
         for r in res:

@@ -1,7 +1,7 @@
-"""The probabilistic draft pick's switch and its refusals (commfold.vllm.draft_sampled),
+"""The probabilistic draft pick's switch and its refusals (commfold.vllm.spec_decode.draft_sampled),
 without ranks: one line at load, on or off and why (its pins, the draft pick, sampled
 verification); the configurations it leaves to V2's sample_draft, each with its
-reason; the cache bookkeeping (commfold.vllm.draft_cache) on one rank."""
+reason; the cache bookkeeping (commfold.vllm.spec_decode.draft_cache) on one rank."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -16,15 +16,15 @@ V2 = dict(version=2, why="test")
 
 
 def _state(environ):
-    from commfold.vllm import draft_sampled
-    from commfold.vllm.runtime import Runner
+    from commfold.vllm.spec_decode import draft_sampled
+    from commfold.vllm.compat.runtime import Runner
 
     return draft_sampled.state(environ, Runner(**V2))
 
 
 def test_on_with_the_installed_vllm():
-    from commfold.vllm import hooks
-    from commfold.vllm.runtime import Runner
+    from commfold.vllm.compat import hooks
+    from commfold.vllm.compat.runtime import Runner
 
     state = _state({})
     assert state.on, state
@@ -52,7 +52,7 @@ def test_a_moved_pin_turns_it_off(monkeypatch):
     def gumbel_sample(*args, **kwargs):  # a body commfold has not read
         return None
 
-    from commfold.vllm import hook_points
+    from commfold.vllm.compat import hook_points
 
     monkeypatch.setattr(gumbel, "gumbel_sample", gumbel_sample)
     hook_points._missing.cache_clear()  # read once a process: read again
@@ -94,7 +94,7 @@ def _spec(**kw):
 def test_refusals(kw, why):
     import torch
 
-    from commfold.vllm import draft_sampled
+    from commfold.vllm.spec_decode import draft_sampled
 
     given = {} if kw else {"draft_logits": SimpleNamespace(
         values=torch.zeros(2, 1, 8), row_mapping=torch.tensor([0, -1]))}
@@ -109,7 +109,8 @@ def test_a_vocab_with_no_saving_stays_v2s(vocab, world, why, monkeypatch):
     back at every target step); COMMFOLD_PICK_COST_RULE=0 takes them."""
     import torch
 
-    from commfold.vllm import draft_sampled, pick_cost
+    from commfold.vllm.spec_decode import draft_sampled
+    from commfold.vllm.target import pick_cost
 
     spec = _spec()
     shard = -(-vocab // 64) * 64 // world
@@ -129,7 +130,7 @@ def test_cache_bookkeeping_one_rank():
     for whole rows (complete is then a no-op without dirty slots)."""
     import torch
 
-    from commfold.vllm import draft_cache
+    from commfold.vllm.spec_decode import draft_cache
 
     cache = torch.zeros(4, 2, 10)
     assert draft_cache.of(cache) is None

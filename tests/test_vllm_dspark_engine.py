@@ -6,7 +6,7 @@ commfold off and then on through the plugin (COMMFOLD_VLLM=1): the same tokens a
 the same drafts accepted in every run; commfold says on each worker that it
 replicated the sharded head, and its per-position collectives (an all-reduce of the
 Markov embedding, a vocab gather of its bias) are gone; the block's base draft logits
-are picked from each rank's shard (commfold.vllm.dspark_pick): no full-vocab gather
+are picked from each rank's shard (commfold.vllm.spec_decode.dspark_pick): no full-vocab gather
 in the drafting phase, one (value, index) exchange per position, noted per step.
 
 Opt-in (three engines, ~2.5 minutes on 2 cores): `slow`, run with

@@ -1,7 +1,7 @@
 """DSpark's Markov head (vLLM's Qwen3DSparkForCausalLM.markov_embed / markov_bias, run
 eagerly once per draft position by Model Runner V2's DSpark speculator) in a vLLM TP=2
 group: as vLLM ships it (replicated by hand) commfold leaves it alone; built sharded,
-as before vLLM's hand edit, commfold.vllm.eager_heads rebuilds both layers replicated
+as before vLLM's hand edit, commfold.vllm.spec_decode.eager_heads rebuilds both layers replicated
 at load: no collective per position, values bit-identical to the unrewritten sharded
 head's and to the replicated head vLLM ships; a size limit that excludes them keeps
 them sharded, said in the log line."""
@@ -24,7 +24,7 @@ def _heads(shm: bool) -> dict:
 
     from commfold.config import Config
     from commfold.distributed.comm_log import record_collectives
-    from commfold.vllm.eager_heads import hook_markov_head
+    from commfold.vllm.spec_decode.eager_heads import hook_markov_head
     from harness.dspark_block import commfold_lines
 
     class Drafter(torch.nn.Module):  # what the speculator calls, vLLM's own methods

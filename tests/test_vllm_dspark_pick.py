@@ -1,4 +1,4 @@
-"""DSpark's greedy draft block with commfold.vllm.dspark_pick: vLLM's own
+"""DSpark's greedy draft block with commfold.vllm.spec_decode.dspark_pick: vLLM's own
 ``DSparkSpeculator._sample_sequential`` (one gather of the block's base draft logits,
 then per position the Markov bias and ``argmax``) against the same method under the
 hook, on vLLM's real sharded ParallelLMHead + LogitsProcessor and its shipped Markov
@@ -26,7 +26,7 @@ def _blocks(shm: bool, cases: list[dict], cost_rule: bool = False) -> list[dict]
 
     from commfold.config import Config
     from commfold.distributed.ranks import environment
-    from commfold.vllm import dspark_pick
+    from commfold.vllm.spec_decode import dspark_pick
     from harness.dspark_block import commfold_lines
 
     init_vllm_tp(2, shm=shm, reuse=True)

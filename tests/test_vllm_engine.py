@@ -36,7 +36,7 @@ from harness.vllm_models import (SIZES, engine_pair, logprob_mismatches, require
 pytestmark = [*require_vllm_installed(), pytest.mark.engine, pytest.mark.slow]
 
 from commfold.report import Report  # noqa: E402
-from commfold.vllm.step_checks import target_pick_problems  # noqa: E402
+from commfold.vllm.observe.step_checks import target_pick_problems  # noqa: E402
 
 LAYERS = SIZES["num_hidden_layers"]
 HIDDEN = SIZES["hidden_size"]

@@ -13,7 +13,7 @@ unfused, with a near-miss). Per family:
   count, the same decisions on both ranks; and every all-reduce the forward runs is
   accounted for (fused + missed + read by no RMSNorm + replicated away);
 - the target pick local: every greedy step picked on the rank's vocab shard, no
-  vocab-wide logits gather in it (commfold.vllm.step_checks.target_pick_problems).
+  vocab-wide logits gather in it (commfold.vllm.observe.step_checks.target_pick_problems).
 
 Families: sandwich norms (Gemma2), scaled residual (Granite), tied head (Llama),
 MoE (Qwen3-MoE), post-norm (OLMo-2, served by vLLM's Transformers backend class
@@ -34,7 +34,7 @@ from harness.vllm_models import engine_pair, require_vllm_installed, write_model
 pytestmark = [*require_vllm_installed(), pytest.mark.engine, pytest.mark.slow]
 
 from commfold.report import Report  # noqa: E402
-from commfold.vllm.step_checks import target_pick_problems  # noqa: E402
+from commfold.vllm.observe.step_checks import target_pick_problems  # noqa: E402
 
 L = SIZES["num_hidden_layers"]  # 2: the smallest stack with a layer-to-layer site
 VOCAB_SHARD = 512  # vocab 1000, padded to a multiple of 64 x TP: 1024 rows, 512 a rank

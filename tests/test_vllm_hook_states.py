@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from commfold.vllm import runtime as vllm_runtime
-from commfold.vllm.hook_points import wrapped_by
-from commfold.vllm.runtime import Runner, gate, runner_choice
+from commfold.vllm.compat import runtime as vllm_runtime
+from commfold.vllm.compat.hook_points import wrapped_by
+from commfold.vllm.compat.runtime import Runner, gate, runner_choice
 from harness.vllm_models import require_vllm_installed
 
 pytestmark = require_vllm_installed()
@@ -86,7 +86,8 @@ def fresh_plugin(monkeypatch, clean_env):
     from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from commfold.vllm import graph_passes, hooks
+    from commfold.vllm import graph_passes
+    from commfold.vllm.compat import hooks
     from commfold.vllm import plugin as vllm_plugin
 
     classes = (GPUModelRunner, V2Runner, LogitsProcessor, VllmConfig, DraftModelSpeculator,
@@ -165,7 +166,7 @@ def test_one_line_per_hook_at_load_when_unasked(fresh_plugin, caplog):
 
 
 def test_a_moved_hook_point_turns_one_hook_off(fresh_plugin, caplog, monkeypatch):
-    from commfold.vllm import draft as vllm_draft
+    from commfold.vllm.spec_decode import draft as vllm_draft
 
     moved = dict(vllm_draft.HOOK_POINTS)
     moved[vllm_draft.PICK] = (("vllm.v1.spec_decode.llm_base_proposer:"
@@ -209,7 +210,7 @@ def test_doctor_on_this_machines_vllm(capsys, clean_env):
 
 
 def test_doctor_with_v2_selected():
-    from commfold.vllm.doctor import report
+    from commfold.vllm.observe.doctor import report
 
     lines = report({"VLLM_USE_V2_MODEL_RUNNER": "1", "COMMFOLD_VLLM": "1",
                     "COMMFOLD_COMM_LOG_DIR": "/tmp/x"})
@@ -280,7 +281,7 @@ def test_confirm_runner_without_use_v2_model_runner(monkeypatch, caplog):
     ("0.35.0rc1", (0, 35, 0), "model state"), ("unknown", None, "model state"),
 ])
 def test_v2_target_pick_hook_set_by_release(version, release, hook_set):
-    from commfold.vllm import target_pick_v2
+    from commfold.vllm.target import target_pick_v2
 
     assert vllm_runtime.release(("vllm", version)) == release
     assert target_pick_v2.hook_set_for(release).name == hook_set

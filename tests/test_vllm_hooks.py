@@ -1,4 +1,4 @@
-"""The hook registry (commfold.vllm.hooks): every hook of this vLLM installs on and
+"""The hook registry (commfold.vllm.compat.hooks): every hook of this vLLM installs on and
 uninstalls without a trace (every vLLM class and module function as before, no
 commfold wrapper left), alone and all together in the plugin's order; the points each
 hook declares are the ones its load-time check reads (what `commfold doctor`
@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from commfold.vllm.runtime import Runner, v1_runner_present
+from commfold.vllm.compat.runtime import Runner, v1_runner_present
 from harness.vllm_models import init_vllm_tp, require_vllm_installed, shm_supported
 
 pytestmark = require_vllm_installed()
@@ -51,7 +51,7 @@ def _namespaces() -> dict[tuple[str, str], object]:
 
 
 def _commfold_wrappers() -> list[str]:
-    from commfold.vllm.hook_points import wrapped_by
+    from commfold.vllm.compat.hook_points import wrapped_by
 
     return [f"{w}.{n}: {wrapped_by(v)}" for (w, n), v in _namespaces().items()
             if wrapped_by(v)]
@@ -59,7 +59,7 @@ def _commfold_wrappers() -> list[str]:
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_every_hook_installs_and_uninstalls_cleanly(version, env, monkeypatch):
-    from commfold.vllm import hooks
+    from commfold.vllm.compat import hooks
 
     runner = RUNNERS[version]
     chosen = hooks.of(runner)
@@ -98,8 +98,10 @@ def test_a_hook_under_another_is_not_undone_first(env):
     is refused with a line saying what to undo first."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from commfold.vllm import hooks, step_log, target_pick
-    from commfold.vllm.hook_points import wrapped_by
+    from commfold.vllm.compat import hooks
+    from commfold.vllm.observe import step_log
+    from commfold.vllm.target import target_pick
+    from commfold.vllm.compat.hook_points import wrapped_by
 
     hooks.uninstall()
     try:
@@ -119,8 +121,8 @@ def test_points_are_what_doctor_reports(version, env, monkeypatch):
     """The doctor's table (the plugin's load-time states) checks exactly the points
     each hook of the registry declares (the compat matrix's rows:
     tests/test_vllm_compat_tool.py)."""
-    from commfold.vllm import hook_points, hooks
-    from commfold.vllm.doctor import report
+    from commfold.vllm.compat import hook_points, hooks
+    from commfold.vllm.observe.doctor import report
 
     checked = []
     real = hook_points.missing
@@ -141,9 +143,9 @@ def test_points_are_what_doctor_reports(version, env, monkeypatch):
 
 
 def test_one_pause_for_every_target_pick():
-    """commfold.vllm.pause stops the V1 pick, both V2 sets and V2's prompt logprobs."""
-    from commfold.vllm import pause, target_pick, target_pick_v2
-    from commfold.vllm.target_pick_state import StatePick
+    """commfold.vllm.target.switch stops the V1 pick, both V2 sets and V2's prompt logprobs."""
+    from commfold.vllm.target import switch as pause, target_pick, target_pick_v2
+    from commfold.vllm.target.target_pick_state import StatePick
 
     was = pause.pause(True)
     try:
@@ -196,7 +198,7 @@ def _v1_sample(shm: bool, cases: list[dict]) -> list[dict]:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from commfold.distributed.ranks import environment
-    from commfold.vllm import target_pick
+    from commfold.vllm.target import target_pick
     from harness import vllm_step as tc
 
     current_platform.register_triton_kernel_overrides()

@@ -34,7 +34,7 @@ if importlib.util.find_spec("ray") is None:
     pytest.skip(INSTALL_HINT, allow_module_level=True)
 
 from commfold.report import Report  # noqa: E402
-from commfold.vllm.step_checks import target_pick_problems  # noqa: E402
+from commfold.vllm.observe.step_checks import target_pick_problems  # noqa: E402
 
 LAYERS, HIDDEN = SIZES["num_hidden_layers"], SIZES["hidden_size"]
 VOCAB_SHARD = 512  # vocab 1000, padded to 1024 rows at TP=2

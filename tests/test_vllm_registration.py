@@ -47,7 +47,7 @@ _ROUTES = """
     from vllm.compilation.passes.inductor_pass import CallableInductorPass
     from vllm.plugins import load_general_plugins
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
-    from commfold.vllm.hook_points import wrapped_by
+    from commfold.vllm.compat.hook_points import wrapped_by
     KEY = "post_grad_custom_post_pass"
     # route 1: the pass named in compilation_config
     cc = CompilationConfig(inductor_passes={{KEY: "commfold.vllm_pass"}})
@@ -182,7 +182,7 @@ def test_a_plain_commfold_pass_is_adopted_with_its_state():
     from vllm.compilation.passes.inductor_pass import InductorPass
     from vllm.config import CompilationConfig, VllmConfig
 
-    from commfold.vllm import hooks
+    from commfold.vllm.compat import hooks
     from commfold.vllm.plugin import register
 
     register()

@@ -1,5 +1,5 @@
-"""Sampled steps with top-k / top-p on Model Runner V2 (commfold.vllm.shard_top_k_top_p
-through commfold.vllm.sampled_pick) against V2's own ``GPUModelRunner.sample``: its
+"""Sampled steps with top-k / top-p on Model Runner V2 (commfold.vllm.sample.shard_top_k_top_p
+through commfold.vllm.sample.sampled_pick) against V2's own ``GPUModelRunner.sample``: its
 real Sampler, vLLM's top-k / top-p Triton kernel and V2's Gumbel kernel in Triton's
 interpreter, on 2 gloo ranks (4 with -m slow). The same step both ways must give the
 same tokens bit for bit; a step is drawn from the shards (one more small all-gather:
@@ -166,7 +166,7 @@ def test_rows_made_whole_cost_at_most_half_of_vllms_gather(monkeypatch):
     without Triton (vLLM's sort-based cut may order ties by batch)."""
     from vllm.v1.sample.ops import topk_topp_sampler
 
-    from commfold.vllm.shard_edge_rows import gathered_bytes, refusal
+    from commfold.vllm.sample.shard_edge_rows import gathered_bytes, refusal
 
     monkeypatch.setattr(topk_topp_sampler, "HAS_TRITON", False)
     assert "sort-based" in refusal(1, 16, 2)
@@ -186,7 +186,7 @@ def test_rows_made_whole_take_the_batchs_kernel_path(monkeypatch):
     from vllm.platforms import current_platform
     from vllm.v1.sample.ops import topk_topp_triton
 
-    from commfold.vllm.shard_edge_rows import kernel_rows
+    from commfold.vllm.sample.shard_edge_rows import kernel_rows
 
     split = topk_topp_triton._SPLIT_MAX_BATCH
     cpu = torch.device("cpu")
@@ -201,7 +201,7 @@ def test_rows_made_whole_are_each_ranks_columns_in_order():
     past the vocab cut (as V2's logits), contiguous."""
     import torch
 
-    from commfold.vllm.shard_edge_rows import whole
+    from commfold.vllm.sample.shard_edge_rows import whole
 
     vocab, world, shard = 10, 3, 4
     row = torch.arange(3 * vocab, dtype=torch.float32).view(3, vocab)

@@ -1,4 +1,4 @@
-"""commfold's pick of sampled steps on Model Runner V2 (commfold.vllm.sampled_pick)
+"""commfold's pick of sampled steps on Model Runner V2 (commfold.vllm.sample.sampled_pick)
 against V2's own ``GPUModelRunner.sample`` - its real Sampler, RequestState and
 InputBatch on vLLM's real ParallelLMHead + LogitsProcessor, V2's Triton kernels in
 Triton's interpreter - on 2 and 4 gloo ranks: the same step both ways must give the
@@ -209,7 +209,7 @@ def test_shard_bits_repacks_v2s_prompt_mask(words, start, n, seed):
     the step's requests, at any start (aligned: a view)."""
     import torch
 
-    from commfold.vllm.sampled_pick import shard_bits
+    from commfold.vllm.sample.sampled_pick import shard_bits
 
     vocab = 32 * words
     start, n = min(start, vocab), min(n, vocab - min(start, vocab))
@@ -231,7 +231,8 @@ def test_shard_bits_repacks_v2s_prompt_mask(words, start, n, seed):
 def test_the_draw_is_pinned_to_this_vllms_sampler_functions():
     """Every V2 function the draw repeats on a shard hashes to a source commfold read
     for this release (the release tier runs this on 0.34's classes)."""
-    from commfold.vllm import hook_points, sampled_pick
+    from commfold.vllm.compat import hook_points
+    from commfold.vllm.sample import sampled_pick
 
     assert hook_points.missing(sampled_pick.POINTS) == []
     assert sampled_pick.refusal() is None
@@ -243,9 +244,9 @@ def test_a_changed_sampler_function_sends_sampled_steps_to_vllm(monkeypatch, cap
     row says off and why."""
     import logging
 
-    from commfold.vllm import sampled_pick
-    from commfold.vllm.hook_points import Pinned
-    from commfold.vllm.runtime import Runner
+    from commfold.vllm.sample import sampled_pick
+    from commfold.vllm.compat.hook_points import Pinned
+    from commfold.vllm.compat.runtime import Runner
 
     where, _ = sampled_pick.POINTS[2]
     moved = ((where, Pinned((("9.9.9", "0" * 16),))),)

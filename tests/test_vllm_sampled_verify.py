@@ -1,5 +1,5 @@
 """commfold's probabilistic verification of spec-decode steps with sampled requests on
-Model Runner V2 (commfold.vllm.shard_verify) against V2's own ``GPUModelRunner.sample``
+Model Runner V2 (commfold.vllm.spec_decode.shard_verify) against V2's own ``GPUModelRunner.sample``
 and RejectionSampler - V2's Triton kernels in Triton's interpreter - on 2 gloo ranks:
 the same step both ways must give the same sampled tokens (accepted drafts, the
 resampled token at the first rejection, the bonus token) and counts bit for bit, with
@@ -100,7 +100,7 @@ def _min_p(case) -> bool:
 def _bytes(case, whole_rows: int = 0) -> int:
     """What shard_verify.exchanged_bytes says a rank sends for the case's step
     (whole_rows: rows made whole for vLLM's top-k / top-p kernel)."""
-    from commfold.vllm.shard_verify import exchanged_bytes
+    from commfold.vllm.spec_decode.shard_verify import exchanged_bytes
 
     shard = -(-case["vocab"] // 64) * 64 // 2  # vLLM pads the vocab to 64
     rows = sum(case["drafts"]) + len(case["drafts"])
@@ -115,7 +115,7 @@ def _cut_bytes(case) -> int:
     case's top-k / top-p (each request's top_k / top_p on each of its rows)."""
     import torch
 
-    from commfold.vllm.shard_top_k_top_p import exchanged_bytes
+    from commfold.vllm.sample.shard_top_k_top_p import exchanged_bytes
 
     v = case["vocab"]
     shard = -(-v // 64) * 64 // 2
@@ -374,7 +374,7 @@ def test_top_k_top_p_verification_examples(vllm_v2_ranks, vocab, dtype, cut, tie
 
 
 def test_decision_names_the_mode():
-    from commfold.vllm.decision import V2Step, decide_v2
+    from commfold.vllm.target.decision import V2Step, decide_v2
 
     step = V2Step(temperatures=(0.8, 0.0), top_k_or_p=False, needs_processing=True,
                   logprobs=False, processing=("temperature",))
@@ -419,7 +419,7 @@ def test_each_block_is_assembled_whole_once(shard, vocab, world):
     that concatenates what each rank sends); a split block costs its smaller part."""
     import torch
 
-    from commfold.vllm.shard_verify import BLOCK, Layout, _whole_blocks, sent
+    from commfold.vllm.spec_decode.shard_verify import BLOCK, Layout, _whole_blocks, sent
 
     lay = Layout(shard, vocab, world)
     owned = [b for q in range(world) for b in range(lay.first[q], lay.first[q + 1])]
@@ -458,7 +458,7 @@ def test_the_stats_launch_is_specialized_as_v2s(stride, last, eff, width, size):
     by 16 exactly when V2's does (Triton compiles per divisibility)."""
     import torch
 
-    from commfold.vllm.shard_verify import like_v2
+    from commfold.vllm.spec_decode.shard_verify import like_v2
 
     whole = torch.arange(2 * width, dtype=torch.float32).view(2, width)
     buf, got = like_v2(whole, stride, last, eff)
@@ -470,7 +470,8 @@ def test_the_verification_is_pinned_to_this_vllms_kernels():
     """Every V2 function verify() launches or repeats hashes to a source commfold read
     (vLLM 0.32, 0.33, 0.34: the hook row covers releases before 0.35), and each
     kernel is launched with the argument list of the release whose source it is."""
-    from commfold.vllm import hook_points, hooks, runtime, shard_verify, verify_kernels
+    from commfold.vllm.compat import hook_points, hooks, runtime
+    from commfold.vllm.spec_decode import shard_verify, verify_kernels
 
     assert hook_points.missing(shard_verify.POINTS) == []
     assert shard_verify.refusal(SimpleNamespace(watermark_key=None)) is None
@@ -534,7 +535,7 @@ def test_a_batch_sharded_draft_cache_keeps_the_step_vllms():
     verified, its values read."""
     import torch
 
-    from commfold.vllm import shard_verify, verify_kernels
+    from commfold.vllm.spec_decode import shard_verify, verify_kernels
 
     values = torch.zeros(2, 1, 4)
     sharded = SimpleNamespace(values=values, row_mapping=torch.zeros(2, dtype=torch.int32))
@@ -550,8 +551,9 @@ def test_a_moved_kernel_or_watermarks_keep_the_step_vllms(monkeypatch, caplog):
     RejectionSampler."""
     import logging
 
-    from commfold.vllm import shard_verify, v2_pick
-    from commfold.vllm.hook_points import Pinned
+    from commfold.vllm.spec_decode import shard_verify
+    from commfold.vllm.target import v2_pick
+    from commfold.vllm.compat.hook_points import Pinned
 
     class RejectionSampler:  # what decide_step reads of V2's
         watermark_key = None

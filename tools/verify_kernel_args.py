@@ -1,4 +1,4 @@
-"""Check commfold.vllm.verify_kernels' launches against a vLLM release's sources,
+"""Check commfold.vllm.spec_decode.verify_kernels' launches against a vLLM release's sources,
 without installing or importing that release: for a release whose classes cannot run
 here (vLLM 0.33), the check that each of V2's rejection kernels would get exactly its
 parameters.
@@ -25,8 +25,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported
 
 from vllm_compat import Sources, _package  # noqa: E402
 
-from commfold.vllm import runtime, verify_kernels  # noqa: E402
-from commfold.vllm.hook_points import source_hash  # noqa: E402
+from commfold.vllm.compat import runtime  # noqa: E402
+from commfold.vllm.spec_decode import verify_kernels  # noqa: E402
+from commfold.vllm.compat.hook_points import source_hash  # noqa: E402
 
 _FILE = "v1/worker/gpu/spec_decode/rejection_sampler_utils.py"
 

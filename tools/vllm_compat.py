@@ -7,13 +7,13 @@ sources, without installing or importing that release.
 
 A source argument is a `vllm` package directory (or the directory holding one);
 "installed" is the vLLM this Python would import (found, not imported). For each
-hook (commfold.vllm.hooks.HOOKS: one row set per hook, runner and release range, and
+hook (commfold.vllm.compat.hooks.HOOKS: one row set per hook, runner and release range, and
 what the plugin only reads) every point
 `module:Attr.path` is found by parsing the sources (following re-exports and base
 classes), and the source text the hook relies on must be in it, as the plugin checks
 at load; a pinned point's whole source must hash to a pinned value. Then what the
 per-step decision and the runner choice read: the verification methods the release
-defines (each must be known to commfold.vllm.decision, or a new one is flagged) and
+defines (each must be known to commfold.vllm.target.decision, or a new one is flagged) and
 how it picks Model Runner V2. Prints a markdown matrix; --out writes it with the date;
 --classes adds the column of a release tier's run (tools/vllm_release_tier.py: the
 release's own classes, on ranks). Run it on each vLLM release before claiming it.
@@ -32,12 +32,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from commfold.vllm import draft, dspark_pick, hook_points, hooks, plugin  # noqa: E402
-from commfold.vllm.hook_points import Pinned, describe, source_hash  # noqa: E402
-from commfold.vllm.decision import LEFT_TO_VLLM, STRICT_GREEDY  # noqa: E402
-from commfold.vllm.runtime import CLASSES_VERIFIED, TESTED, release  # noqa: E402
+from commfold.vllm.spec_decode import draft, dspark_pick  # noqa: E402
+from commfold.vllm.compat import hook_points, hooks  # noqa: E402
+from commfold.vllm import plugin  # noqa: E402
+from commfold.vllm.compat.hook_points import Pinned, describe, source_hash  # noqa: E402
+from commfold.vllm.target.decision import LEFT_TO_VLLM, STRICT_GREEDY  # noqa: E402
+from commfold.vllm.compat.runtime import CLASSES_VERIFIED, TESTED, release  # noqa: E402
 
-# what the runner choice (commfold.vllm.runtime) and the decision read
+# what the runner choice (commfold.vllm.compat.runtime) and the decision read
 READS = (("vllm.triton_utils.importing:HAS_TRITON", None),
          ("vllm.config.speculative:SpeculativeConfig.rejection_sample_method", None),
          ("vllm.config.speculative:SpeculativeConfig.enable_adaptive_verification", None),
@@ -55,7 +57,7 @@ READS_V1 = (("vllm.config.vllm:VllmConfig.use_v2_model_runner",
 # where it is gone (0.34 on): vLLM refuses the variable unless it is 1
 READS_V2_ONLY = (("vllm.platforms.interface:Platform.validate_environ",
                   'if env == "VLLM_USE_V2_MODEL_RUNNER":\n                if value != "1":'),)
-# every hook of commfold.vllm.hooks.HOOKS (its label: its row), then what is only read
+# every hook of commfold.vllm.compat.hooks.HOOKS (its label: its row), then what is only read
 HOOKS = {**{h.label(): h.points for h in hooks.HOOKS},
          "draft pick's logits routes (V2)": draft.ROUTE_POINTS,
          "DSpark block pick (V2)": dspark_pick.HOOK_POINTS,

@@ -111,7 +111,7 @@ def variants_of(methods, vllm_local_argmax: bool) -> dict[str, list[str]]:
 def check(out: Path, results: dict) -> list[tuple[str, bool, str]]:
     """(check, holds, detail) for every method and variant (see the docstring)."""
     from commfold.distributed.comm_log import read_step_logs
-    from commfold.vllm.step_checks import target_pick_problems
+    from commfold.vllm.observe.step_checks import target_pick_problems
     from harness.vllm_spec import drafting_gathers, is_final_norm, rank_reports, \
         split_reports
 

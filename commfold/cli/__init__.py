@@ -118,7 +118,7 @@ def main(argv=None) -> int:
         return run_diff(args.target, world_size=args.world_size, out=args.out,
                         passes=passes, timeout=args.timeout)
     if args.command == "doctor":
-        from commfold.vllm.doctor import main as doctor_main
+        from commfold.vllm.observe.doctor import main as doctor_main
 
         return doctor_main()
     parser.print_help()

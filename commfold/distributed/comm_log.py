@@ -6,7 +6,7 @@ never reach a c10d backend) - so compiled code, eager code and commfold's own op
 
 ``record_collectives()`` logs one block of code. Inside vLLM's engine,
 COMMFOLD_COMM_LOG_DIR makes every worker rank write one JSON line per engine step
-(``commfold.vllm.step_log``); ``read_step_logs(dir)`` reads them back.
+(``commfold.vllm.observe.step_log``); ``read_step_logs(dir)`` reads them back.
 """
 from __future__ import annotations
 

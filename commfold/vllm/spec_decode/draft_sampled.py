@@ -10,16 +10,16 @@ noise hashed from (seed, position + the draft salt, token id); from vLLM 0.33 th
 seed is salted with the draft step, from 0.34 the cache is a DraftLogitsCache (its
 ``values``, rows by request slot unless batch-sharded). Here:
 
-- the drafter's shard (commfold.vllm.logits_head: its compute_logits without the
-  gather) is drawn by commfold.vllm.shard_gumbel with V2's own noise function and
+- the drafter's shard (commfold.vllm.target.logits_head: its compute_logits without the
+  gather) is drawn by commfold.vllm.sample.shard_gumbel with V2's own noise function and
   V2's drafting flags: each rank's first maximum;
 - one all-gather per draft step (int32 words) of, per row per rank, that maximum's
   (value, token id), the raw logit at it, and the rank's columns its neighbours
-  verify (commfold.vllm.verify_layout.Layout's heads and tails; none where shard ends
+  verify (commfold.vllm.spec_decode.verify_layout.Layout's heads and tails; none where shard ends
   fall on 8192-column blocks): the first maximum over ranks is V2's token;
 - the cache gets, on each rank, its own columns, the neighbours' columns of its
   blocks, and the drafted token's logit: what commfold's verification reads
-  (commfold.vllm.draft_cache, which makes rows whole for any other reader).
+  (commfold.vllm.spec_decode.draft_cache, which makes rows whole for any other reader).
 
 A row holding NaN on any rank gives the call back to V2's sample_draft (the gathered
 values say so, every rank alike), which writes its rows whole. Also V2's: watermarked
@@ -43,9 +43,11 @@ import os
 import torch
 
 from commfold.distributed.collectives import communicator
-from commfold.vllm import (draft_cache, hook_points, pick_cost, runtime, shard_gumbel,
-                           shard_verify, verify_kernels, verify_layout)
-from commfold.vllm.hook_points import Pinned
+from commfold.vllm.spec_decode import draft_cache, shard_verify, verify_kernels, verify_layout
+from commfold.vllm.compat import hook_points, runtime
+from commfold.vllm.target import pick_cost
+from commfold.vllm.sample import shard_gumbel
+from commfold.vllm.compat.hook_points import Pinned
 
 log = logging.getLogger("commfold")
 
@@ -108,7 +110,7 @@ def state(environ=os.environ, runner=None) -> runtime.HookState:
     """On while its points hold, COMMFOLD_PASSES lets draft picks be local (as the
     greedy draft pick) and sampled verification is commfold's (else the cache is
     gathered back at every target step: no saving)."""
-    from commfold.vllm.draft import PICK_PASSES, pick_config
+    from commfold.vllm.spec_decode.draft import PICK_PASSES, pick_config
     from commfold.vllm.graph_passes import config_from_env
 
     verify = shard_verify.state(environ, runner)
@@ -161,7 +163,7 @@ _ARGS = ("sample_src_positions", "idx_mapping", "temperature", "seeds", "draft_s
 def _sample_draft(original, spec, hidden_states, *args, **kwargs):
     """A probabilistic ``sample_draft`` call: commfold's tokens, or `original`'s (the
     rows it writes whole, its tokens recorded)."""
-    from commfold.vllm import step_log
+    from commfold.vllm.observe import step_log
 
     given = dict(zip(_ARGS, args), **kwargs)
     why = refusal(spec, given)
@@ -197,8 +199,8 @@ def _log_once(spec, why: str) -> None:
 def refusal(spec, given: dict) -> str | None:
     """Why this call stays V2's (engine configuration, the drafter, the call's shapes:
     the same on every rank), else None."""
-    from commfold.vllm.draft import logits_route
-    from commfold.vllm.pause import paused
+    from commfold.vllm.spec_decode.draft import logits_route
+    from commfold.vllm.target.switch import paused
 
     if getattr(spec, "draft_watermarker", None) is not None:
         return "watermarked drafting"
@@ -252,8 +254,8 @@ def head_of(spec):
 
 
 def _find_head(spec):
-    from commfold.vllm.logits_head import LogitsHead
-    from commfold.vllm.top_tokens import soft_capped
+    from commfold.vllm.target.logits_head import LogitsHead
+    from commfold.vllm.spec_decode.top_tokens import soft_capped
 
     model = getattr(spec, "model", None)
     if getattr(model, "draft_id_to_target_id", None) is not None:
@@ -272,7 +274,7 @@ def _find_head(spec):
 def draw(spec, hidden: torch.Tensor, given: dict) -> torch.Tensor | str:
     """V2's draft tokens [rows] int64 for the call, the cache filled for commfold's
     verification; why not (NAN: a row holds NaN; every rank alike), nothing written."""
-    from commfold.vllm.draft import logits_route
+    from commfold.vllm.spec_decode.draft import logits_route
 
     found, _ = head_of(spec)
     head = found.head

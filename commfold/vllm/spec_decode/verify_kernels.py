@@ -1,5 +1,5 @@
 """V2's four rejection-sampling kernels launched as the installed vLLM's
-``rejection_sample`` launches them, for commfold.vllm.shard_verify.
+``rejection_sample`` launches them, for commfold.vllm.spec_decode.shard_verify.
 
 The kernels' argument lists differ by release (vLLM 0.33: the stats kernel counts
 the step's logits rows, ``num_logits``, where 0.32 passed the speculative steps, and
@@ -27,8 +27,8 @@ import functools
 
 import torch
 
-from commfold.vllm import hook_points, runtime
-from commfold.vllm.hook_points import Pinned
+from commfold.vllm.compat import hook_points, runtime
+from commfold.vllm.compat.hook_points import Pinned
 
 BLOCK = 8192  # rejection_sample's VOCAB_BLOCK_SIZE
 RESAMPLE_BLOCK = 1024  # its RESAMPLE_BLOCK_SIZE

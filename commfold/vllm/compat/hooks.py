@@ -1,7 +1,7 @@
 """Every runtime hook commfold puts into vLLM, declared once as data: its row (the line
 it logs at load, `commfold doctor`'s table, tools/vllm_compat.py's matrix), the model
 runner and vLLM releases it applies to, the points of vLLM's code it relies on
-(commfold.vllm.hook_points), how to install it (logging its one line, on or off and
+(commfold.vllm.compat.hook_points), how to install it (logging its one line, on or off and
 why) and how to undo it (hook_points.unwrap_hook: tests restore vLLM's classes). The
 plugin, the doctor, the compat tool and the tests iterate HOOKS and know no hook
 module; the hook modules know nothing of each other's state."""
@@ -12,10 +12,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 
-from commfold.vllm import (draft, draft_sampled, graph_passes, sampled_pick, shard_grammar,
-                           shard_verify, step_log, target_pick)
-from commfold.vllm import target_pick_v2
-from commfold.vllm.runtime import HookState, Runner, release
+from commfold.vllm.spec_decode import draft, draft_sampled, shard_verify
+from commfold.vllm import graph_passes
+from commfold.vllm.sample import sampled_pick, shard_grammar
+from commfold.vllm.observe import step_log
+from commfold.vllm.target import target_pick
+from commfold.vllm.target import target_pick_v2
+from commfold.vllm.compat.runtime import HookState, Runner, release
 
 Environ = Mapping[str, str]
 
@@ -96,7 +99,7 @@ def of(runner: Runner, found: tuple[int, ...] | None = None) -> list[Hook]:
 def states(enabled: bool, environ: Environ = os.environ, runner: Runner | None = None
            ) -> list[HookState]:
     """Every hook's state, installing nothing (`enabled`: COMMFOLD_VLLM=1)."""
-    from commfold.vllm.runtime import runner_choice
+    from commfold.vllm.compat.runtime import runner_choice
 
     runner = runner or runner_choice(environ)
     return [h.state(environ, runner) if enabled or not h.plugin else unasked(h)
@@ -110,7 +113,7 @@ def unasked(hook: Hook) -> HookState:
 def install(enabled: bool, environ: Environ = os.environ, runner: Runner | None = None
             ) -> None:
     """Install every hook of `runner` in order, each logging its one line."""
-    from commfold.vllm.runtime import runner_choice
+    from commfold.vllm.compat.runtime import runner_choice
 
     runner = runner or runner_choice(environ)
     for hook in of(runner):

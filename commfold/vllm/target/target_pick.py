@@ -6,7 +6,7 @@ the whole vocabulary, then samples (``_sample``: the Sampler, or the
 RejectionSampler under speculative decoding) - for every request, greedy or not.
 With COMMFOLD_VLLM=1 this hook decides per engine step, from the batch's sampling
 parameters and the engine's speculative config only (every rank holds the same, so
-every rank decides the same; commfold.vllm.decision):
+every rank decides the same; commfold.vllm.target.decision):
 
 - ``greedy``: every request greedy, nothing needing the whole row (penalties, bad
   words, allowed-token lists, active logits processors - min_tokens, logit_bias,
@@ -39,11 +39,11 @@ separate call and answers the engine as soon as rank 0 is done, so vLLM's own
 ``sample_tokens`` (local on the gathered row) never waits for another rank, while a
 collective there would make every step wait for the last rank to receive the call.
 This is the V1 model runner's hook (Model Runner V2's is
-commfold.vllm.target_pick_v2: the plugin installs the one of the runner vLLM will
+commfold.vllm.target.target_pick_v2: the plugin installs the one of the runner vLLM will
 build); at install it logs one line, on or off and why (vLLM's code moved
 under the hook - the calls it relies on, checked by their source text;
-commfold.vllm.runtime). COMMFOLD_TARGET_PICK=0 turns only this hook off;
-``commfold.vllm.pause.pause()`` switches the pick off and on at run time in a worker
+commfold.vllm.compat.runtime). COMMFOLD_TARGET_PICK=0 turns only this hook off;
+``commfold.vllm.target.switch.pause()`` switches the pick off and on at run time in a worker
 (through ``LLM.collective_rpc``), to compare both paths on one engine. Decisions are
 noted in the per-step collective log (COMMFOLD_COMM_LOG_DIR) as ``target_pick``.
 """
@@ -55,22 +55,21 @@ from dataclasses import dataclass
 
 import torch
 
-from commfold.vllm import step_log
-from commfold.vllm import hook_points
-from commfold.vllm import pick_cost
-from commfold.vllm import runtime
-from commfold.vllm.hook_points import Pinned
-from commfold.vllm.pause import paused
-from commfold.vllm.logits_head import LogitsHead
+from commfold.vllm.observe import step_log
+from commfold.vllm.compat import hook_points
+from commfold.vllm.target import pick_cost
+from commfold.vllm.compat import runtime
+from commfold.vllm.compat.hook_points import Pinned
+from commfold.vllm.target.switch import ENV, enabled, paused
+from commfold.vllm.target.logits_head import LogitsHead
 from commfold.ops import logprob_scan
 # the per-step decision lives in decision (shared by the runner hooks); its
 # names stay importable from here
-from commfold.vllm.decision import (LOGPROB_MODES, MAX_LOGPROBS, active_processors,  # noqa: F401
+from commfold.vllm.target.decision import (LOGPROB_MODES, MAX_LOGPROBS, active_processors,  # noqa: F401
                             decide, logprobs_mode_ok, verify_method, verify_refusal)
 
 log = logging.getLogger("commfold")
 
-ENV = "COMMFOLD_TARGET_PICK"
 HOOK = "target pick"
 KEY = "target pick (V1)"  # its wrappers' mark (hook_points.wrap)
 # what vLLM's code must still say for the hook to be right (module attr, text)
@@ -113,19 +112,6 @@ HOOK_POINTS = (
      "            bonus_token_ids,\n            is_greedy,\n            max_spec_len,\n"
      "            uniform_probs,\n            synthetic_conditional_rates,\n        )"),
 )
-
-
-def enabled(environ=os.environ) -> bool:
-    return environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-def mode_state(hook: str, points, environ=os.environ, runner=None) -> runtime.HookState:
-    """The state of a mode of the V2 target pick that wraps nothing (sampled steps,
-    structured output, sampled verification): on while the V2 functions it repeats
-    hold their pins (`points`); this hook's switch turns it off with the pick."""
-    off = None if enabled(environ) else f"{ENV}=0"
-    return runtime.gate(hook, off=off, missing=lambda: hook_points.missing(points),
-                        environ=environ, runner=runner, version=2)
 
 
 # --- one runner's picker -----------------------------------------------------------
@@ -281,7 +267,7 @@ def hook_points_missing() -> list[str]:
 
 def state(environ=os.environ, runner=None) -> runtime.HookState:
     """This hook's state and why (runtime.gate), installing nothing (Model Runner
-    V2 has its own: commfold.vllm.target_pick_v2)."""
+    V2 has its own: commfold.vllm.target.target_pick_v2)."""
     return runtime.gate(HOOK, off=None if enabled(environ) else f"{ENV}=0",
                              missing=hook_points_missing, environ=environ, runner=runner)
 

@@ -3,16 +3,16 @@ greedy draft tokens with commfold on: the one table the draft hook's load-time l
 docs/vllm.md and the tests read.
 
 Speculators whose drafting calls ``DraftModelSpeculator.sample_draft`` get commfold's
-pick there (commfold.vllm.draft: per call it still says when vLLM's runs, e.g.
+pick there (commfold.vllm.spec_decode.draft: per call it still says when vLLM's runs, e.g.
 probabilistic drafting); DSpark's greedy block gets it in ``_sample_sequential``
-(commfold.vllm.dspark_pick). The others draft their own way; each is listed with what it
+(commfold.vllm.spec_decode.dspark_pick). The others draft their own way; each is listed with what it
 does, so the hook can say so in one line naming the class, and a class of a later
 release (or a plugin's) that is not listed is named as unknown.
 """
 from __future__ import annotations
 
 SAMPLE_DRAFT = "sample_draft"  # commfold's pick in sample_draft (greedy drafting)
-# commfold's pick in DSpark's _sample_sequential (commfold.vllm.dspark_pick)
+# commfold's pick in DSpark's _sample_sequential (commfold.vllm.spec_decode.dspark_pick)
 DSPARK_BLOCK = "dspark_block"
 
 # class name -> SAMPLE_DRAFT, or why the draft tokens are not commfold's pick

@@ -34,7 +34,7 @@ The log wraps the model runner vLLM builds: V1's methods above, or Model Runner
 V2's ``execute_model`` (its forward: phase ``forward``), ``sample_tokens`` and
 ``sample`` (``sampling``; V2's drafting runs inside sample_tokens and reads as
 ``other``). With a method it wraps gone it stays off and says so in one line at
-install (commfold.vllm.runtime), as when it is on.
+install (commfold.vllm.compat.runtime), as when it is on.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
-from commfold.vllm import hook_points
+from commfold.vllm.compat import hook_points
 
 log = logging.getLogger("commfold")
 
@@ -182,7 +182,7 @@ def _phase_at(spans, t: int) -> str:
 
 def state(environ=os.environ, runner=None):
     """The step log's state (runtime.HookState), installing nothing."""
-    from commfold.vllm import runtime
+    from commfold.vllm.compat import runtime
 
     off = None if environ.get(ENV_DIR, "").strip() else f"{ENV_DIR} unset"
     runner = runner or runtime.runner_choice(environ)
@@ -204,7 +204,7 @@ def install(environ=os.environ, runner=None) -> bool:
     global _recorder
     if _recorder is not None:
         return True
-    from commfold.vllm import runtime
+    from commfold.vllm.compat import runtime
 
     runner = runner or runtime.runner_choice(environ)
     if not state(environ, runner).log().on:

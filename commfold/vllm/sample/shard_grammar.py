@@ -10,13 +10,13 @@ here by V2's own method, given the shard's columns [start, start + n) as its log
 and the bitmask re-packed for them (``sampled_pick.shard_bits``: a shard starting
 inside a 32-token word is shifted across words). The masked shard then equals V2's
 masked row's columns bit for bit, and V2's greedy argmax / Gumbel draw over it is
-what commfold.vllm.sampled_pick and local_argmax repeat. No collective.
+what commfold.vllm.sample.sampled_pick and local_argmax repeat. No collective.
 
 Under spec decoding V2 masks every draft position's row the same way (its worker maps
 the bitmask rows) and verifies the masked rows, up to vLLM 0.33 with the drafts its
 grammar did not constrain set to -1 (``grammar_invalid_drafts``, passed to commfold's
 verification as to V2's). min_tokens on a structured-output request, whose stop
-tokens V2 restores on a row the grammar masked whole, is commfold.vllm.stop_restore's.
+tokens V2 restores on a row the grammar masked whole, is commfold.vllm.sample.stop_restore's.
 """
 from __future__ import annotations
 
@@ -27,10 +27,12 @@ import os
 import torch
 
 from commfold.distributed.collectives import communicator
-from commfold.vllm import hook_points, runtime, step_log, target_pick
-from commfold.vllm.hook_points import Pinned
-from commfold.vllm.logits_head import LogitsHead
-from commfold.vllm.sampled_pick import shard_bits
+from commfold.vllm.compat import hook_points, runtime
+from commfold.vllm.observe import step_log
+from commfold.vllm.target import switch
+from commfold.vllm.compat.hook_points import Pinned
+from commfold.vllm.target.logits_head import LogitsHead
+from commfold.vllm.sample.sampled_pick import shard_bits
 
 _S = "vllm.v1.worker.gpu.structured_outputs:"
 # what the shard's mask rests on, each function's whole source per release: V2's
@@ -53,7 +55,7 @@ HOOK = "target pick: structured output"
 def state(environ=os.environ, runner=None) -> runtime.HookState:
     """Whether structured-output V2 steps can be masked on the shards (the target
     pick's own switch, COMMFOLD_TARGET_PICK, turns them off with it)."""
-    return target_pick.mode_state(HOOK, POINTS, environ, runner)
+    return switch.mode_state(HOOK, POINTS, environ, runner)
 
 
 def install(environ=os.environ, runner=None) -> bool:

@@ -10,7 +10,7 @@ shard's real columns, or needs one small exchange:
 - logit_bias, allowed_token_ids, min_tokens: V2's ``apply_logit_bias`` kernel on the
   shard, each request's token id lists cut to the shard's ids (as shard columns); a
   structured request's stop tokens restored on a row masked whole as V2 restores them
-  (commfold.vllm.stop_restore: one all-gather of the row maxima);
+  (commfold.vllm.sample.stop_restore: one all-gather of the row maxima);
 - penalties: V2's ``apply_penalties`` kernel on the shard, its per-request statistics
   (output counts, the prompt's packed bit mask) sliced to the shard's columns - the
   bit mask re-packed when the shard does not start on a 32-token word;
@@ -22,13 +22,13 @@ shard's real columns, or needs one small exchange:
 - min_p: V2's ``apply_min_p`` kernel takes the row maximum itself; it is given the
   shard with one more column holding the maximum over all ranks (one all-gather of a
   float32 per row per rank), so it computes V2's threshold and masks as V2 does;
-- the draw: commfold.vllm.shard_gumbel (V2's ``gumbel_noised_argmax`` with the global
+- the draw: commfold.vllm.sample.shard_gumbel (V2's ``gumbel_noised_argmax`` with the global
   token ids as keys), then one all-gather of a (value bits, token id) int64 pair per
   row per rank and the first maximum over ranks - V2's first maximum over the row.
 
 A row holding NaN on any rank (the gathered values say so, alike on every rank)
 makes ``draw`` return None: the step is gathered and V2's samplers pick it. What a
-step may ask for here is decided by commfold.vllm.decision.decide_v2 (``SAMPLED``).
+step may ask for here is decided by commfold.vllm.target.decision.decide_v2 (``SAMPLED``).
 """
 from __future__ import annotations
 
@@ -40,9 +40,12 @@ from typing import NamedTuple
 import torch
 
 from commfold.distributed.collectives import communicator
-from commfold.vllm import hook_points, runtime, step_log, stop_restore, target_pick
-from commfold.vllm.hook_points import Pinned
-from commfold.vllm.logits_head import LogitsHead
+from commfold.vllm.compat import hook_points, runtime
+from commfold.vllm.observe import step_log
+from commfold.vllm.sample import stop_restore
+from commfold.vllm.target import switch
+from commfold.vllm.compat.hook_points import Pinned
+from commfold.vllm.target.logits_head import LogitsHead
 
 log = logging.getLogger("commfold")
 
@@ -77,7 +80,7 @@ _SOURCES = {
     "states:SamplingStates.apply_min_p": ("c99c35f9cf0d0a5a",) * 3,
 }
 _OPS = "vllm.v1.sample.ops."
-# what the top-k / top-p bounds were read from (commfold.vllm.shard_top_k_top_p): the
+# what the top-k / top-p bounds were read from (commfold.vllm.sample.shard_top_k_top_p): the
 # kernel's search and cut, the wrappers choosing it, V2's choice of a fused sampler
 _CUT_SOURCES = {
     _OPS + "topk_topp_sampler:apply_top_k_top_p": ("ae859da2fa282663", "6571bb1e50de9e4b",
@@ -103,7 +106,7 @@ POINTS = tuple((_S + where, Pinned(tuple(zip(_RELEASES, hashes))))
 ) + tuple(  # the kernel's tiles (shard_top_k_top_p.block_size)
     (_OPS + "topk_topp_triton:", f"block_size, block_size_trunc, num_warps = {tiles}")
     for tiles in ("256, 128, 4", "4096, 2048, 4", "8192, 4096, 8")) + (
-    # which rows its launch leaves to the split pipeline (commfold.vllm.shard_edge_rows)
+    # which rows its launch leaves to the split pipeline (commfold.vllm.sample.shard_edge_rows)
     (_OPS + "topk_topp_triton:", "split_covers_ponly = (\n        current_"
      "platform.is_cuda_alike()\n        and topp_enabled\n        and batch_size <= "
      "_SPLIT_MAX_BATCH\n    )"),)
@@ -112,7 +115,7 @@ POINTS = tuple((_S + where, Pinned(tuple(zip(_RELEASES, hashes))))
 def state(environ=os.environ, runner=None) -> runtime.HookState:
     """Whether sampled V2 steps can be drawn on the shards (the target pick's own
     switch, COMMFOLD_TARGET_PICK, turns them off with it)."""
-    return target_pick.mode_state(HOOK, POINTS, environ, runner)
+    return switch.mode_state(HOOK, POINTS, environ, runner)
 
 
 def install(environ=os.environ, runner=None) -> bool:
@@ -159,10 +162,10 @@ def draw(sampler, head: LogitsHead, shard: torch.Tensor, input_batch) -> Drawn |
     why the step goes to V2's samplers (NAN: a row holds NaN; a top-k / top-p cut
     that could not be settled) - every rank alike. A row whose draw hangs on the
     cut's edge is made whole, cut by vLLM's kernel and drawn over the whole row
-    (commfold.vllm.shard_edge_rows). Every rank calls it together."""
+    (commfold.vllm.sample.shard_edge_rows). Every rank calls it together."""
     import numpy as np  # not at import: commfold imports without numpy
 
-    from commfold.vllm import shard_edge_rows, shard_gumbel, shard_top_k_top_p
+    from commfold.vllm.sample import shard_edge_rows, shard_gumbel, shard_top_k_top_p
 
     comm = communicator(head.comm)
     start = comm.rank() * head.shard
@@ -296,7 +299,7 @@ def _logit_bias(bias, work, start: int, input_batch, stops: bool = True) -> None
     columns. A request whose allowed ids all lie elsewhere gets the spare column
     past the shard (V2's kernel then masks every shard column, as on the full row).
     stops=False: without min_tokens' stop ids (V2's restore of all-masked rows,
-    structured output with min_tokens: commfold.vllm.stop_restore)."""
+    structured output with min_tokens: commfold.vllm.sample.stop_restore)."""
     import numpy as np
 
     from vllm.v1.worker.gpu.sample.logit_bias import apply_logit_bias

@@ -1,11 +1,11 @@
 """Model Runner V2's draft logits cache (``speculator.draft_logits``, [max_reqs, steps,
-vocab]) as commfold's sampled drafter fills it (commfold.vllm.draft_sampled): on each
+vocab]) as commfold's sampled drafter fills it (commfold.vllm.spec_decode.draft_sampled): on each
 rank only the columns that rank's verification reads, and whole rows again for any
 reader that needs them.
 
 V2's Gumbel kernel writes a drafted row's logits whole, on every rank (the gathered
 logits). commfold's drafter writes, on each rank, its own vocab shard, the neighbours'
-columns of the 8192-column blocks it verifies (commfold.vllm.verify_layout.Layout: the
+columns of the 8192-column blocks it verifies (commfold.vllm.spec_decode.verify_layout.Layout: the
 stats kernel's reads) and the drafted token's logit (the rejection kernel's read).
 Every write, commfold's or V2's, writes the writing rank's own columns, so the owner
 of a column always holds its latest value: one all-gather of each rank's own columns

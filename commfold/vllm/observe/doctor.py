@@ -28,7 +28,7 @@ def report(environ: dict) -> list[str]:
         import vllm  # noqa: F401  (what a vLLM worker imports first)
 
         from commfold.vllm import plugin
-        from commfold.vllm import runtime
+        from commfold.vllm.compat import runtime
     except Exception as e:  # absent, or broken for this torch
         return lines + [f"vLLM: not usable here ({type(e).__name__}: {e}); the runtime "
                         "hooks need vLLM, the torch.compile passes do not"]

@@ -1,7 +1,7 @@
 """Model Runner V2's sampler outputs from this rank's logits shard: what both of
-commfold's V2 target-pick hook sets (commfold.vllm.target_pick_v2 up to vLLM 0.33,
-commfold.vllm.target_pick_state from 0.34) return in place of V2's Sampler /
-RejectionSampler for a step commfold.vllm.decision.decide_v2 qualifies.
+commfold's V2 target-pick hook sets (commfold.vllm.target.target_pick_v2 up to vLLM 0.33,
+commfold.vllm.target.target_pick_state from 0.34) return in place of V2's Sampler /
+RejectionSampler for a step commfold.vllm.target.decision.decide_v2 qualifies.
 
 - ``greedy``: commfold.ops.local_argmax over the shard (one (value, index) pair per
   row per rank): the first maximum, as V2's argmax (Gumbel kernel at temperature 0);
@@ -13,13 +13,13 @@ RejectionSampler for a step commfold.vllm.decision.decide_v2 qualifies.
   (commfold.ops.local_logprobs.local_topk_scores); rows it cannot do exactly are
   gathered and scored by V2's own function;
 - ``sample`` / ``sample_logprobs``: a step with sampled requests or processed logits,
-  drawn as V2's Gumbel kernel draws it (commfold.vllm.sampled_pick), logprobs of the
+  drawn as V2's Gumbel kernel draws it (commfold.vllm.sample.sampled_pick), logprobs of the
   drawn token scored as above from the raw or the processed shard;
 - ``verify_sampled``: a spec-decode step with sampled requests, V2's probabilistic
-  ("standard") rejection sampling on the shards (commfold.vllm.shard_verify).
+  ("standard") rejection sampling on the shards (commfold.vllm.spec_decode.shard_verify).
 
 Structured output: the hooks mask the shard with the step's grammar bitmask first
-(commfold.vllm.shard_grammar), so every mode above reads V2's masked logits.
+(commfold.vllm.sample.shard_grammar), so every mode above reads V2's masked logits.
 
 NaN: a step whose gathered maxima hold NaN (the same on every rank) is gathered and
 given to V2's own samplers, so its token is V2's whatever rule V2's kernels apply to
@@ -31,13 +31,15 @@ import weakref
 
 import torch
 
-from commfold.vllm import sampled_pick, shard_grammar, shard_verify, step_log
-from commfold.vllm.decision import V2Step, decide_v2, verify_method
-from commfold.vllm.logits_head import LogitsHead
+from commfold.vllm.sample import sampled_pick, shard_grammar
+from commfold.vllm.spec_decode import shard_verify
+from commfold.vllm.observe import step_log
+from commfold.vllm.target.decision import V2Step, decide_v2, verify_method
+from commfold.vllm.target.logits_head import LogitsHead
 
 _REJECT = "vllm.v1.worker.gpu.spec_decode.rejection_sampler"
-SAMPLED = ("sample", "sample_logprobs")  # commfold.vllm.sampled_pick's modes
-VERIFY_SAMPLED = "verify_sampled"  # commfold.vllm.shard_verify's
+SAMPLED = ("sample", "sample_logprobs")  # commfold.vllm.sample.sampled_pick's modes
+VERIFY_SAMPLED = "verify_sampled"  # commfold.vllm.spec_decode.shard_verify's
 # what the pick's exactness rests on inside V2's kernels and helpers, whichever hook
 # set hands it the step (hook_points: (module:Attr.path, text))
 PICK_POINTS = (
@@ -127,7 +129,7 @@ _PROCESSORS = {"PenaltiesState": "penalties", "LogitBiasState": "logit_bias",
 
 def processing_of(sampler, idx) -> tuple[str, ...]:
     """The kinds of logits processing V2's Sampler would run for the requests `idx`
-    (its per-request arrays; commfold.vllm.decision.SAMPLED_LOCAL names those done on
+    (its per-request arrays; commfold.vllm.target.decision.SAMPLED_LOCAL names those done on
     a shard). A custom processor counts whenever a request needs processing (V2 runs
     every processor then)."""
     if not sampler.needs_logits_processing[idx].any():

@@ -28,7 +28,7 @@ import torch
 
 from commfold.backend import backend
 from commfold.config import Config
-from commfold.vllm.nan_pick import MaskBeforeGather, nan_as_neg_inf
+from commfold.vllm.target.nan_pick import MaskBeforeGather, nan_as_neg_inf
 
 log = logging.getLogger("commfold")
 
@@ -43,7 +43,7 @@ def top_tokens_fn(compute_logits: Callable[[torch.Tensor], torch.Tensor],
     ``compute_logits(hidden)`` over the vocab, compiled with commfold (dynamic T);
     with ``values`` the pair (max value, argmax) of ``max(dim=-1)``; with
     ``nan_as_neginf`` over the logits with NaN as -inf (vLLM 0.34's greedy_argmax;
-    commfold.vllm.nan_pick keeps it local). A compute_logits
+    commfold.vllm.target.nan_pick keeps it local). A compute_logits
     commfold cannot rewrite still runs correctly, with the gather (the report says
     why). The compiled pick does not re-check the modules' attributes (soft cap,
     scale, weight shapes) on each call: build a new one after changing them."""

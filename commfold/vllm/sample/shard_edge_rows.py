@@ -1,7 +1,7 @@
 """The rows of a step whose top-k / top-p cut the bounds leave in doubt, made whole and
 cut by vLLM's own kernel: exact where bounds are not.
 
-commfold.vllm.shard_top_k_top_p bounds V2's cut from one small exchange; a row whose
+commfold.vllm.sample.shard_top_k_top_p bounds V2's cut from one small exchange; a row whose
 tokens between its ``drop`` and ``keep`` matter (the draw could pick one, or the
 verification's probabilities depend on them) used to give the whole step to V2. Here
 only those rows are made whole: one all-gather of their processed float32 columns
@@ -26,7 +26,7 @@ Why a subset of rows is cut as in V2's whole batch (sources pinned in sampled_pi
   and SPLIT_COVERS_PONLY), the rows are padded with no-op rows (k = vocab, p = 1) to
   over ``_SPLIT_MAX_BATCH`` whenever the step has more: the subset takes the
   monolithic path as the step does. A step of at most ``_SPLIT_MAX_BATCH`` rows on
-  CUDA reaches here only without top-p-only rows (commfold.vllm.decision refuses the
+  CUDA reaches here only without top-p-only rows (commfold.vllm.target.decision refuses the
   split kernels' steps), so the split pipeline masks nothing in either batch.
 - Without Triton (``apply_top_k_top_p_pytorch``: a sort whose order of ties may
   depend on the batch) nothing is made whole: the step keeps V2's path.

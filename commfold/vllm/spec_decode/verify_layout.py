@@ -1,4 +1,4 @@
-"""Which vocab columns each rank verifies in commfold.vllm.shard_verify - V2's
+"""Which vocab columns each rank verifies in commfold.vllm.spec_decode.shard_verify - V2's
 8192-column blocks, each owned by the rank holding most of it, and the columns its
 neighbours lend for blocks a shard end splits - and what the verification sends for
 a layout: plain arithmetic on (shard, vocab, world), the same on every rank, kept
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from commfold.vllm.verify_kernels import BLOCK
+from commfold.vllm.spec_decode.verify_kernels import BLOCK
 
 
 class Layout:

@@ -22,7 +22,7 @@ however the search ended) and ``drop`` (no token below it is). commfold.vllm.
 sampled_pick then draws over the tokens above ``keep`` and, apart, over those between:
 the token is V2's when the best noised token above ``keep`` beats every one between
 (the draw is then the same over any set the kernel may have kept); otherwise that
-row is made whole and cut by vLLM's own kernel (commfold.vllm.shard_edge_rows), or,
+row is made whole and cut by vLLM's own kernel (commfold.vllm.sample.shard_edge_rows), or,
 past its limit, the step is gathered and V2 samples it. ``Cut.doubt`` names, from
 the gathered values alone, every row where some rank may hold a token between the
 bounds (V2's verification makes those rows whole). Rows whose cut cannot be bounded

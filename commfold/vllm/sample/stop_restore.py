@@ -9,7 +9,7 @@ and bias), V2's kernel as usual (stop tokens masked), then the row's maximum ove
 every rank from one all-gather of a float32 per row per rank, and the stop tokens in
 the shard restored from the copy where that maximum is -inf. A row holding NaN has a
 NaN maximum here (no restore) and is the draw's to give to V2 whole
-(commfold.vllm.sampled_pick: NaN rows go to V2's samplers), so its token is V2's.
+(commfold.vllm.sample.sampled_pick: NaN rows go to V2's samplers), so its token is V2's.
 What this repeats of V2 (``_bias_kernel``, ``LogitBiasState.apply``) is pinned by
 whole source with the sampled draw's points (sampled_pick.POINTS).
 """

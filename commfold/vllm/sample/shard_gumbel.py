@@ -8,7 +8,7 @@ with the keys set to the global token ids (shard start + column): every rank get
 exactly the noised values V2 computes for its columns, and the (value, index) of
 each 1024-column block's first maximum. ``block_maxima`` returns this rank's first
 maximum per row; the ranks' pairs, first maximum over ranks, are V2's token
-(commfold.vllm.sampled_pick; the speculator's draft, commfold.vllm.draft_sampled,
+(commfold.vllm.sample.sampled_pick; the speculator's draft, commfold.vllm.spec_decode.draft_sampled,
 with V2's drafting flags).
 
 vLLM and Triton are imported at the first call, not at import (commfold imports

@@ -12,7 +12,7 @@ at configured rates), "block" (block verification), "fly" (FLy's lossy,
 entropy-gated acceptance, from vLLM 0.33), adaptive verification - and any method
 commfold does not know run vLLM's code. On Model Runner V2 a "standard" step with
 sampled requests is verified on the shards as V2's RejectionSampler verifies it
-("verify_sampled", commfold.vllm.shard_verify) when its processing is done on a shard
+("verify_sampled", commfold.vllm.spec_decode.shard_verify) when its processing is done on a shard
 (SPEC_LOCAL: all but a custom processor; top-k / top-p where the cut is proved exact); V2's logprobs
 of the verified tokens (greedy and sampled steps) are scored on the shards as in
 steps without drafts.
@@ -190,7 +190,7 @@ class V2Step:
     split_top_p: bool = False
 
 
-# V2's processing of a sampled step that commfold.vllm.sampled_pick does on a shard
+# V2's processing of a sampled step that commfold.vllm.sample.sampled_pick does on a shard
 SAMPLED_LOCAL = ("temperature", "min_p", "penalties", "logit_bias", "bad_words",
                  "thinking_budget", "top_k", "top_p")
 # the rest, and why each stays vLLM's
@@ -207,10 +207,10 @@ def decide_v2(step: V2Step, *, spec: bool, structured: bool,
     compute_topk_scores: commfold.ops.local_logprobs.local_topk_scores). A step with
     a sampled request or processed logits (greedy ones too: V2 draws every row of a
     step with one Gumbel kernel) is "sample" / "sample_logprobs" - the whole step,
-    commfold.vllm.sampled_pick - when all its processing is in SAMPLED_LOCAL and it is
+    commfold.vllm.sample.sampled_pick - when all its processing is in SAMPLED_LOCAL and it is
     no spec-decode step; under spec decoding "verify_sampled" (``verify_sampled``).
     Structured output (`structured`, read by no rule here): its bitmask applied on
-    the shards first (commfold.vllm.shard_grammar), under spec decoding too - V2
+    the shards first (commfold.vllm.sample.shard_grammar), under spec decoding too - V2
     verifies the masked rows, a grammar's invalid drafts as -1."""
     refusal = step_refusal(False, step.nan_check, spec, verify)
     if refusal is not None:
@@ -241,7 +241,7 @@ def decide_v2(step: V2Step, *, spec: bool, structured: bool,
             return None, "logprob_token_ids"
         mode, why = logprobs_mode_ok(step.num_logprobs, step.logprobs_mode, step.vocab,
                                      False, V2_LOGPROB_MODES)
-        # under spec decoding V2 scores each verified row's token (commfold.vllm.v2_pick)
+        # under spec decoding V2 scores each verified row's token (commfold.vllm.target.v2_pick)
         return (mode and ("verify" if spec else mode)), why
     return ("verify" if spec else "greedy"), "all greedy"
 
@@ -250,7 +250,7 @@ FUSED_OPTION = "COMMFOLD_FUSED_SAMPLER_STEPS"  # =gumbel: take fused-sampler ste
 
 
 def truncation_refusal(step: V2Step, spec: bool = False) -> str | None:
-    """Why a step with top-k / top-p stays V2's (commfold.vllm.shard_top_k_top_p takes
+    """Why a step with top-k / top-p stays V2's (commfold.vllm.sample.shard_top_k_top_p takes
     the rest, by bounds of the kernel's cut); None when it may be taken. spec: V2's
     verification cuts the target logits with the kernel itself, never a fused
     sampler."""
@@ -267,7 +267,8 @@ def truncation_refusal(step: V2Step, spec: bool = False) -> str | None:
     return None
 
 
-# V2's processing of a sampled spec-decode step commfold.vllm.shard_verify does on a shard
+# V2's processing of a sampled spec-decode step that
+# commfold.vllm.spec_decode.shard_verify does on a shard
 SPEC_LOCAL = ("temperature", "min_p", "penalties", "logit_bias", "bad_words",
               "thinking_budget", "top_k", "top_p")
 
@@ -275,7 +276,7 @@ SPEC_LOCAL = ("temperature", "min_p", "penalties", "logit_bias", "bad_words",
 def verify_sampled(step: V2Step) -> tuple[str | None, str]:
     """(mode, reason) for a spec-decode step with a sampled request (verification
     already known "standard"): "verify_sampled" - V2's rejection sampling of the whole
-    step on the shards (commfold.vllm.shard_verify) - when its processing is in
+    step on the shards (commfold.vllm.spec_decode.shard_verify) - when its processing is in
     SPEC_LOCAL and its logprobs (of each verified row's token) can be scored locally."""
     left = [SAMPLED_LEFT.get(p, p) for p in step.processing if p not in SPEC_LOCAL]
     if left:

@@ -11,14 +11,14 @@ points V2 declares for it (``vllm/v1/worker/gpu/model_states/interface.py``):
   logits_head's head with the processor's gather as the identity) in place of the
   all-gathered logits; on any other step vLLM's own.
 
-The decision (commfold.vllm.decision.decide_v2 via commfold.vllm.v2_pick.decide_step:
+The decision (commfold.vllm.target.decision.decide_v2 via commfold.vllm.target.v2_pick.decide_step:
 a pure function of the step's sampling parameters, the same on every rank) is made
 before the logits exist, in a wrapper around the state's ``preprocess_state(input_batch,
 ...)`` (V2's hook on every real batch before the forward). ``sample`` then applies the
 structured-output grammar bitmask to what compute_sample_logits returned: V2's
 ``StructuredOutputsWorker.apply_grammar_bitmask`` is wrapped so that, given a shard
 commfold returned, it masks the shard's columns with the bitmask re-packed for them
-(commfold.vllm.shard_grammar). A batch is decided as structured from
+(commfold.vllm.sample.shard_grammar). A batch is decided as structured from
 ``has_structured_output_reqs`` (which vLLM's scheduler sets for every step it gives a
 grammar bitmask); a bitmask reaching the shard of a batch decided otherwise decides it
 again, and a step that then stays vLLM's is gathered and masked by V2's method on the
@@ -39,7 +39,7 @@ NaN: V2's target pick is its Gumbel kernel at temperature 0 (``gumbel_sample``):
 first block holding the maximum (torch.argmax's rule, as its combine kernel says);
 ``greedy_argmax`` (NaN as -inf) is the drafters' pick, not the target's. commfold
 gives any step whose gathered maxima hold NaN to V2's samplers on the gathered logits,
-so the token is V2's whatever its kernels do with NaN (commfold.vllm.v2_pick).
+so the token is V2's whatever its kernels do with NaN (commfold.vllm.target.v2_pick).
 """
 from __future__ import annotations
 
@@ -47,10 +47,13 @@ import logging
 import weakref
 from dataclasses import dataclass
 
-from commfold.vllm import hook_points, pick_cost, shard_grammar, step_log, v2_pick
-from commfold.vllm.pause import paused
-from commfold.vllm.hook_points import Pinned
-from commfold.vllm.logits_head import LogitsHead
+from commfold.vllm.compat import hook_points
+from commfold.vllm.target import pick_cost, v2_pick
+from commfold.vllm.sample import shard_grammar
+from commfold.vllm.observe import step_log
+from commfold.vllm.target.switch import paused
+from commfold.vllm.compat.hook_points import Pinned
+from commfold.vllm.target.logits_head import LogitsHead
 
 log = logging.getLogger("commfold")
 
@@ -207,7 +210,7 @@ class StatePick:
 
     def grammar(self, apply_bitmask, input_batch, request_ids, bitmask) -> None:
         """V2's grammar bitmask (apply_bitmask: V2's method) on the held shard
-        (commfold.vllm.shard_grammar). A batch not decided as structured is decided
+        (commfold.vllm.sample.shard_grammar). A batch not decided as structured is decided
         again with it; a step that then stays vLLM's is gathered here and masked by
         V2's method as V2 masks it, for vLLM's samplers (every rank alike)."""
         shard, step = self.shard

@@ -34,21 +34,21 @@ V2 uses them. Target logits are processed as V2 processes them before
 verifying (``apply_sampling_params`` but top-k / top-p: penalties with the draft
 tokens as V2 passes them, logit bias, allowed ids, min_tokens, bad words,
 temperature, min_p) by the sampled draw's own shard processing
-(commfold.vllm.sampled_pick.process, pinned with the draw); the columns a rank
+(commfold.vllm.sample.sampled_pick.process, pinned with the draw); the columns a rank
 borrows from its neighbours for a split block are then sent processed (float32).
-Top-k / top-p: the bounds of V2's cut (commfold.vllm.shard_top_k_top_p) mask what
+Top-k / top-p: the bounds of V2's cut (commfold.vllm.sample.shard_top_k_top_p) mask what
 they prove dropped; a row where they leave a token in doubt on any rank (known on
 every rank from the bounds' exchange) is made whole and cut by vLLM's own kernel
-(commfold.vllm.shard_edge_rows: one all-gather of those rows), since every
+(commfold.vllm.sample.shard_edge_rows: one all-gather of those rows), since every
 probability of a row depends on the kept set; past that module's limit the step is
 V2's.
 commfold's sampled drafter fills the cache, on each rank, only where this rank
-reads it (commfold.vllm.draft_cache).
+reads it (commfold.vllm.spec_decode.draft_cache).
 
 A step whose shard holds NaN on any rank (a flag in the stats exchange), or whose
 resampled values do, returns None on every rank: the step is gathered and V2's
 RejectionSampler takes it. The kernels are launched as the installed release launches
-them for "standard" verification (commfold.vllm.verify_kernels: vLLM 0.32, 0.33,
+them for "standard" verification (commfold.vllm.spec_decode.verify_kernels: vLLM 0.32, 0.33,
 0.34); each function used or repeated is pinned by its whole source per release
 (``POINTS``): any other source refuses the mode with a line and the step stays V2's,
 as do a watermark and a rejection sampler built for another method (``refusal``).
@@ -64,12 +64,15 @@ from typing import NamedTuple
 import torch
 
 from commfold.distributed.collectives import communicator
-from commfold.vllm import (draft_cache, hook_points, runtime, sampled_pick,
-                           shard_top_k_top_p, step_log, target_pick, verify_kernels)
-from commfold.vllm.decision import verify_method, verify_refusal
-from commfold.vllm.hook_points import Pinned
-from commfold.vllm.logits_head import LogitsHead
-from commfold.vllm.verify_layout import (  # noqa: F401  (their home for callers)
+from commfold.vllm.spec_decode import draft_cache, verify_kernels
+from commfold.vllm.compat import hook_points, runtime
+from commfold.vllm.sample import sampled_pick, shard_top_k_top_p
+from commfold.vllm.observe import step_log
+from commfold.vllm.target import switch
+from commfold.vllm.target.decision import verify_method, verify_refusal
+from commfold.vllm.compat.hook_points import Pinned
+from commfold.vllm.target.logits_head import LogitsHead
+from commfold.vllm.spec_decode.verify_layout import (  # noqa: F401  (their home for callers)
     NO_SAVING, Layout, exchanged_bytes, no_saving, sent)
 
 log = logging.getLogger("commfold")
@@ -81,7 +84,7 @@ _R = "vllm.v1.worker.gpu.spec_decode.rejection_sampler:"
 _S = "vllm.v1.worker.gpu.sample."
 _RELEASES = ("0.32.0", "0.33.0", "0.34.0")
 # what verify() calls or repeats besides the kernels it launches (their pins:
-# commfold.vllm.verify_kernels), each function's whole source in vLLM 0.32.0,
+# commfold.vllm.spec_decode.verify_kernels), each function's whole source in vLLM 0.32.0,
 # 0.33.0, 0.34.0
 _SOURCES = {
     _R + "gather_draft_sampled": ("577affeb05588747",) * 3,
@@ -106,7 +109,7 @@ POINTS = tuple((where, Pinned(tuple(zip(_RELEASES, hashes))))
 def state(environ=os.environ, runner=None) -> runtime.HookState:
     """Whether sampled spec-decode steps can be verified on the shards (the target
     pick's own switch, COMMFOLD_TARGET_PICK, turns it off with it)."""
-    return target_pick.mode_state(HOOK, POINTS, environ, runner)
+    return switch.mode_state(HOOK, POINTS, environ, runner)
 
 
 def install(environ=os.environ, runner=None) -> bool:
@@ -166,7 +169,7 @@ def _cut(comm, head: LogitsHead, target: torch.Tensor, states, input_batch, star
     rank may hold a token between the bounds (every probability of a row depends on
     the kept set); why the step goes to V2 where neither can be had (every rank
     alike). Every rank calls it together."""
-    from commfold.vllm import shard_edge_rows
+    from commfold.vllm.sample import shard_edge_rows
 
     mapping = input_batch.expanded_idx_mapping
     bounds = shard_top_k_top_p.cut(comm, target, states.top_k.gpu[mapping],

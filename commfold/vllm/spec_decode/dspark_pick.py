@@ -3,10 +3,10 @@ without the full-vocab gather of its base draft logits.
 
 vLLM computes the base draft logits of the block's positions with one vocab gather,
 then, position by position, adds the Markov bias of the previous token (full vocab on
-every rank: the head is replicated, by vLLM or commfold.vllm.eager_heads) and takes
+every rank: the head is replicated, by vLLM or commfold.vllm.spec_decode.eager_heads) and takes
 the argmax. Here vLLM's own loop runs with three callees swapped for the block:
 ``compute_draft_logits`` gives this rank's shard (the processor's gather as the
-identity: commfold.vllm.logits_head), ``markov_bias`` its shard's columns of the bias,
+identity: commfold.vllm.target.logits_head), ``markov_bias`` its shard's columns of the bias,
 and ``_sample_logits`` picks with commfold.ops.local_argmax (one (value, index) pair
 per row per rank) before vLLM's ``map_draft_to_target``. Adding the bias and scaling
 are elementwise, so each shard holds the gathered row's values; the first maximum
@@ -32,8 +32,9 @@ import logging
 import torch
 
 from commfold.config import Config
-from commfold.vllm import hook_points, step_log
-from commfold.vllm.hook_points import Pinned
+from commfold.vllm.compat import hook_points
+from commfold.vllm.observe import step_log
+from commfold.vllm.compat.hook_points import Pinned
 
 log = logging.getLogger("commfold")
 
@@ -88,7 +89,7 @@ def why_vllm(spec, head) -> str | None:
 def find_head(model):
     """The drafter's LogitsHead, or why there is none (a str)."""
     from commfold.ops.local_argmax import SUPPORTED_DTYPES
-    from commfold.vllm.logits_head import LogitsHead
+    from commfold.vllm.target.logits_head import LogitsHead
 
     head, why = LogitsHead.of(model, lora=False, pipeline=False)
     if head is None:
@@ -146,7 +147,7 @@ class Block:
 
     def pick(self, logits, idx_map, sample_pos, step, bias=None):
         from commfold.ops.local_argmax import local_argmax
-        from commfold.vllm.nan_pick import nan_as_neg_inf
+        from commfold.vllm.target.nan_pick import nan_as_neg_inf
 
         if self.whole:
             return self.sample(logits, idx_map, sample_pos, step, *(
@@ -174,7 +175,7 @@ def _say(cls, why: str) -> None:
 def block_plan(spec, num_reqs: int, hidden: torch.Tensor):
     """(head, NaN rule) for commfold's block pick, or None (said once per class and
     reason; the step log notes it)."""
-    from commfold.vllm import pick_cost
+    from commfold.vllm.target import pick_cost
 
     cls = type(spec)
     if cls not in _classes:

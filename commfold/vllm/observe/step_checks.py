@@ -1,4 +1,4 @@
-"""Checks over an engine run's step logs (commfold.vllm.step_log, read with
+"""Checks over an engine run's step logs (commfold.vllm.observe.step_log, read with
 commfold.distributed.comm_log.read_step_logs): what tests and examples assert about
 the target pick."""
 from __future__ import annotations

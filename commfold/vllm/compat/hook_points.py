@@ -7,7 +7,7 @@ know: every hook module lists its points here as ``(module:Attr.path, text)``, t
 None for "the attribute exists" or a tuple of texts any one of which will do (a line
 that differs by release: ``texts``), and checks them at install (``missing``);
 ``commfold doctor`` and tools/vllm_compat.py read the same lists (through the registry,
-commfold.vllm.hooks).
+commfold.vllm.compat.hooks).
 
 A text point catches a line that moved, not one vLLM added. Where a hook stands in
 for a function's whole body (it returns what that function would), the point is
