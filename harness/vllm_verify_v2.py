@@ -231,12 +231,12 @@ def method_refusals(world: int, configs: dict) -> dict:
     return out
 
 
-def launch_arguments(world: int, forms: dict | None = None) -> dict:
+def launch_arguments(world: int, form: tuple[int, ...] | None = None) -> dict:
     """In a spawned rank: per kernel commfold.vllm.spec_decode.verify_kernels launches, (the
     argument names it passes, launch options left out; the installed kernel's
     parameter names), from each launch function run on stand-in tensors with the
-    kernel replaced by a recorder. forms: {name: release} in place of
-    verify_kernels.form (another release's lists, for a check by its sources)."""
+    kernel replaced by a recorder. form: a release in place of verify_kernels.form
+    (another release's lists, for a check by its sources)."""
     from harness import triton_cpu
 
     triton_cpu.install()
@@ -262,14 +262,12 @@ def launch_arguments(world: int, forms: dict | None = None) -> dict:
              "_insert_resampled_kernel")
     params = {n: sorted(getattr(ru, n).arg_names) for n in names}
     saved = {n: getattr(ru, n) for n in names}
-    form = verify_kernels.form
-    for n in ("rejection_sample", *names):  # read (and cached) off the real kernels
-        form(n)
+    installed = verify_kernels.form
     try:
         for n in names:
             setattr(ru, n, Recorder(n))
-        if forms is not None:
-            verify_kernels.form = lambda name: forms[name]
+        if form is not None:
+            verify_kernels.form = lambda: form
         t = torch.zeros(2, 2)
         i = torch.zeros(2, dtype=torch.int64)
         verify_kernels.stats((2, 1), t, t, t, t, t, t, 2, None, i, i, t, 1)
@@ -280,7 +278,7 @@ def launch_arguments(world: int, forms: dict | None = None) -> dict:
                                 False)
         verify_kernels.insert(t, i, t, t, i, i, t, 2)
     finally:
-        verify_kernels.form = form
+        verify_kernels.form = installed
         for n, k in saved.items():
             setattr(ru, n, k)
     return {n: (got[n], params[n]) for n in names}

@@ -66,12 +66,14 @@ METHOD = ('class Sampler:\n    @staticmethod\n    def pick(x):\n        """Doc."
 
 def test_a_pinned_point_holds_the_same_hash_statically_and_imported(compat, tree):
     """A pinned point: the whole function's source by hash, the same from the parsed
-    file (tools/vllm_compat.py) as from the imported function (at plugin load), and
-    any change to the function reads as moved."""
+    file (tools/vllm_compat.py) as from the imported function (at plugin load), held
+    only for the release the vLLM is read as (another release's pin of the same
+    source does not count), and any change to the function reads as moved."""
     import importlib.util
     import inspect
     import sys
 
+    from commfold.vllm.compat import releases
     from commfold.vllm.compat.hook_points import Pinned, missing, source_hash
 
     path = tree / "sampler.py"
@@ -80,19 +82,25 @@ def test_a_pinned_point_holds_the_same_hash_statically_and_imported(compat, tree
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     digest = source_hash(inspect.getsource(module.Sampler.pick))
-    pinned = Pinned((("9.1.0", digest),))
+    here = releases.here().release.version
+    pinned = Pinned(((here, digest),))
     # at load: the imported function against its pin
     sys.modules["sampler_for_test"] = module
     try:
         assert missing((("sampler_for_test:Sampler.pick", pinned),)) == []
-        other = Pinned((("9.1.0", "0" * 16),))
-        (line,) = missing((("sampler_for_test:Sampler.pick", other),))
-        assert line.startswith("sampler_for_test:Sampler.pick changed (source hash ")
-        assert "read for 9.1.0" in line
+        for other in (Pinned(((here, "0" * 16),)), Pinned((("0.1.0", digest),))):
+            (line,) = missing((("sampler_for_test:Sampler.pick", other),))
+            assert line.startswith("sampler_for_test:Sampler.pick changed (source hash ")
+            assert f"not {here}'s, read for {other.releases()}" in line
     finally:
         del sys.modules["sampler_for_test"]
-    # statically, as tools/vllm_compat.py reads a release: the same hash
+    # statically, as tools/vllm_compat.py reads a release (9.1.0: read as the newest
+    # claimed release): the same hash
+    pinned = Pinned(((releases.newest().version, digest),))
     assert compat.check(compat.Sources(tree), "vllm.sampler:Sampler.pick", pinned) == "present"
+    assert compat.check(compat.Sources(tree), "vllm.sampler:Sampler.pick",
+                        Pinned(((here, digest),))).startswith("moved") \
+        or here == releases.newest().version
     path.write_text(METHOD.replace("x + 1", "x + 2"))
     moved = compat.check(compat.Sources(tree), "vllm.sampler:Sampler.pick", pinned)
     assert moved.startswith("moved: source hash ") and digest not in moved

@@ -467,26 +467,25 @@ def test_the_stats_launch_is_specialized_as_v2s(stride, last, eff, width, size):
 
 
 def test_the_verification_is_pinned_to_this_vllms_kernels():
-    """Every V2 function verify() launches or repeats hashes to a source commfold read
-    (vLLM 0.32, 0.33, 0.34: the hook row covers releases before 0.35), and each
-    kernel is launched with the argument list of the release whose source it is."""
-    from commfold.vllm.compat import hook_points, hooks, runtime
+    """Every V2 function verify() launches or repeats hashes to the source of the
+    claimed release this vLLM is read as (the hook row covers every claimed release;
+    pins decide), and the kernels are launched with that release's argument lists."""
+    from commfold.vllm.compat import hook_points, hooks, releases
     from commfold.vllm.spec_decode import shard_verify, verify_kernels
 
     assert hook_points.missing(shard_verify.POINTS) == []
     assert shard_verify.refusal(SimpleNamespace(watermark_key=None)) is None
     (row,) = [h for h in hooks.HOOKS if h.name == shard_verify.HOOK]
-    assert row.points == shard_verify.POINTS and row.until == (0, 35) and not row.wraps
+    assert row.points == shard_verify.POINTS and row.until is None and not row.wraps
     assert set(verify_kernels.POINTS) <= set(shard_verify.POINTS)
-    here = runtime.release()[:2]
-    # the stats and rejection kernels and their launcher changed in 0.33 and 0.34
-    for name in ("rejection_sample", "_compute_local_logits_stats_kernel",
-                 "_rejection_kernel"):
-        assert verify_kernels.form(name)[:2] == here, name
-    # the resample kernel is 0.32's up to 0.33, the insert kernel 0.32's throughout
-    assert verify_kernels.form("_resample_kernel")[:2] == \
-        ((0, 34) if here >= (0, 34) else (0, 32))
-    assert verify_kernels.form("_insert_resampled_kernel") == (0, 32, 0)
+    here = releases.here()
+    assert here.release is not None and verify_kernels.form() == here.release.numbers
+    # a pinned kernel's source of another claimed release is not this one's: refused
+    where, pinned = verify_kernels.POINTS[0]
+    others = {h for r, h in pinned.hashes if r != here.release.version}
+    mine = {h for r, h in pinned.hashes if r == here.release.version}
+    for digest in others - mine:
+        assert not pinned.holds_for(digest, here.release.version), where
 
 
 def test_each_kernel_gets_exactly_its_parameters(vllm_v2_ranks):

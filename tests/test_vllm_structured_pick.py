@@ -137,9 +137,9 @@ def test_structured_steps_equal_v2s(vllm_v2_ranks):
 
 
 def _model_state() -> bool:
-    from commfold.vllm.compat import runtime
+    from commfold.vllm.compat import releases
 
-    return (runtime.release() or (0,)) >= (0, 34)
+    return releases.here().at_least("0.34.0")
 
 
 STATE_CASES = [  # a bitmask reaching a shard of a batch not decided as structured

@@ -25,7 +25,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported
 
 from vllm_compat import Sources, _package  # noqa: E402
 
-from commfold.vllm.compat import runtime  # noqa: E402
+from commfold.vllm.compat import releases  # noqa: E402
 from commfold.vllm.spec_decode import verify_kernels  # noqa: E402
 from commfold.vllm.compat.hook_points import source_hash  # noqa: E402
 
@@ -36,22 +36,23 @@ def check(package: Path) -> bool:
     from harness.vllm_verify_v2 import launch_arguments
 
     src = Sources(package)
-    forms = {}
+    release = releases.taken_as(src.version())
+    if release is None:
+        print(f"{src.version()}: older than every release commfold claims")
+        return False
     for where, pinned in verify_kernels.POINTS:
         digest = source_hash(src.find(where))
-        found = [r for r, h in pinned.hashes if h == digest]
-        if not found:
-            print(f"{src.version()}: {where} is not pinned ({digest})")
+        if not pinned.holds_for(digest, release.version):
+            print(f"{src.version()}: {where} is not {release.version}'s pinned source ({digest})")
             return False
-        forms[where.split(":")[1]] = runtime.release(("vllm", found[0]))
     tree = ast.parse((package / _FILE).read_text())
     ok = True
-    for name, (passed, _) in launch_arguments(1, forms).items():
+    for name, (passed, _) in launch_arguments(1, release.numbers).items():
         kernel = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
         params = sorted(a.arg for a in kernel.args.args)
         same = passed == params
         ok &= same
-        print(f"{src.version()}: {name} as {'.'.join(map(str, forms[name]))}: "
+        print(f"{src.version()}: {name} as {release.version}: "
               + ("its parameters" if same else f"differs: {sorted(set(passed) ^ set(params))}"))
     return ok
 

@@ -33,11 +33,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from commfold.vllm.spec_decode import draft, dspark_pick  # noqa: E402
-from commfold.vllm.compat import hook_points, hooks  # noqa: E402
+from commfold.vllm.compat import hook_points, hooks, releases  # noqa: E402
 from commfold.vllm import plugin  # noqa: E402
 from commfold.vllm.compat.hook_points import Pinned, describe, source_hash  # noqa: E402
 from commfold.vllm.target.decision import LEFT_TO_VLLM, STRICT_GREEDY  # noqa: E402
-from commfold.vllm.compat.runtime import CLASSES_VERIFIED, TESTED, release  # noqa: E402
+from commfold.vllm.compat.runtime import CLASSES_VERIFIED, TESTED  # noqa: E402
 
 # what the runner choice (commfold.vllm.compat.runtime) and the decision read
 READS = (("vllm.triton_utils.importing:HAS_TRITON", None),
@@ -82,7 +82,8 @@ def _v2_only(src: Sources) -> str | None:
 
 def _in_range(hook_set):
     def applies(src: Sources) -> str | None:
-        if hook_set.covers(release(("vllm", src.version()))):
+        read_as = releases.taken_as(src.version())
+        if hook_set.covers(read_as.numbers if read_as else None):
             return None
         return "- (another set)"
     return applies
@@ -185,8 +186,10 @@ def check(src: Sources, where: str, text) -> str:
     except (LookupError, SyntaxError) as e:
         return f"moved ({e})"
     if isinstance(text, Pinned):
-        if not text.holds(source):
-            return f"moved: source hash {source_hash(source)} not pinned"
+        release = releases.taken_as(src.version())
+        if release is None or not text.holds(source, release.version):
+            read_as = release.version if release else "no claimed release"
+            return f"moved: source hash {source_hash(source)} not pinned for {read_as}"
         return "present"
     if text is not None and not any(t in source for t in hook_points.texts(text)):
         return f"moved: `{describe(text)}` not in it"

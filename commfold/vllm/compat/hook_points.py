@@ -28,6 +28,8 @@ import textwrap
 import types
 from dataclasses import dataclass
 
+from commfold.vllm.compat import releases
+
 
 @dataclass(frozen=True)
 class Pinned:
@@ -37,8 +39,12 @@ class Pinned:
     def releases(self) -> str:
         return ", ".join(release for release, _ in self.hashes)
 
-    def holds(self, source: str) -> bool:
-        return source_hash(source) in {h for _, h in self.hashes}
+    def holds(self, source: str, release: str) -> bool:
+        """Whether `source` is the function as claimed release `release` has it."""
+        return self.holds_for(source_hash(source), release)
+
+    def holds_for(self, digest: str, release: str) -> bool:
+        return (release, digest) in self.hashes
 
 
 def source_hash(source: str) -> str:
@@ -152,33 +158,16 @@ def _missing(where: str, text) -> str | None:
     except Exception as e:  # moved, renamed, no source
         return f"{where} ({type(e).__name__})"
     if isinstance(text, Pinned):
-        if not text.holds(source):
-            return (f"{where} changed (source hash {source_hash(source)}; read for "
-                    f"{text.releases()})")
+        here = releases.here()
+        if here.release is None:
+            return f"{where}: this vLLM is older than every release commfold claims"
+        if not text.holds(source, here.release.version):
+            return (f"{where} changed (source hash {source_hash(source)}; "
+                    f"not {here.release.version}'s, read for {text.releases()})")
         return None
     if text is not None and not any(t in source for t in texts(text)):
         return f"{where}: {describe(text)}"
     return None
-
-
-def installed_hash(where: str) -> str:
-    """``source_hash`` of the installed 'module:Attr.path' (a Triton kernel: its
-    Python function), as ``missing`` checks a Pinned point (raises if it is not
-    there)."""
-    obj = _kernel_function(resolve(where))
-    return source_hash(inspect.getsource(inspect.unwrap(obj)))
-
-
-def pinned_release(where: str, pinned: Pinned) -> str:
-    """The release whose source the installed 'module:Attr.path' is: the first of
-    `pinned`'s releases whose hash it has (a hook launching a function's arguments, or
-    repeating its math, by release); raises where it is none of them (the hook's
-    ``missing`` refuses it before any call comes here)."""
-    digest = installed_hash(where)
-    for found, h in pinned.hashes:
-        if h == digest:
-            return found
-    raise RuntimeError(f"commfold: {where} is no source commfold read ({digest})")
 
 
 def _kernel_function(obj):

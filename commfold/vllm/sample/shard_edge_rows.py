@@ -38,9 +38,9 @@ gather would, its other exchanges included.
 """
 from __future__ import annotations
 
-import inspect
-
 import torch
+
+from commfold.vllm.compat import releases
 
 BYTES = 2  # the rows made whole cost at most 1 / BYTES of vLLM's gather (float32
 # columns against its raw ones: a quarter of a bfloat16 step's rows, half a float32's)
@@ -96,7 +96,7 @@ def cut(rows: torch.Tensor, which: torch.Tensor, states, input_batch, batch: int
     module = importlib.import_module(f"vllm.v1.worker.gpu.sample.{caller}")
     vocab = rows.shape[1]
     get = states.get_top_k_top_p
-    takes_vocab = len(inspect.signature(get).parameters) >= 3
+    takes_vocab = releases.here().at_least("0.33.0")  # 0.33 added the vocab argument
     got = get(input_batch.expanded_idx_mapping, input_batch.idx_mapping_np,
               *((vocab,) if takes_vocab else ()))
     top_k, top_p = got[0], got[1]

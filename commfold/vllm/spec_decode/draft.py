@@ -44,7 +44,7 @@ import inspect
 import logging
 import os
 
-from commfold.vllm.compat import hook_points
+from commfold.vllm.compat import hook_points, releases
 from commfold.vllm.compat import runtime
 from commfold.config import Config
 from commfold.vllm.spec_decode.speculators import V1_PROPOSERS, pick_note
@@ -84,12 +84,10 @@ HOOK_POINTS_V2 = {
 
 
 def v2_nan_as_neginf() -> bool:
-    """Whether this vLLM's V2 draft pick counts NaN logits as -inf (its sample_draft's
-    line; the hook is off when it has neither)."""
-    from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
-
-    source = inspect.getsource(inspect.unwrap(DraftModelSpeculator.sample_draft))
-    return any(nan for line, nan in V2_PICK_LINES.items() if line in source)
+    """Whether this vLLM's V2 draft pick counts NaN logits as -inf: sample_draft's
+    line in the release it is read as (releases.here; the hook is off where
+    sample_draft has neither line)."""
+    return releases.here().at_least("0.34.0")
 
 
 def v1_pick_note(proposer, local: bool) -> str:

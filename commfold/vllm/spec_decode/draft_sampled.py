@@ -44,7 +44,7 @@ import torch
 
 from commfold.distributed.collectives import communicator
 from commfold.vllm.spec_decode import draft_cache, shard_verify, verify_kernels, verify_layout
-from commfold.vllm.compat import hook_points, runtime
+from commfold.vllm.compat import hook_points, releases, runtime
 from commfold.vllm.target import pick_cost
 from commfold.vllm.sample import shard_gumbel
 from commfold.vllm.compat.hook_points import Pinned
@@ -91,7 +91,7 @@ POINTS_034 = _COMMON + (
 )
 # the registry's sets: (points, since, until, detail)
 SETS = ((POINTS, None, (0, 34), "cache tensor, vLLM before 0.34"),
-        (POINTS_034, (0, 34), (0, 35), "DraftLogitsCache, vLLM 0.34"))
+        (POINTS_034, (0, 34), None, "DraftLogitsCache, vLLM 0.34 on"))
 
 
 def points_for(found: tuple[int, ...] | None) -> tuple:
@@ -102,8 +102,7 @@ def points_for(found: tuple[int, ...] | None) -> tuple:
 @functools.cache  # vLLM's code does not change within a process
 def salted() -> bool:
     """Whether the installed V2 salts a drafting seed with the draft step (0.33 on)."""
-    where = _G + "gumbel_block_argmax"
-    return hook_points.pinned_release(where, _PINS[where]) != _RELEASES[0]
+    return releases.here().at_least("0.33.0")
 
 
 def state(environ=os.environ, runner=None) -> runtime.HookState:
@@ -119,7 +118,7 @@ def state(environ=os.environ, runner=None) -> runtime.HookState:
         off = f"COMMFOLD_PASSES has none of {', '.join(PICK_PASSES)}"
     elif not verify.on:
         off = f"sampled verification stays V2's ({verify.reason})"
-    points = points_for(runtime.release())
+    points = points_for(releases.here().numbers)
     return runtime.gate(HOOK, off=off, missing=lambda: hook_points.missing(points),
                         environ=environ, runner=runner, version=2)
 

@@ -26,13 +26,12 @@ soft-capped processor, a head commfold does not find, a method source not checke
 """
 from __future__ import annotations
 
-import inspect
 import logging
 
 import torch
 
 from commfold.config import Config
-from commfold.vllm.compat import hook_points
+from commfold.vllm.compat import hook_points, releases
 from commfold.vllm.observe import step_log
 from commfold.vllm.compat.hook_points import Pinned
 
@@ -55,15 +54,17 @@ PICK_LINES = {"draft_ids = logits.argmax(dim=-1)": False,
               "draft_ids = greedy_argmax(logits)": True}
 
 
-def unread(cls) -> list[str]:
-    """The points of `cls`'s vLLM commfold has not read ([]: the hook may run)."""
-    points = HOOK_POINTS + ((MARKOV_CHAIN,) if hasattr(cls, "_sample_markov_chain") else ())
+def unread() -> list[str]:
+    """The points of this vLLM commfold has not read ([]: the hook may run); 0.34's
+    loop body is one of them from 0.34 (releases.here)."""
+    points = HOOK_POINTS + ((MARKOV_CHAIN,) if releases.here().at_least("0.34.0") else ())
     return hook_points.missing(points)
 
 
-def nan_as_neginf(cls) -> bool:
-    source = inspect.getsource(inspect.unwrap(cls._sample_logits))
-    return any(nan for line, nan in PICK_LINES.items() if line in source)
+def nan_as_neginf() -> bool:
+    """Whether DSpark's greedy line counts NaN as -inf (PICK_LINES): 0.34's, whose
+    ``_sample_logits`` is pinned with it."""
+    return releases.here().at_least("0.34.0")
 
 
 def why_vllm(spec, head) -> str | None:
@@ -179,8 +180,8 @@ def block_plan(spec, num_reqs: int, hidden: torch.Tensor):
 
     cls = type(spec)
     if cls not in _classes:
-        gone = unread(cls)
-        _classes[cls] = (gone, not gone and nan_as_neginf(cls))
+        gone = unread()
+        _classes[cls] = (gone, not gone and nan_as_neginf())
     gone, nan = _classes[cls]
     if gone:
         why: str | None = f"vLLM changed {gone[0]}"
@@ -211,7 +212,7 @@ def hook(config: Config | None, key: str) -> bool:
     cls = hook_points.resolve(_DSPARK)
     if key in hook_points.wrapped_by(cls.__dict__["_sample_sequential"]):
         return True
-    gone = unread(cls)
+    gone = unread()
     if gone:
         log.info("commfold: DSpark's draft block keeps vLLM's pick: vLLM changed %s", gone[0])
         return False

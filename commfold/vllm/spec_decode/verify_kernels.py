@@ -6,8 +6,8 @@ the step's logits rows, ``num_logits``, where 0.32 passed the speculative steps,
 the rejection kernel takes FLy's entropy and window; 0.34: every kernel reading
 draft logits takes the DraftLogitsCache's row mapping, the resample kernel whether
 a request may mask logits, the insert kernel one warp). Each launch here names its
-arguments and adds a release's own where the installed kernel's source is that
-release's (``form``: the release whose pinned hash it has), with the values
+arguments and adds a release's own where this vLLM is read as that release (``form``:
+commfold.vllm.compat.releases.here; the pins hold for it), with the values
 ``rejection_sample`` passes for a "standard" verification of a replicated draft
 cache: no FLy window, no block verification, no synthetic rates, no watermark, no
 row mapping. Any other source leaves the mode off (``POINTS``, read by
@@ -23,11 +23,10 @@ whatever they compute; they are not in 0.32, so they are not pinned.
 """
 from __future__ import annotations
 
-import functools
 
 import torch
 
-from commfold.vllm.compat import hook_points, runtime
+from commfold.vllm.compat import releases
 from commfold.vllm.compat.hook_points import Pinned
 
 BLOCK = 8192  # rejection_sample's VOCAB_BLOCK_SIZE
@@ -55,14 +54,11 @@ POINTS = tuple((_U + name, Pinned(tuple(zip(_RELEASES, hashes))))
 _PINS = dict(POINTS)
 
 
-@functools.cache  # vLLM's code does not change within a process
-def form(name: str) -> tuple[int, ...]:
-    """The vLLM release whose source the installed function `name` is (a kernel: the
-    argument list it takes; rejection_sample: how it launches them): the first whose
-    pinned hash it has (shard_verify.moved() refuses the mode before any launch
-    where none is)."""
-    where = _U + name
-    return runtime.release(("vllm", hook_points.pinned_release(where, _PINS[where])))
+def form() -> tuple[int, ...]:
+    """The release whose argument lists the launches pass: the one this vLLM is read
+    as (releases.here). Its kernels' pins hold for that release, or shard_verify.moved()
+    refuses the mode before any launch."""
+    return releases.here().numbers or ()
 
 
 def values(draft_logits):
@@ -96,7 +92,7 @@ def stats(grid, t_arg, t_max, t_sum, d_max, d_sum, logits, vocab_size: int, draf
         **_draft(draft), expanded_idx_mapping_ptr=mapping,
         expanded_local_pos_ptr=local_pos, temp_ptr=temp, vocab_size=vocab_size,
         BLOCK_SIZE=BLOCK, HAS_DRAFT_LOGITS=draft is not None)
-    at = form("_compute_local_logits_stats_kernel")
+    at = form()
     if at >= (0, 33):
         kw["num_logits"] = logits.shape[0]
     else:
@@ -128,7 +124,7 @@ def rejection(rejection_sampler, sampled, num_sampled, t_lse, d_lse, target, arg
         vocab_num_blocks=blocks, PADDED_VOCAB_NUM_BLOCKS=padded,
         HAS_DRAFT_LOGITS=draft is not None, SYNTHETIC_MODE=False,
         USE_BLOCK_VERIFICATION=False, num_warps=1)
-    at = form("_rejection_kernel")
+    at = form()
     if at >= (0, 33):  # FLy off: V2 passes its threshold all the same
         kw.update(fly_entropy_ptr=None,
                   fly_entropy_threshold=rejection_sampler.fly_entropy_threshold,
@@ -158,7 +154,7 @@ def resample(sampler, idx_mapping_np, r_idx, r_val, target, t_lse, draft, d_lse,
         HAS_DRAFT_LOGITS=draft is not None, USE_FP64=use_fp64,
         USE_BLOCK_VERIFICATION=False, CONTEXT_WIDTH=1, WATERMARK=False,
         DEDUPLICATE_CONTEXTS=False)
-    if form("_resample_kernel") >= (0, 34):
+    if form() >= (0, 34):
         # V2's flag for the step (its _verify: any request whose processing may mask
         # logits); per chunk in V2, but it changes only a block whose target logits
         # are all -inf, which draws -inf either way
@@ -177,7 +173,7 @@ def insert(sampled, num_sampled, tokens, values_, cu, mapping, temp, padded: int
         resampled_local_max_ptr=values_, resampled_local_max_stride=values_.stride(0),
         resample_num_blocks=tokens.shape[1], cu_num_logits_ptr=cu,
         expanded_idx_mapping_ptr=mapping, temp_ptr=temp, PADDED_RESAMPLE_NUM_BLOCKS=padded)
-    if form("rejection_sample") >= (0, 34):
+    if form() >= (0, 34):
         kw["num_warps"] = 1  # rejection_sample's launch from 0.34 (the kernel is 0.32's)
     ru._insert_resampled_kernel[(tokens.shape[0],)](**kw)
 

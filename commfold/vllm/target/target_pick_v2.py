@@ -54,7 +54,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from commfold import cost
-from commfold.vllm.compat import hook_points, runtime
+from commfold.vllm.compat import hook_points, releases, runtime
 from commfold.vllm.observe import step_log
 from commfold.vllm.target import switch, target_pick_state
 from commfold.vllm.target import pick_cost, v2_pick
@@ -144,8 +144,8 @@ def hook_set_for(release: tuple[int, ...] | None) -> HookSet:
 
 
 def hook_set() -> HookSet:
-    """The set of the installed vLLM's release."""
-    return hook_set_for(runtime.release())
+    """The set of the release this vLLM is read as (releases.here)."""
+    return hook_set_for(releases.here().numbers)
 
 
 def hook_points_missing() -> list[str]:
