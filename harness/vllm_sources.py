@@ -121,6 +121,14 @@ def tree(version: str, distribution: str | None = None, fetch=None) -> Path:
     return package
 
 
+def claimed_trees() -> list[Path]:
+    """The `vllm/` sources of every claimed release that can be had (tests that read
+    each release's code; the others' reasons in REASONS)."""
+    from commfold.vllm.compat import releases
+
+    return [t for r in releases.claimed() if (t := release_tree(r.version, r.distribution))]
+
+
 def release_tree(version: str, distribution: str | None = None) -> Path | None:
     """The `vllm/` sources of a release, or None with the reason in REASONS[version]."""
     try:

@@ -279,15 +279,15 @@ def report(trees: list[Sources], tier: dict | None = None) -> list[str]:
                      + (f" - NEW, unknown to commfold: {', '.join(new)}" if new else ""))
     where = f"{draft._SPEC}.sample_draft"
     lines += ["", f"`{where}`, whose whole source the V2 draft pick pins "
-              "(draft.SAMPLE_DRAFT_SOURCES):", ""]
+              "(draft.SAMPLE_DRAFT):", ""]
     for label, s in zip(labels, trees):
         try:
-            digest = draft.source_digest(s.find(where))
+            digest = source_hash(s.find(where))
         except (LookupError, SyntaxError) as e:
             lines.append(f"- {label}: moved ({e})")
             continue
-        known = draft.SAMPLE_DRAFT_SOURCES.get(digest)
-        lines.append(f"- {label}: " + (f"pinned ({known})" if known else
+        known = [r for r, h in draft.SAMPLE_DRAFT.hashes if h == digest]
+        lines.append(f"- {label}: " + (f"pinned ({', '.join(known)})" if known else
                                        f"moved: sha256 {digest} is not pinned"))
     return lines
 
