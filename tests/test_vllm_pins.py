@@ -102,10 +102,10 @@ def _fake_wheel(folder: Path, version: str, files: dict[str, str], dist="vllm") 
     return wheel
 
 
-_KERNEL = "def kernel(x):\n    return x < 1\n"
+_KERNEL = "def _min_p_kernel(x):\n    return x < 1\n"
 FAKE = {"v1/worker/gpu/model_runner.py": "class GPUModelRunner:\n    pass\n",
         "v1/worker/gpu/sample/min_p.py": _KERNEL}
-WHERE = "vllm.v1.worker.gpu.sample.min_p:kernel"
+WHERE = "vllm.v1.worker.gpu.sample.min_p:_min_p_kernel"  # the sampled pick pins it
 
 
 def _claim_fake(tool, version="9.0.0", files=FAKE):
@@ -134,7 +134,7 @@ def test_add_accept_then_check_then_remove(tool, capsys, monkeypatch):
     monkeypatch.setattr(tool, "compat", lambda package, table: (0, []))  # a fake tree
     assert tool.main(["add", "9.1.0"]) == 0  # review only
     out = capsys.readouterr().out
-    assert f"-    return x < 1\n+    return x <= 1" in out and f"+++ 9.1.0/{WHERE}" in out
+    assert "-    return x < 1\n+    return x <= 1" in out and f"+++ 9.1.0/{WHERE}" in out
     assert {p: p.read_bytes() for p in before} == before
     assert tool.main(["add", "9.1.0", "--accept"]) == 0
     assert "python tools/vllm_release_tier.py --version 9.1.0" in capsys.readouterr().out
@@ -168,7 +168,7 @@ def test_add_refuses_bad_input_and_writes_nothing(tool, capsys):
     _refused(tool, capsys, ["add", "9.3.0"], before, "has no Model Runner V2")
     _fake_wheel(tool.tmp / "wheels", "9.4.0", {"v1/worker/gpu/model_runner.py": ""})
     _refused(tool, capsys, ["add", "9.4.0", "--accept"], before,
-             f"vLLM 9.4.0 has no {WHERE} (pinned, in 9.0.0)")
+             f"vLLM 9.4.0 has no {WHERE} (pinned, in 9.0.0), which target pick: sampled")
     (tool.tmp / "wheels" / "vllm-9.5.0-cp38-abi3-linux_x86_64.whl").write_text("not a zip")
     _refused(tool, capsys, ["add", "9.5.0"], before, "is not a wheel")
     _refused(tool, capsys, ["add", "9.0.0"], before, "claimed already")

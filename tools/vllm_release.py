@@ -17,8 +17,9 @@ until someone reads the diff and accepts), runs tools/vllm_compat.py on the tree
 with those pins, and with ``--accept`` writes the release and its hashes; then prints
 the command that runs the release tier on it. It refuses, writing nothing, a version
 the index does not have, a wheel it cannot download, a release without Model Runner
-V2, and a release where a function pinned in the newest claimed one is gone
-(``--gone WHERE`` once a hook no longer needs it there). Exit status: 0 when done
+V2, and a release where a function pinned in the newest claimed one is gone while a
+hook that pins it applies there (as tools/vllm_compat.py decides: its release range,
+its runner). Exit status: 0 when done
 (or, without --accept, when it could be accepted), 1 on a pin difference (check) or a
 refusal.
 """
@@ -37,10 +38,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from vllm_compat import Sources  # noqa: E402
+from vllm_compat import APPLIES, HOOKS, Sources  # noqa: E402
 
 from commfold.vllm.compat import pins, releases  # noqa: E402
-from commfold.vllm.compat.hook_points import source_hash  # noqa: E402
+from commfold.vllm.compat.hook_points import Pinned, source_hash  # noqa: E402
 from harness import vllm_sources  # noqa: E402
 
 PINS = pins.TABLE
@@ -62,8 +63,9 @@ def load_pins(path: Path | None = None) -> dict[str, dict[str, str]]:
 
 
 def dump_pins(table: dict[str, dict[str, str]]) -> str:
+    # a function no claimed release has keeps its key (its hooks' pins hold nothing)
     rows = {w: dict(sorted(v.items(), key=lambda r: releases.parse(r[0]) or ()))
-            for w, v in table.items() if v}
+            for w, v in table.items()}
     return json.dumps({"_about": NOTE, **dict(sorted(rows.items()))}, indent=2) + "\n"
 
 
@@ -168,19 +170,23 @@ def compat(package: Path, table: dict[str, dict[str, str]]) -> tuple[int, list[s
     with tempfile.TemporaryDirectory() as tmp:
         candidate = Path(tmp) / "pins.json"
         candidate.write_text(dump_pins(table))
-        run = ("import runpy, sys; from pathlib import Path; "
-               "from commfold.vllm.compat import pins; pins.TABLE = Path(sys.argv[1]); "
-               "sys.argv = sys.argv[1:]; "
-               f"runpy.run_path({str(ROOT / 'tools' / 'vllm_compat.py')!r}, run_name='__main__')")
-        done = subprocess.run([sys.executable, "-c", run, str(candidate), str(package)],
-                              capture_output=True, text=True, cwd=ROOT)
+        done = subprocess.run([sys.executable, str(ROOT / "tools" / "vllm_compat.py"),
+                               str(package)], capture_output=True, text=True, cwd=ROOT,
+                              env={**os.environ, "COMMFOLD_PINS_TABLE": str(candidate)})
     if done.returncode not in (0, 1):
         raise Refused(f"tools/vllm_compat.py failed: {done.stderr.strip().splitlines()[-1:]}")
     return done.returncode, [line for line in done.stdout.splitlines() if "moved" in line]
 
 
+def needing(where: str, src: Sources) -> list[str]:
+    """The hooks (tools/vllm_compat.py's rows) that pin `where` and apply to `src`."""
+    return [hook for hook, points in HOOKS.items()
+            if any(w == where and isinstance(t, Pinned) for w, t in points)
+            and APPLIES.get(hook, lambda s: None)(src) is None]
+
+
 def add(version: str, distribution: str, verified: str, accept: bool,
-        tree: Path | None = None, gone: tuple[str, ...] = ()) -> int:
+        tree: Path | None = None) -> int:
     numbers = releases.parse(version)
     if numbers is None or len(numbers) < 3:
         raise Refused(f"{version!r} is not a release version (X.Y.Z)")
@@ -204,12 +210,15 @@ def add(version: str, distribution: str, verified: str, accept: bool,
     table = load_pins()
     found = hashes(src, table)
     newest = claimed[-1] if claimed else None
-    lost = [w for w in table if newest and newest.version in table[w]
-            and w not in found and w not in gone]
+    gone = [w for w in table if newest and newest.version in table[w] and w not in found]
+    lost = {w: hooks for w in gone if (hooks := needing(w, src))}
     if lost:
-        raise Refused(f"vLLM {version} has no {', '.join(lost)} (pinned, in {newest.version}): "
-                      "update the hooks that pin it for this release, then add it with "
-                      "--gone for each")
+        where, hooks = next(iter(lost.items()))
+        raise Refused(f"vLLM {version} has no {where} (pinned, in {newest.version}), which "
+                      f"{'; '.join(hooks)} needs there ({len(lost)} such): end that hook's "
+                      f"release range before {version} or point it at the new code, then add")
+    for where in gone:
+        print(f"gone in {version}: {where} (no hook that applies there pins it)")
     changed = [w for w in table if newest and w in found
                and table[w].get(newest.version) not in (None, found[w])]
     if changed:
@@ -253,8 +262,6 @@ def main(argv=None) -> int:
                    help="how it was verified (default sources)")
     a.add_argument("--accept", action="store_true", help="write the release and its pins")
     a.add_argument("--tree", type=Path, help="a local vLLM source tree instead of its wheel")
-    a.add_argument("--gone", action="append", default=[],
-                   help="a pinned function this release may lack (its hooks updated)")
     sub.add_parser("check", help="recompute every claimed release's pins from its wheel")
     pn = sub.add_parser("pin", help="pin new functions ('module:Attr.path') in every release")
     pn.add_argument("where", nargs="+")
@@ -264,7 +271,7 @@ def main(argv=None) -> int:
     try:
         if args.command == "add":
             return add(args.version, args.distribution, args.verified, args.accept,
-                       args.tree, tuple(args.gone))
+                       args.tree)
         if args.command == "check":
             return check()
         if args.command == "pin":

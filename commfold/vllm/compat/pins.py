@@ -7,17 +7,20 @@ A hook that returns what a vLLM function would pins that function's whole source
 releases' wheels by ``tools/vllm_release.py`` (``add``, ``pin``, ``check``), never
 typed: a hook asks ``pinned(where)`` and gets the releases the tool read, so adding
 a release is one command, and a function pinned by several hooks has one entry.
+$COMMFOLD_PINS_TABLE names another table: the candidate the tool's ``add`` checks a new
+release's hook points with before it is accepted (read at commfold's import).
 """
 from __future__ import annotations
 
 import functools
 import json
+import os
 from pathlib import Path
 
 from commfold.vllm.compat.hook_points import Pinned
 from commfold.vllm.compat.releases import parse
 
-TABLE = Path(__file__).with_name("pins.json")
+TABLE = Path(os.environ.get("COMMFOLD_PINS_TABLE") or Path(__file__).with_name("pins.json"))
 
 
 @functools.cache  # read once a process
