@@ -147,6 +147,14 @@ def test_add_accept_then_check_then_remove(tool, capsys, monkeypatch):
     tool.PINS.write_text(tool.dump_pins(table))
     assert tool.main(["check"]) == 1
     assert f"{WHERE} in vllm 9.0.0: pinned {'0' * 16}" in capsys.readouterr().out
+    table[WHERE]["9.0.0"] = hook_points.source_hash(_KERNEL)
+    table[WHERE]["9.9.0"] = "0" * 16  # a release the registry does not claim
+    tool.PINS.write_text(tool.dump_pins(table))
+    assert tool.main(["check"]) == 1
+    assert "pins.json has pins for 9.9.0, which releases.json does not claim" in \
+        capsys.readouterr().out
+    del table[WHERE]["9.9.0"]
+    tool.PINS.write_text(tool.dump_pins(table))
     assert tool.main(["remove", "9.1.0"]) == 0
     assert [r.version for r in releases.load(tool.REGISTRY)] == ["9.0.0"]
     assert set(json.loads(tool.PINS.read_text())[WHERE]) == {"9.0.0"}

@@ -109,7 +109,11 @@ def _claimed(registry: Path | None = None) -> tuple[releases.Release, ...]:
 def check() -> int:
     """Every claimed release's pins recomputed from its wheel; 1 on any difference."""
     table = load_pins()
-    bad = 0
+    versions = {r.version for r in _claimed()}
+    stray = sorted({v for rows in table.values() for v in rows} - versions)
+    for version in stray:
+        print(f"{PINS.name} has pins for {version}, which {REGISTRY.name} does not claim")
+    bad = len(stray)
     for release in _claimed():
         src = Sources(release_tree(release.version, release.distribution))
         found = hashes(src, table)
@@ -233,7 +237,8 @@ def add(version: str, distribution: str, verified: str, accept: bool,
     status, moved = compat(package, candidate)
     print(f"tools/vllm_compat.py {package}: " + ("every point present" if status == 0 else
                                                  f"{len(moved)} points moved:"))
-    print("\n".join(moved)) if moved else None
+    if moved:
+        print("\n".join(moved))
     if status:
         raise Refused(f"vLLM {version}: {len(moved)} hook points moved (above); update the "
                       "hooks before claiming it")
