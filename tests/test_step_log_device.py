@@ -16,7 +16,6 @@ import torch.distributed as dist
 
 from commfold.vllm.observe import step_log as vllm_comm_log
 
-VLLM_033_SOURCES = Path("/work/src033/src/vllm")
 _COMMUNICATOR = "distributed/device_communicators/cuda_communicator.py"
 
 
@@ -70,13 +69,15 @@ def test_device_communicator_collectives_are_logged_once(ranks2, tmp_path):
 
 
 def _sources() -> list[Path]:
-    """vLLM source roots at hand: the installed vLLM (found, not imported) and vLLM
-    0.33's unpacked sources where a developer put them."""
+    """vLLM source roots at hand: the installed vLLM (found, not imported) and every
+    claimed release's sources from its wheel (harness.vllm_sources)."""
     roots = []
     spec = importlib.util.find_spec("vllm")
     if spec is not None and spec.submodule_search_locations:
         roots.append(Path(list(spec.submodule_search_locations)[0]))
-    return roots + [r for r in (VLLM_033_SOURCES,) if r.exists()]
+    from harness import vllm_sources
+
+    return roots + vllm_sources.claimed_trees()
 
 
 def test_marked_methods_exist_in_vllms_cuda_communicator():
@@ -149,7 +150,7 @@ def test_pynccl_direct_calls_are_logged_once(ranks2, tmp_path):
 
 def test_pynccl_methods_send_what_the_step_log_reads():
     """Each release's PyNccl methods name the tensor they send as the log reads it."""
-    roots = [r for r in (*_sources(), *RELEASE_SOURCES) if (r / _PYNCCL).exists()]
+    roots = [r for r in _sources() if (r / _PYNCCL).exists()]
     if not roots:
         import pytest
 
@@ -168,5 +169,3 @@ def test_pynccl_methods_send_what_the_step_log_reads():
 
 
 _PYNCCL = "distributed/device_communicators/pynccl.py"
-# unpacked release wheels where a developer put them (pip download vllm==X --no-deps)
-RELEASE_SOURCES = (Path("/work/vsrc/0.33.0/vllm"), Path("/work/vsrc/0.34.0/vllm"))

@@ -1,21 +1,21 @@
 """Spec-decode verification methods (commfold.vllm.target.decision): commfold's greedy verify
 replaces vLLM's only under strict greedy verification; every other method vLLM
 defines, and any it does not know, runs vLLM's code. The methods are read from vLLM's
-sources - the installed vLLM's, and vLLM 0.33's and 0.34's where an unpacked copy is
-at hand (VLLM_033_SOURCES, VLLM_034_SOURCES) - and checked against the tables below,
+sources - the installed vLLM's, and each claimed release's from its wheel
+(harness.vllm_sources, cached once) - and checked against the tables below,
 so a release that adds a method fails here until the table (and the decision) know
 it. Nothing imports vLLM."""
 from __future__ import annotations
 
 import ast
 import importlib.util
-import os
 import re
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from harness import vllm_sources
 from commfold.vllm.target.decision import (LEFT_TO_VLLM, STRICT_GREEDY, V2Step, all_to_all_bytes,
                                     decide, decide_v2, pick_bytes, verify_method,
                                     verify_refusal)
@@ -25,8 +25,6 @@ from commfold.vllm.target.decision import (LEFT_TO_VLLM, STRICT_GREEDY, V2Step, 
 METHODS = {"0.32": ("standard", "synthetic", "block", "adaptive"),
            "0.33": ("standard", "synthetic", "block", "fly", "adaptive"),
            "0.34": ("standard", "synthetic", "block", "fly", "adaptive")}
-VLLM_033_SOURCES = Path(os.environ.get("VLLM_033_SOURCES", "/work/src033/src/vllm"))
-VLLM_034_SOURCES = Path(os.environ.get("VLLM_034_SOURCES", "/work/src034/src/vllm"))
 # where the samplers branch on a method: V1's and Model Runner V2's rejection samplers
 SAMPLERS = ("config/speculative.py", "v1/sample/rejection_sampler.py",
             "v1/worker/gpu/spec_decode/rejection_sampler.py")
@@ -42,15 +40,14 @@ def _release(root: Path) -> str | None:
 
 def _sources() -> dict[str, Path]:
     """release -> vLLM source root: the installed vLLM (found, not imported) and
-    vLLM 0.33's and 0.34's unpacked sources."""
+    every claimed release's sources from its wheel (where it can be had)."""
     found = {}
     spec = importlib.util.find_spec("vllm")
     if spec is not None and spec.submodule_search_locations:
         root = Path(list(spec.submodule_search_locations)[0])
         found[_release(root)] = root
-    for sources in (VLLM_033_SOURCES, VLLM_034_SOURCES):
-        if (sources / "config" / "speculative.py").exists():
-            found[_release(sources)] = sources
+    for sources in vllm_sources.claimed_trees():
+        found.setdefault(_release(sources), sources)
     return found
 
 
@@ -75,7 +72,7 @@ def methods_in(root: Path) -> set[str]:
 def test_method_table_matches_vllms_sources(release):
     root = _sources().get(release)
     if root is None:
-        pytest.skip(f"no vLLM {release} sources here")
+        pytest.skip(f"no vLLM {release} sources here ({vllm_sources.REASONS})")
     assert methods_in(root) == set(METHODS[release])
 
 

@@ -3,8 +3,9 @@ without installing or importing that release: for a release whose classes cannot
 here (vLLM 0.33), the check that each of V2's rejection kernels would get exactly its
 parameters.
 
-    python tools/verify_kernel_args.py /work/vsrc/0.33.0/vllm [more vllm dirs]
+    python tools/verify_kernel_args.py 0.33.0 [0.34.0 | a vllm dir ...]
 
+A version is its claimed release's sources from the wheel cache (harness.vllm_sources).
 For each source tree: the release whose argument list each kernel takes (the pinned
 hash its source has, as verify_kernels.form reads the installed one), then each
 launch function run with the kernels replaced by recorders (in this Python's vLLM:
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -59,7 +61,16 @@ def check(package: Path) -> bool:
 
 def main(argv=None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    return 0 if all([check(_package(a)) for a in args or ["installed"]]) else 1
+    return 0 if all([check(_tree(a)) for a in args or ["installed"]]) else 1
+
+
+def _tree(arg: str) -> Path:
+    """A vllm dir, 'installed', or a release version (its sources from the wheel cache)."""
+    if re.fullmatch(r"\d+\.\d+\.\d+", arg):
+        from harness import vllm_sources
+
+        return vllm_sources.tree(arg)
+    return _package(arg)
 
 
 if __name__ == "__main__":

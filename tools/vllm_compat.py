@@ -1,9 +1,11 @@
 """Check every point of vLLM that commfold's plugin relies on against a vLLM release's
 sources, without installing or importing that release.
 
-    pip download vllm==0.33.0 --no-deps -d /tmp/w && unzip -q /tmp/w/*.whl 'vllm/*' -d /tmp/v
-    python tools/vllm_compat.py /tmp/v/vllm                      # one release
-    python tools/vllm_compat.py installed /tmp/v/vllm --out docs/vllm-compat.md
+    python tools/vllm_compat.py ~/.cache/commfold/vllm-src/0.33.0/vllm       # one release
+    python tools/vllm_compat.py installed <0.33 tree> <0.34 tree> --out docs/vllm-compat.md
+
+(a claimed release's tree: harness.vllm_sources.release_tree, which tools/vllm_release.py
+and the tests fill from its wheel; `vllm_release.py add` runs this check on a new one.)
 
 A source argument is a `vllm` package directory (or the directory holding one);
 "installed" is the vLLM this Python would import (found, not imported). For each
@@ -16,7 +18,7 @@ per-step decision and the runner choice read: the verification methods the relea
 defines (each must be known to commfold.vllm.target.decision, or a new one is flagged) and
 how it picks Model Runner V2. Prints a markdown matrix; --out writes it with the date;
 --classes adds the column of a release tier's run (tools/vllm_release_tier.py: the
-release's own classes, on ranks). Run it on each vLLM release before claiming it.
+release's own classes, on ranks). A pinned point's hashes are commfold/vllm/compat/pins.json's.
 """
 from __future__ import annotations
 
@@ -282,15 +284,15 @@ def report(trees: list[Sources], tier: dict | None = None) -> list[str]:
                      + (f" - NEW, unknown to commfold: {', '.join(new)}" if new else ""))
     where = f"{draft._SPEC}.sample_draft"
     lines += ["", f"`{where}`, whose whole source the V2 draft pick pins "
-              "(draft.SAMPLE_DRAFT_SOURCES):", ""]
+              "(draft.SAMPLE_DRAFT):", ""]
     for label, s in zip(labels, trees):
         try:
-            digest = draft.source_digest(s.find(where))
+            digest = source_hash(s.find(where))
         except (LookupError, SyntaxError) as e:
             lines.append(f"- {label}: moved ({e})")
             continue
-        known = draft.SAMPLE_DRAFT_SOURCES.get(digest)
-        lines.append(f"- {label}: " + (f"pinned ({known})" if known else
+        known = [r for r, h in draft.SAMPLE_DRAFT.hashes if h == digest]
+        lines.append(f"- {label}: " + (f"pinned ({', '.join(known)})" if known else
                                        f"moved: sha256 {digest} is not pinned"))
     return lines
 

@@ -12,7 +12,8 @@ commfold.vllm.compat.hooks).
 A text point catches a line that moved, not one vLLM added. Where a hook stands in
 for a function's whole body (it returns what that function would), the point is
 ``Pinned``: the hash of the function's whole source, one per release it was checked
-against, so any change to that function turns the hook off until it is read again.
+against (from the generated table, commfold.vllm.compat.pins), so any change to that
+function turns the hook off until it is read again.
 
 Every hook changes vLLM's code one way, ``wrap``: a wrapper that calls the original,
 marked with the hook's name (MARK) and holding the original as ``__wrapped__``; a

@@ -44,66 +44,53 @@ from commfold.vllm.compat import hook_points, runtime
 from commfold.vllm.observe import step_log
 from commfold.vllm.sample import stop_restore
 from commfold.vllm.target import switch
-from commfold.vllm.compat.hook_points import Pinned
+from commfold.vllm.compat import pins
 from commfold.vllm.target.logits_head import LogitsHead
 
 log = logging.getLogger("commfold")
 
 HOOK = "target pick: sampled steps"
-_RELEASES = ("0.32.0", "0.33.0", "0.34.0")
 _S = "vllm.v1.worker.gpu.sample."
-# what draw() repeats of V2 on a shard, each function's whole source per release
-# (0.32.0, 0.33.0, 0.34.0): any change sends sampled steps back to V2, with a line
-_SOURCES = {
-    "sampler:Sampler.apply_sampling_params": ("916e3cbb9e097267",) * 3,
-    "sampler:Sampler.sample": ("44bcd63127cae0f3", "1e9f22080f0880da", "1e9f22080f0880da"),
-    "gumbel:gumbel_noised_argmax": ("7b86e3a00025ccd1",) * 3,
-    "gumbel:gumbel_block_argmax": ("5958185b8a498453", "102d98a01409ffce",
-                                   "68505f81ac43359b"),
-    "penalties:PenaltiesState.apply": ("f81c48f57ba33f15",) * 3,
-    "penalties:apply_penalties": ("1146689902bb4374", "306faf96e50d4a14",
-                                  "306faf96e50d4a14"),
-    "penalties:_penalties_kernel": ("6a4ccc6e2b5fa03e", "6a4ccc6e2b5fa03e",
-                                    "cd069be3e83ddf38"),
-    "min_p:apply_min_p": ("eea404553e370af0",) * 3,
-    "min_p:_min_p_kernel": ("49b881391668b33b",) * 3,
-    "logit_bias:LogitBiasState.apply": ("f4c75d1ee1735059",) * 3,
-    "logit_bias:apply_logit_bias": ("64234443ea35ba60",) * 3,
-    "logit_bias:_bias_kernel": ("2be032cfe2d9dc8f",) * 3,
-    "bad_words:BadWordsState.apply": ("37891cd564157871",) * 3,
-    "bad_words:apply_bad_words": ("88716bca7f230e4f",) * 3,
-    "bad_words:_bad_words_kernel": ("b24314a689d74c1c",) * 3,
-    "thinking_budget:ThinkingBudgetState.apply": ("4956f5aa7d6fa188",) * 3,
-    "thinking_budget:apply_thinking_budget": ("e39525467f43e163",) * 3,
-    "thinking_budget:_thinking_budget_kernel": ("00c31a4457a5c919",) * 3,
-    "states:SamplingStates.apply_temperature": ("ffe54d3d2d9d5175",) * 3,
-    "states:SamplingStates.apply_min_p": ("c99c35f9cf0d0a5a",) * 3,
-}
+# what draw() repeats of V2 on a shard, each function's whole source pinned per release
+# (pins.json): any change sends sampled steps back to V2, with a line
+_SOURCES = (
+    "sampler:Sampler.apply_sampling_params",
+    "sampler:Sampler.sample",
+    "gumbel:gumbel_noised_argmax",
+    "gumbel:gumbel_block_argmax",
+    "penalties:PenaltiesState.apply",
+    "penalties:apply_penalties",
+    "penalties:_penalties_kernel",
+    "min_p:apply_min_p",
+    "min_p:_min_p_kernel",
+    "logit_bias:LogitBiasState.apply",
+    "logit_bias:apply_logit_bias",
+    "logit_bias:_bias_kernel",
+    "bad_words:BadWordsState.apply",
+    "bad_words:apply_bad_words",
+    "bad_words:_bad_words_kernel",
+    "thinking_budget:ThinkingBudgetState.apply",
+    "thinking_budget:apply_thinking_budget",
+    "thinking_budget:_thinking_budget_kernel",
+    "states:SamplingStates.apply_temperature",
+    "states:SamplingStates.apply_min_p",
+)
 _OPS = "vllm.v1.sample.ops."
 # what the top-k / top-p bounds were read from (commfold.vllm.sample.shard_top_k_top_p): the
 # kernel's search and cut, the wrappers choosing it, V2's choice of a fused sampler
-_CUT_SOURCES = {
-    _OPS + "topk_topp_sampler:apply_top_k_top_p": ("ae859da2fa282663", "6571bb1e50de9e4b",
-                                                  "6571bb1e50de9e4b"),
-    _OPS + "topk_topp_sampler:apply_top_k_top_p_pytorch": ("275eb41831b2e439",) * 3,
-    _OPS + "topk_topp_triton:apply_top_k_top_p_triton": ("33fe1d4c4f6bb1a0",
-                                                        "1d95f757d07a89e6",
-                                                        "1d95f757d07a89e6"),
-    _OPS + "topk_topp_triton:_topk_topp_kernel": ("486473afb70590a0", "4dedabf709310b12",
-                                                 "4dedabf709310b12"),
-    _OPS + "topk_topp_triton:_update_min_larger_stats": ("ddb2b9cc3af1f22a",) * 3,
-    _S + "states:SamplingStates.apply_top_k_top_p": ("1bc7d3ad202b0f7f",
-                                                     "7e87a39f7cec8223",
-                                                     "7e87a39f7cec8223"),
-    _S + "states:SamplingStates.get_top_k_top_p": ("b4896a813edbcae1", "01ea69b582b7a972",
-                                                   "01ea69b582b7a972"),
-    _S + "sampler:Sampler._sample_random": ("848d69f5745ac142", "0ce9ddc3916c9203",
-                                            "0ce9ddc3916c9203"),
-}
-POINTS = tuple((_S + where, Pinned(tuple(zip(_RELEASES, hashes))))
-               for where, hashes in _SOURCES.items()) + tuple(
-    (where, Pinned(tuple(zip(_RELEASES, hashes)))) for where, hashes in _CUT_SOURCES.items()
-) + tuple(  # the kernel's tiles (shard_top_k_top_p.block_size)
+_CUT_SOURCES = (
+    _OPS + "topk_topp_sampler:apply_top_k_top_p",
+    _OPS + "topk_topp_sampler:apply_top_k_top_p_pytorch",
+    _OPS + "topk_topp_triton:apply_top_k_top_p_triton",
+    _OPS + "topk_topp_triton:_topk_topp_kernel",
+    _OPS + "topk_topp_triton:_update_min_larger_stats",
+    _S + "states:SamplingStates.apply_top_k_top_p",
+    _S + "states:SamplingStates.get_top_k_top_p",
+    _S + "sampler:Sampler._sample_random",
+)
+POINTS = tuple((_S + where, pins.pinned(_S + where)) for where in _SOURCES) + tuple(
+    (where, pins.pinned(where)) for where in _CUT_SOURCES) + tuple(
+    # the kernel's tiles (shard_top_k_top_p.block_size)
     (_OPS + "topk_topp_triton:", f"block_size, block_size_trunc, num_warps = {tiles}")
     for tiles in ("256, 128, 4", "4096, 2048, 4", "8192, 4096, 8")) + (
     # which rows its launch leaves to the split pipeline (commfold.vllm.sample.shard_edge_rows)

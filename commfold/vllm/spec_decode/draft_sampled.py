@@ -44,10 +44,9 @@ import torch
 
 from commfold.distributed.collectives import communicator
 from commfold.vllm.spec_decode import draft_cache, shard_verify, verify_kernels, verify_layout
-from commfold.vllm.compat import hook_points, releases, runtime
+from commfold.vllm.compat import hook_points, pins, releases, runtime
 from commfold.vllm.target import pick_cost
 from commfold.vllm.sample import shard_gumbel
-from commfold.vllm.compat.hook_points import Pinned
 
 log = logging.getLogger("commfold")
 
@@ -57,24 +56,21 @@ _G = "vllm.v1.worker.gpu.sample.gumbel:"
 _SPEC = "vllm.v1.worker.gpu.spec_decode.speculator:DraftModelSpeculator"
 _REJECT = "vllm.v1.worker.gpu.spec_decode.rejection_sampler:RejectionSampler"
 _CACHE = "vllm.v1.worker.gpu.spec_decode.draft_logits:"
-_RELEASES = ("0.32.0", "0.33.0", "0.34.0")
 # what the draw repeats (gumbel_sample's launch and block choice - from 0.33 the seed
 # salted with the draft step -, the kernel's cache write and loads) and what the cache
 # relies on (V2 allocates it [max_reqs, steps, vocab] of the head dtype; its
-# RejectionSampler takes it as an argument): each whole source in 0.32.0, 0.33.0, 0.34.0
-_SOURCES = {
-    _G + "gumbel_sample": ("4299122bdd99e088", "4299122bdd99e088", "1a15f860696d3464"),
-    _G + "_gumbel_sample_kernel": ("25bb647043c62808", "25bb647043c62808",
-                                   "da799879233445e6"),
-    _G + "gumbel_block_argmax": ("5958185b8a498453", "102d98a01409ffce",
-                                 "68505f81ac43359b"),
-    _G + "gumbel_noised_argmax": ("7b86e3a00025ccd1",) * 3,
-    _SPEC + ".draft_logits_spec": ("f790f4204ce76b40",) * 3,
-    _REJECT + ".__call__": ("e99b3bc562159cf7", "e99b3bc562159cf7", "d13a7385843515fb"),
+# RejectionSampler takes it as an argument): each whole source pinned per release
+_SOURCES = (
+    _G + "gumbel_sample",
+    _G + "_gumbel_sample_kernel",
+    _G + "gumbel_block_argmax",
+    _G + "gumbel_noised_argmax",
+    _SPEC + ".draft_logits_spec",
+    _REJECT + ".__call__",
     # its arguments, as the wrapper reads them
-    _SPEC + ".sample_draft": ("b5416a863994223e", "5fc4eda0eaa2fe87", "eeeb1cce542c600e"),
-}
-_PINS = {where: Pinned(tuple(zip(_RELEASES, h))) for where, h in _SOURCES.items()}
+    _SPEC + ".sample_draft",
+)
+_PINS = {where: pins.pinned(where) for where in _SOURCES}
 _COMMON = tuple(_PINS.items()) + (
     (f"{_SPEC}.sample_draft", "is_drafting=True,"),
     (f"{_SPEC}.sample_draft", ("logits_cache=draft_logits,",
@@ -86,8 +82,8 @@ _COMMON = tuple(_PINS.items()) + (
 POINTS = _COMMON + ((f"{_SPEC}.__init__", "self.vocab_size,"),)
 POINTS_034 = _COMMON + (
     (f"{_SPEC}._init_draft_logits", "self.vocab_size,"),
-    (_CACHE + "DraftLogitsCache.__init__", Pinned((("0.34.0", "aa962dc28a191f1a"),))),
-    (_CACHE + "draft_logits_row", Pinned((("0.34.0", "c28927f56748d3bd"),))),
+    (_CACHE + "DraftLogitsCache.__init__", pins.pinned(_CACHE + "DraftLogitsCache.__init__")),
+    (_CACHE + "draft_logits_row", pins.pinned(_CACHE + "draft_logits_row")),
 )
 # the registry's sets: (points, since, until, detail)
 SETS = ((POINTS, None, (0, 34), "cache tensor, vLLM before 0.34"),

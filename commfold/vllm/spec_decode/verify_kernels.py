@@ -26,32 +26,25 @@ from __future__ import annotations
 
 import torch
 
-from commfold.vllm.compat import releases
-from commfold.vllm.compat.hook_points import Pinned
+from commfold.vllm.compat import pins, releases
 
 BLOCK = 8192  # rejection_sample's VOCAB_BLOCK_SIZE
 RESAMPLE_BLOCK = 1024  # its RESAMPLE_BLOCK_SIZE
-_RELEASES = ("0.32.0", "0.33.0", "0.34.0")
 _U = "vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils:"
-# each function's whole source in vLLM 0.32.0, 0.33.0, 0.34.0
-_SOURCES = {
-    "rejection_sample": ("d194f0c309af49e7", "faa739d2e427f323", "0b4f50e216398da4"),
-    "_compute_local_logits_stats_kernel": ("261fe4b34aa59da7", "6bc6ab1edfbf06e3",
-                                           "29c575712ef6b521"),
-    "_compute_max_and_sumexp": ("43c66e339b97269e",) * 3,
-    "_rejection_kernel": ("8608bf4a5824c4c7", "ecd8b72b252a8de0", "637291dc335f8f27"),
-    "_compute_global_logsumexp": ("b1562cf51b6da272",) * 3,
-    "_compute_global_logprobs_and_logsumexp": ("ff77cb0149ecbe68", "ff77cb0149ecbe68",
-                                               "161085960ed73a33"),
-    "_compute_global_target_argmax": ("5a9c0f160580eb3d",) * 3,
-    "_resample_kernel": ("5887d960adbf09cf", "5887d960adbf09cf", "be7fd5a49a6ac331"),
-    "_seeded_resample_argmax": ("afb6e4e2512edf62", "afb6e4e2512edf62",
-                                "6b94f5739ef923bc"),
-    "_insert_resampled_kernel": ("04e08d4a4c0ffa2f",) * 3,
-}
-POINTS = tuple((_U + name, Pinned(tuple(zip(_RELEASES, hashes))))
-               for name, hashes in _SOURCES.items())
-_PINS = dict(POINTS)
+# each function's whole source, pinned per release (pins.json)
+_SOURCES = (
+    "rejection_sample",
+    "_compute_local_logits_stats_kernel",
+    "_compute_max_and_sumexp",
+    "_rejection_kernel",
+    "_compute_global_logsumexp",
+    "_compute_global_logprobs_and_logsumexp",
+    "_compute_global_target_argmax",
+    "_resample_kernel",
+    "_seeded_resample_argmax",
+    "_insert_resampled_kernel",
+)
+POINTS = tuple((_U + name, pins.pinned(_U + name)) for name in _SOURCES)
 
 
 def form() -> tuple[int, ...]:

@@ -56,10 +56,8 @@ from dataclasses import dataclass
 import torch
 
 from commfold.vllm.observe import step_log
-from commfold.vllm.compat import hook_points
+from commfold.vllm.compat import hook_points, pins, runtime
 from commfold.vllm.target import pick_cost
-from commfold.vllm.compat import runtime
-from commfold.vllm.compat.hook_points import Pinned
 from commfold.vllm.target.switch import ENV, enabled, paused
 from commfold.vllm.target.logits_head import LogitsHead
 from commfold.ops import logprob_scan
@@ -102,10 +100,10 @@ HOOK_POINTS = (
     # the calls whose result the pick returns in their place (_Answer): read whole
     # (0.33's Sampler.forward adds a ROCm path for all-random batches only, its
     # RejectionSampler.forward FLy's arguments: neither reaches a step commfold takes)
-    ("vllm.v1.sample.sampler:Sampler.forward", Pinned((("0.32.0", "3910a89dbb525c63"),
-                                                      ("0.33.0", "a9939b7871ffeb2c")))),
-    ("vllm.v1.sample.rejection_sampler:RejectionSampler.forward", Pinned((
-        ("0.32.0", "5fe75d6b2e178213"), ("0.33.0", "714aaf6b7d420b35")))),
+    ("vllm.v1.sample.sampler:Sampler.forward",
+     pins.pinned("vllm.v1.sample.sampler:Sampler.forward")),
+    ("vllm.v1.sample.rejection_sampler:RejectionSampler.forward",
+     pins.pinned("vllm.v1.sample.rejection_sampler:RejectionSampler.forward")),
     ("vllm.v1.sample.rejection_sampler:rejection_sample", "_rejection_greedy_sample(\n"
      "            output_token_ids,\n            cu_num_draft_tokens,\n"
      "            draft_token_ids,\n            target_argmax,\n"

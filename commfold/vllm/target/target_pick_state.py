@@ -47,12 +47,11 @@ import logging
 import weakref
 from dataclasses import dataclass
 
-from commfold.vllm.compat import hook_points
+from commfold.vllm.compat import hook_points, pins
 from commfold.vllm.target import pick_cost, v2_pick
 from commfold.vllm.sample import shard_grammar
 from commfold.vllm.observe import step_log
 from commfold.vllm.target.switch import paused
-from commfold.vllm.compat.hook_points import Pinned
 from commfold.vllm.target.logits_head import LogitsHead
 
 log = logging.getLogger("commfold")
@@ -61,6 +60,7 @@ _STATE = "vllm.v1.worker.gpu.model_states.interface:ModelState"
 _RUNNER = "vllm.v1.worker.gpu.model_runner:GPUModelRunner"
 _SAMPLER = "vllm.v1.worker.gpu.sample.sampler:Sampler"
 _REJECT = "vllm.v1.worker.gpu.spec_decode.rejection_sampler"
+_SINCE = (0, 34)  # the releases this set covers (target_pick_v2.HOOK_SETS): their pins
 HOOK_POINTS = (
     # the extension points, and where the runner calls them
     (f"{_STATE}.custom_sampler", "return None"),
@@ -74,13 +74,11 @@ HOOK_POINTS = (
     (f"{_RUNNER}.execute_model", "self.model_state.preprocess_state("),
     ("vllm.v1.worker.gpu.sample.batch_shard:batch_sharded_sampling_enabled", None),
     # the path the shard takes from the state to the samplers: read whole
-    (f"{_RUNNER}.sample", Pinned((("0.34.0", "463b47b4c464a489"),))),
+    (f"{_RUNNER}.sample", pins.pinned(f"{_RUNNER}.sample", since=_SINCE)),
     # the functions whose result commfold returns in their place: read whole
-    (f"{_SAMPLER}.__call__", Pinned((("0.34.0", "533b7acf990ffb24"),))),
-    (f"{_SAMPLER}.sample", Pinned((("0.34.0", "1e9f22080f0880da"),))),
-    (f"{_SAMPLER}._sample_random", Pinned((("0.34.0", "0ce9ddc3916c9203"),))),
-    (f"{_REJECT}:RejectionSampler.__call__", Pinned((("0.34.0", "d13a7385843515fb"),))),
-    (f"{_REJECT}:RejectionSampler._verify", Pinned((("0.34.0", "6cd6714633605973"),))),
+    *((where, pins.pinned(where, since=_SINCE)) for where in (
+        f"{_SAMPLER}.__call__", f"{_SAMPLER}.sample", f"{_SAMPLER}._sample_random",
+        f"{_REJECT}:RejectionSampler.__call__", f"{_REJECT}:RejectionSampler._verify")),
     # what the pick's exactness rests on inside V2's kernels and helpers
     ("vllm.v1.worker.gpu.sample.gumbel:gumbel_noised_argmax",
      "return tl.max(logits, axis=0, return_indices=True)"),

@@ -54,14 +54,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from commfold import cost
-from commfold.vllm.compat import hook_points, releases, runtime
+from commfold.vllm.compat import hook_points, pins, releases, runtime
 from commfold.vllm.observe import step_log
 from commfold.vllm.target import switch, target_pick_state
 from commfold.vllm.target import pick_cost, v2_pick
 from commfold.vllm.sample import shard_grammar
 from commfold.vllm.target.switch import paused
 from commfold.vllm.target.decision import decide_v2_prompt
-from commfold.vllm.compat.hook_points import Pinned
 from commfold.vllm.target.logits_head import LogitsHead
 
 log = logging.getLogger("commfold")
@@ -72,6 +71,7 @@ _RUNNER = "vllm.v1.worker.gpu.model_runner:GPUModelRunner"
 _SAMPLER = "vllm.v1.worker.gpu.sample.sampler:Sampler"
 _REJECT = "vllm.v1.worker.gpu.spec_decode.rejection_sampler"
 _PROMPT = "vllm.v1.worker.gpu.sample.prompt_logprob"
+_UNTIL = (0, 34)  # the releases the "sample" set covers (HOOK_SETS): their pins
 # up to vLLM 0.33: V2's sample() wrapped
 SAMPLE_POINTS = (
     (f"{_RUNNER}.sample", "logits = self.model.compute_logits(sample_hidden_states)"),
@@ -86,15 +86,12 @@ SAMPLE_POINTS = (
     ("vllm.model_executor.layers.logits_processor:LogitsProcessor._get_logits",
      "logits = self._gather_logits(logits)"),
     # the functions whose result the hook returns in their place: read whole
-    (f"{_RUNNER}.sample", Pinned((("0.32.0", "71c87752f2026af6"),
-                                  ("0.33.0", "71c87752f2026af6")))),
-    (f"{_SAMPLER}.__call__", Pinned((("0.32.0", "533b7acf990ffb24"),
-                                     ("0.33.0", "533b7acf990ffb24")))),
-    (f"{_REJECT}:RejectionSampler.__call__", Pinned((("0.32.0", "e99b3bc562159cf7"),
-                                                     ("0.33.0", "e99b3bc562159cf7")))),
+    *((where, pins.pinned(where, until=_UNTIL)) for where in (
+        f"{_RUNNER}.sample", f"{_SAMPLER}.__call__", f"{_REJECT}:RejectionSampler.__call__")),
     # the drafts a grammar's rows do not vouch for (verification rejects them)
-    ("vllm.v1.worker.gpu.structured_outputs:grammar_invalid_drafts", Pinned((
-        ("0.32.0", "f69586c096b74cf0"), ("0.33.0", "f69586c096b74cf0")))),
+    ("vllm.v1.worker.gpu.structured_outputs:grammar_invalid_drafts",
+     pins.pinned("vllm.v1.worker.gpu.structured_outputs:grammar_invalid_drafts",
+                 until=_UNTIL)),
 )
 # prompt logprobs, in both sets
 PROMPT_POINTS = (
@@ -102,9 +99,8 @@ PROMPT_POINTS = (
      "compute_prompt_logprobs_with_chunking("),
     (f"{_PROMPT}:compute_prompt_logprobs_with_chunking",
      "prompt_logits = logits_fn(prompt_hidden_states[start_idx:end_idx])"),
-    (f"{_PROMPT}:compute_prompt_logprobs_with_chunking", Pinned((
-        ("0.32.0", "b2fe8c4fa910a198"), ("0.33.0", "b2fe8c4fa910a198"),
-        ("0.34.0", "e3b65b02ba85801f")))),
+    (f"{_PROMPT}:compute_prompt_logprobs_with_chunking",
+     pins.pinned(f"{_PROMPT}:compute_prompt_logprobs_with_chunking")),
     (f"{_PROMPT}:CHUNK_SIZE", None),
 )
 
