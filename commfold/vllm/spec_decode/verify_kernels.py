@@ -27,10 +27,10 @@ import functools
 
 import torch
 
+from commfold.shard.layout import BLOCK  # rejection_sample's VOCAB_BLOCK_SIZE
 from commfold.vllm.compat import hook_points, runtime
 from commfold.vllm.compat.hook_points import Pinned
 
-BLOCK = 8192  # rejection_sample's VOCAB_BLOCK_SIZE
 RESAMPLE_BLOCK = 1024  # its RESAMPLE_BLOCK_SIZE
 _RELEASES = ("0.32.0", "0.33.0", "0.34.0")
 _U = "vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils:"
