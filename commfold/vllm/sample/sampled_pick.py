@@ -24,7 +24,9 @@ shard's real columns, or needs one small exchange:
   float32 per row per rank), so it computes V2's threshold and masks as V2 does;
 - the draw: commfold.vllm.sample.shard_gumbel (V2's ``gumbel_noised_argmax`` with the global
   token ids as keys), then one all-gather of a (value bits, token id) int64 pair per
-  row per rank and the first maximum over ranks - V2's first maximum over the row.
+  row per rank and the first maximum over ranks - V2's first maximum over the row
+  (commfold.shard.payload.first_max; the id lists and bit masks in shard columns:
+  commfold.shard.columns).
 
 A row holding NaN on any rank (the gathered values say so, alike on every rank)
 makes ``draw`` return None: the step is gathered and V2's samplers pick it. What a
