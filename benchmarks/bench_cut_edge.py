@@ -1,5 +1,5 @@
 """How often a sampled top-k / top-p step is given back to vLLM at the cut's edge
-(commfold.vllm.sample.shard_top_k_top_p): on rows shaped like a language model's (Zipf-ranked
+(commfold.shard.bounds): on rows shaped like a language model's (Zipf-ranked
 log-probabilities with noise, shuffled over V = 151936 ids, bf16-rounded, at a
 temperature), the bounds from 2 shards, then Gumbel draws (torch's noise: V2's in
 distribution) counting rows whose best token between the bounds beats the best above
@@ -30,7 +30,7 @@ def model_rows(rows: int, zipf: float, temperature: float, seed: int) -> torch.T
 
 def measure(rows: int, zipf: float, temperature: float, top_k: int, top_p: float,
             draws: int, seed: int) -> dict:
-    from commfold.vllm.sample import shard_top_k_top_p as cut
+    from commfold.shard import bounds as cut
 
     x = model_rows(rows, zipf, temperature, seed)
     k = torch.full((rows,), top_k or VOCAB, dtype=torch.int64)

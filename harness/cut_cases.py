@@ -1,5 +1,5 @@
 """vLLM's own top-k / top-p kernel against commfold's bounds of its cut, row by row, in
-one process (tests of commfold.vllm.sample.shard_top_k_top_p): a row set is masked by vLLM's
+one process (tests of commfold.shard.bounds): a row set is masked by vLLM's
 ``apply_top_k_top_p`` (its Triton kernel in Triton's interpreter) and, split into
 `world` vocab shards, bounded by ``_payload`` / ``_bounds`` as the ranks would (their
 all-gather stood in by stacking the shards' payloads). Every row must keep every token
@@ -44,7 +44,7 @@ def kept_and_bounds(world: int, cases: list[dict]) -> list[dict]:
     triton_cpu.install()
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
-    from commfold.vllm.sample import shard_top_k_top_p as cut
+    from commfold.shard import bounds as cut
 
     out = []
     for case in cases:

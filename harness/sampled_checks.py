@@ -5,7 +5,7 @@ taken; on a step left to vLLM, the reason in the step log and vLLM's gather."""
 from __future__ import annotations
 
 
-EDGE = "top-k / top-p: a token at the cut's edge"  # commfold.vllm.sample.sampled_pick.BOUNDARY
+EDGE = "top-k / top-p: a token at the cut's edge"  # how the edge rows' refusals start
 WHOLE = "rows made whole for vLLM's top-k / top-p kernel"  # shard_edge_rows.note's end
 
 
@@ -13,8 +13,9 @@ def made_whole(r) -> int:
     """How many rows a step's result made whole for vLLM's top-k / top-p kernel (its
     step-log note, commfold.vllm.sample.shard_edge_rows), the gather that did so checked:
     one of [rows, shard] float32 per rank, as many bytes as
-    shard_edge_rows.gathered_bytes says."""
-    from commfold.vllm.sample.shard_edge_rows import gathered_bytes, note
+    commfold.shard.edges.gathered_bytes says."""
+    from commfold.shard.edges import gathered_bytes
+    from commfold.vllm.sample.shard_edge_rows import note
 
     made = [n for n in r["notes"] if n.endswith(WHOLE)]
     if not made:

@@ -95,7 +95,8 @@ def _case(case, rank: int, world: int, sample, drafted) -> dict:
     from vllm import SamplingParams
 
     from commfold.distributed.comm_log import record_collectives
-    from commfold.vllm.spec_decode import draft_cache, verify_layout
+    from commfold.shard.layout import Layout
+    from commfold.vllm.spec_decode import draft_cache
     from commfold.vllm.observe import step_log
     from harness import vllm_step
     from harness.vllm_step_v2 import _vocab_gathers, hooked_sample, input_batch, runner, valid
@@ -142,7 +143,7 @@ def _case(case, rank: int, world: int, sample, drafted) -> dict:
             same_tokens &= torch.equal(got[0], got[1])
             tokens.append(got[0])
         shard = drafter.head[0].weight.shape[0]
-        lay = verify_layout.Layout(shard, dvocab, world)
+        lay = Layout(shard, dvocab, world)
         real = slots[slots >= 0]
         theirs_reads = _cache_reads(caches[0], lay, rank, real, steps, tokens)
         ours_reads = _cache_reads(caches[1], lay, rank, real, steps, tokens)
@@ -170,7 +171,7 @@ def _case(case, rank: int, world: int, sample, drafted) -> dict:
         with record_collectives() as fallback_log:
             fallback = sample(runners[2], hv, batch, None)[0]
         # what the verification read, with the target's layout: V2's values
-        vlay = verify_layout.Layout(target.head[0].weight.shape[0], min(vocab, dvocab), world)
+        vlay = Layout(target.head[0].weight.shape[0], min(vocab, dvocab), world)
         verified_reads = all(map(_same_bits, *(
             _cache_reads(c, vlay, rank, real, steps, tokens) for c in caches)))
         whole = _same_bits(fallback_cache[:reqs, :, :dvocab], caches[0][:reqs])

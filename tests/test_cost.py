@@ -128,7 +128,7 @@ def test_sampled_verification_is_left_where_it_sends_no_fewer_bytes(monkeypatch)
     from types import SimpleNamespace
 
     from commfold.vllm.target import pick_cost
-    from commfold.vllm.spec_decode import verify_layout
+    from commfold.shard import layout
 
     def head(vocab: int, world: int):
         shard = -(-vocab // 64) * 64 // world
@@ -140,10 +140,10 @@ def test_sampled_verification_is_left_where_it_sends_no_fewer_bytes(monkeypatch)
         assert pick_cost.gate(mode, "ok", 64, like, head(vocab, world)) == (mode, "ok")
     for vocab, world in ((3000, 2), (20011, 4), (32000, 8)):
         got = pick_cost.gate(mode, "ok", 64, like, head(vocab, world))
-        assert got == (None, verify_layout.NO_SAVING), (vocab, world)
+        assert got == (None, layout.NO_SAVING), (vocab, world)
         # the rule's bound is the formula's: a row's bytes at their most against a gather
         h = head(vocab, world)
-        most = verify_layout.exchanged_bytes(1, 0, h.shard, vocab, world, 2, True, True, True)
+        most = layout.exchanged_bytes(1, 0, h.shard, vocab, world, 2, True, True, True)
         assert most >= h.shard * 2
     monkeypatch.setenv(pick_cost.ENV, "0")
     assert pick_cost.gate(mode, "ok", 64, like, head(3000, 2)) == (mode, "ok")

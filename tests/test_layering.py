@@ -1,7 +1,8 @@
 """The layering, checked by import-linter with pyproject.toml's [tool.importlinter]
 contracts: patterns import no passes and no manager, passes import no manager, only
-commfold.vllm imports vLLM, and the installed package imports none of the checkout's
-scaffolding (harness/, benchmarks/, tools/, examples/ are not installed). Every import
+commfold.vllm imports vLLM, the shard math (commfold.shard) imports neither vLLM nor
+commfold.vllm, and the installed package imports none of the checkout's scaffolding
+(harness/, benchmarks/, tools/, examples/ are not installed). Every import
 statement counts, also one inside a function or under `if TYPE_CHECKING:`; a module
 reached only by a name in a string (importlib.import_module(name), sys.modules.get(name),
 vLLM resolving "commfold.vllm_pass") is no import, and no contract sees it.
@@ -30,6 +31,7 @@ PLANTED = {
     "commfold/passes/_planted.py": "import commfold.manager\n",
     "commfold/fx/_planted.py": "def f():\n    import vllm.config\n",
     "commfold/_planted.py": "from harness import vllm_models\n",
+    "commfold/shard/_planted.py": "def f():\n    from commfold.vllm.target import switch\n",
 }
 
 

@@ -218,7 +218,7 @@ def test_v2_sampled_steps(change, want):
     shards when all its processing is local; under spec decoding V2's probabilistic
     verification is taken ("verify_sampled") with its processing in SPEC_LOCAL (no
     top-k / top-p) and logprobs as in sampled steps; with top-k / top-p too (the cut's
-    bounds, commfold.vllm.sample.shard_top_k_top_p)."""
+    bounds, commfold.shard.bounds)."""
     import dataclasses
 
     from commfold.vllm.target.decision import SPEC_LOCAL

@@ -33,7 +33,7 @@ def _shard(vocab: int) -> int:
 
 
 def _check(results):
-    from commfold.vllm.spec_decode import draft_sampled, shard_verify
+    from commfold.shard import layout, payload
 
     for res in results:
         for r in res:
@@ -45,8 +45,8 @@ def _check(results):
             assert r["vllm_draft_bytes"] == [gather] * case["steps"], where
             nan = case.get("nan_column") is not None
             drafts = [n for n in r["notes"] if n.startswith("draft_pick")]
-            ours = draft_sampled.exchanged_bytes(rows, _shard(dvocab), dvocab, 2, _item(case),
-                                                 case.get("fp64", False))
+            ours = payload.draft_bytes(rows, _shard(dvocab), dvocab, 2, _item(case),
+                                       case.get("fp64", False))
             if nan:  # every step V2's draw, after the exchange that found the NaN
                 assert drafts == ["draft_pick: vLLM (NaN draft logits)"] * case["steps"], where
                 assert r["draft_bytes"] == [ours + gather] * case["steps"], where
@@ -76,7 +76,7 @@ def _check(results):
                 assert r["verify_gathers"] == 0, where
                 reqs = len(case["row_params"])
                 logits_rows = sum(case.get("keep") or [case["steps"]] * reqs) + reqs
-                verify = shard_verify.exchanged_bytes(
+                verify = layout.exchanged_bytes(
                     logits_rows, reqs, _shard(case["vocab"]), min(case["vocab"], dvocab), 2,
                     _item(case), True, _min_p(case), _processes(case))
                 if dvocab != case["vocab"] and not nan:  # another layout: rows made whole

@@ -105,7 +105,7 @@ def test_refusals(kw, why):
     (3000, 2, "sends no fewer bytes"), (32000, 2, None), (20011, 4, "sends no fewer bytes")])
 def test_a_vocab_with_no_saving_stays_v2s(vocab, world, why, monkeypatch):
     """Where verifying from the shards would send no fewer bytes than vLLM's gather
-    (verify_layout.no_saving), the drafts stay V2's too (their cache would be gathered
+    (commfold.shard.layout.no_saving), the drafts stay V2's too (their cache would be gathered
     back at every target step); COMMFOLD_PICK_COST_RULE=0 takes them."""
     import torch
 

@@ -1,4 +1,4 @@
-"""Sampled steps with top-k / top-p on Model Runner V2 (commfold.vllm.sample.shard_top_k_top_p
+"""Sampled steps with top-k / top-p on Model Runner V2 (commfold.shard.bounds
 through commfold.vllm.sample.sampled_pick) against V2's own ``GPUModelRunner.sample``: its
 real Sampler, vLLM's top-k / top-p Triton kernel and V2's Gumbel kernel in Triton's
 interpreter, on 2 gloo ranks (4 with -m slow). The same step both ways must give the
@@ -166,7 +166,8 @@ def test_rows_made_whole_cost_at_most_half_of_vllms_gather(monkeypatch):
     without Triton (vLLM's sort-based cut may order ties by batch)."""
     from vllm.v1.sample.ops import topk_topp_sampler
 
-    from commfold.vllm.sample.shard_edge_rows import gathered_bytes, refusal
+    from commfold.shard.edges import gathered_bytes
+    from commfold.vllm.sample.shard_edge_rows import refusal
 
     monkeypatch.setattr(topk_topp_sampler, "HAS_TRITON", False)
     assert "sort-based" in refusal(1, 16, 2)
@@ -194,30 +195,3 @@ def test_rows_made_whole_take_the_batchs_kernel_path(monkeypatch):
     monkeypatch.setattr(type(current_platform), "is_cuda_alike", lambda self: True)
     assert kernel_rows(3, 256, cpu) == split + 1
     assert kernel_rows(3, split, cpu) == 3 and kernel_rows(split + 5, 256, cpu) == split + 5
-
-
-def test_rows_made_whole_are_each_ranks_columns_in_order():
-    """whole(): the rows asked for, every rank's real columns side by side, the padding
-    past the vocab cut (as V2's logits), contiguous."""
-    import torch
-
-    from commfold.vllm.sample.shard_edge_rows import whole
-
-    vocab, world, shard = 10, 3, 4
-    row = torch.arange(3 * vocab, dtype=torch.float32).view(3, vocab)
-
-    class Comm:
-        def world_size(self):
-            return world
-
-        def all_gather(self, x):
-            parts = []
-            for q in range(world):
-                n = max(0, min(shard, vocab - q * shard))
-                mine = torch.full_like(x, float("-inf"))
-                mine[:, :n] = row[[2, 0]][:, q * shard:q * shard + n]
-                parts.append(mine)
-            return torch.cat(parts)
-
-    got = whole(Comm(), row[:, :shard], torch.tensor([2, 0]), shard, vocab)
-    assert torch.equal(got, row[[2, 0]]) and got.is_contiguous()

@@ -200,34 +200,6 @@ def test_sampled_examples_sweep(vllm_v2_ranks4, **example):
     _check(vllm_v2_ranks4.run(step_cases, 4, [_example(**example)]))
 
 
-@settings(max_examples=60, deadline=None)
-@given(words=st.integers(1, 9), start=st.integers(0, 250), n=st.integers(0, 60),
-       seed=st.integers(0, 2**16))
-def test_shard_bits_repacks_v2s_prompt_mask(words, start, n, seed):
-    """The bits V2's penalties kernel reads for shard column j (word j // 32, bit
-    j % 32 of the shard's mask) are the full mask's bits for token start + j, for
-    the step's requests, at any start (aligned: a view)."""
-    import torch
-
-    from commfold.vllm.sample.sampled_pick import shard_bits
-
-    vocab = 32 * words
-    start, n = min(start, vocab), min(n, vocab - min(start, vocab))
-    g = torch.Generator().manual_seed(seed)
-    mask = torch.randint(-2**31, 2**31, (5, words), generator=g, dtype=torch.int64).int()
-    idx = [3, 0, 4]
-    got = shard_bits(mask, start, n, idx)
-
-    def bit(m, row, t):
-        return (int(m[row, t // 32]) >> (t % 32)) & 1
-
-    for row in idx:
-        assert [bit(got, row, j) for j in range(n)] == \
-            [bit(mask, row, start + j) for j in range(n)], (row, start, n)
-    if start % 32 == 0:
-        assert got.data_ptr() == mask[:, start // 32:].data_ptr()
-
-
 def test_the_draw_is_pinned_to_this_vllms_sampler_functions():
     """Every V2 function the draw repeats on a shard hashes to a source commfold read
     for this release (the release tier runs this on 0.34's classes)."""

@@ -98,9 +98,9 @@ def _min_p(case) -> bool:
 
 
 def _bytes(case, whole_rows: int = 0) -> int:
-    """What shard_verify.exchanged_bytes says a rank sends for the case's step
+    """What commfold.shard.layout.exchanged_bytes says a rank sends for the case's step
     (whole_rows: rows made whole for vLLM's top-k / top-p kernel)."""
-    from commfold.vllm.spec_decode.shard_verify import exchanged_bytes
+    from commfold.shard.layout import exchanged_bytes
 
     shard = -(-case["vocab"] // 64) * 64 // 2  # vLLM pads the vocab to 64
     rows = sum(case["drafts"]) + len(case["drafts"])
@@ -111,11 +111,11 @@ def _bytes(case, whole_rows: int = 0) -> int:
 
 
 def _cut_bytes(case) -> int:
-    """What shard_top_k_top_p.exchanged_bytes says a rank sends for the bounds of the
+    """What commfold.shard.bounds.exchanged_bytes says a rank sends for the bounds of the
     case's top-k / top-p (each request's top_k / top_p on each of its rows)."""
     import torch
 
-    from commfold.vllm.sample.shard_top_k_top_p import exchanged_bytes
+    from commfold.shard.bounds import exchanged_bytes
 
     v = case["vocab"]
     shard = -(-v // 64) * 64 // 2
@@ -407,46 +407,6 @@ def test_decision_names_the_mode():
         assert mode is None and "top-" in reason, reason
     assert decide_v2(step, spec=True, structured=False, verify="block")[0] is None
     assert decide_v2(step, spec=False, structured=False)[0] == "sample"
-
-
-@pytest.mark.parametrize("shard,vocab,world", [
-    (16384, 32768, 2), (10016, 20011, 2), (3000, 11000, 4), (8192, 8192, 1),
-    (64128, 128256, 2), (75968, 151936, 2), (2000, 7999, 4), (5000, 40000, 8),
-    (9000, 70000, 8), (70000, 139999, 2)])
-def test_each_block_is_assembled_whole_once(shard, vocab, world):
-    """Each 8192-column block is computed by one rank, from its own columns and the
-    heads / tails its neighbours send (shard_verify._whole_blocks with an all-gather
-    that concatenates what each rank sends); a split block costs its smaller part."""
-    import torch
-
-    from commfold.vllm.spec_decode.shard_verify import BLOCK, Layout, _whole_blocks, sent
-
-    lay = Layout(shard, vocab, world)
-    owned = [b for q in range(world) for b in range(lay.first[q], lay.first[q + 1])]
-    assert owned == list(range(-(-vocab // BLOCK)))
-    row = torch.arange(world * shard, dtype=torch.float64)[None]
-    shards = [row[:, q * shard:(q + 1) * shard] for q in range(world)]
-
-    class Comm:
-        def __init__(self, rank):
-            self._rank = rank
-
-        def rank(self):
-            return self._rank
-
-        def world_size(self):
-            return world
-
-        def all_gather(self, x):
-            assert torch.equal(x, sent(lay, self._rank, shards[self._rank]))
-            return torch.cat([sent(lay, q, shards[q]) for q in range(world)])
-
-    if shard >= BLOCK:
-        assert lay.width() <= BLOCK // 2 * (2 if world > 2 else 1), lay.width()
-    for q in range(world):
-        lo, hi = lay.span(q)
-        got = _whole_blocks(Comm(q), lay, shards[q])
-        assert got[0].tolist() == list(range(lo, hi)) if hi > lo else got.shape[1] == 0, q
 
 
 @pytest.mark.parametrize("stride,last,eff,width,size", [

@@ -226,34 +226,6 @@ def test_structured_examples_on_4_ranks(vllm_v2_ranks4, **example):
     _check(vllm_v2_ranks4.run(step_cases, 4, [_example(**example)]))
 
 
-@settings(max_examples=60, deadline=None)
-@given(words=st.integers(1, 9), start=st.integers(0, 250), n=st.integers(1, 60),
-       rows=st.integers(1, 4), seed=st.integers(0, 2**16))
-def test_shard_mask_repacks_v2s_grammar_bitmask(words, start, n, rows, seed):
-    """Shard column j of the re-packed bitmask (word j // 32, bit j % 32) is the
-    scheduler's bit for token start + j, every row, any start; same shape, words
-    past the shard zero."""
-    import numpy as np
-
-    from commfold.vllm.sample.shard_grammar import shard_mask
-
-    vocab = 32 * words
-    start = min(start, vocab - 1)
-    n = min(n, vocab - start)
-    mask = np.random.default_rng(seed).integers(-2**31, 2**31, (rows, words),
-                                                 dtype=np.int64).astype(np.int32)
-    got = shard_mask(mask, start, n)
-
-    def bit(m, row, t):
-        return (int(m[row, t // 32]) >> (t % 32)) & 1
-
-    assert got.shape == mask.shape and got.dtype == np.int32
-    for row in range(rows):
-        assert [bit(got, row, j) for j in range(n)] == \
-            [bit(mask, row, start + j) for j in range(n)], (row, start, n)
-    assert not got[:, -(-n // 32):].any()
-
-
 def test_the_shard_mask_is_pinned_to_this_vllms_grammar_functions():
     """V2's bitmask method and kernel hash to a source commfold read for this release;
     a moved one keeps structured steps vLLM's with the reason."""

@@ -24,7 +24,9 @@ shard's real columns, or needs one small exchange:
   float32 per row per rank), so it computes V2's threshold and masks as V2 does;
 - the draw: commfold.vllm.sample.shard_gumbel (V2's ``gumbel_noised_argmax`` with the global
   token ids as keys), then one all-gather of a (value bits, token id) int64 pair per
-  row per rank and the first maximum over ranks - V2's first maximum over the row.
+  row per rank and the first maximum over ranks - V2's first maximum over the row
+  (commfold.shard.payload.first_max; the id lists and bit masks in shard columns:
+  commfold.shard.columns).
 
 A row holding NaN on any rank (the gathered values say so, alike on every rank)
 makes ``draw`` return None: the step is gathered and V2's samplers pick it. What a
@@ -40,6 +42,7 @@ from typing import NamedTuple
 import torch
 
 from commfold.distributed.collectives import communicator
+from commfold.shard import columns, payload
 from commfold.vllm.compat import hook_points, runtime
 from commfold.vllm.observe import step_log
 from commfold.vllm.sample import stop_restore
@@ -76,7 +79,7 @@ _SOURCES = (
     "states:SamplingStates.apply_min_p",
 )
 _OPS = "vllm.v1.sample.ops."
-# what the top-k / top-p bounds were read from (commfold.vllm.sample.shard_top_k_top_p): the
+# what the top-k / top-p bounds were read from (commfold.shard.bounds): the
 # kernel's search and cut, the wrappers choosing it, V2's choice of a fused sampler
 _CUT_SOURCES = (
     _OPS + "topk_topp_sampler:apply_top_k_top_p",
@@ -90,7 +93,7 @@ _CUT_SOURCES = (
 )
 POINTS = tuple((_S + where, pins.pinned(_S + where)) for where in _SOURCES) + tuple(
     (where, pins.pinned(where)) for where in _CUT_SOURCES) + tuple(
-    # the kernel's tiles (shard_top_k_top_p.block_size)
+    # the kernel's tiles (commfold.shard.bounds.block_size)
     (_OPS + "topk_topp_triton:", f"block_size, block_size_trunc, num_warps = {tiles}")
     for tiles in ("256, 128, 4", "4096, 2048, 4", "8192, 4096, 8")) + (
     # which rows its launch leaves to the split pipeline (commfold.vllm.sample.shard_edge_rows)
@@ -136,8 +139,6 @@ def refusal() -> str | None:
                 "; ".join(gone))
     return f"vLLM changed {gone[0].split(' ')[0]} (commfold doctor)"
 
-_BITS = {torch.float32: torch.int32, torch.float64: torch.int64}
-
 
 class Drawn(NamedTuple):
     tokens: torch.Tensor  # [rows] int64: V2's sampled token per logits row
@@ -152,7 +153,9 @@ def draw(sampler, head: LogitsHead, shard: torch.Tensor, input_batch) -> Drawn |
     (commfold.vllm.sample.shard_edge_rows). Every rank calls it together."""
     import numpy as np  # not at import: commfold imports without numpy
 
-    from commfold.vllm.sample import shard_edge_rows, shard_gumbel, shard_top_k_top_p
+    from commfold.shard import bounds as shard_bounds
+    from commfold.shard import edges
+    from commfold.vllm.sample import shard_edge_rows, shard_gumbel
 
     comm = communicator(head.comm)
     start = comm.rank() * head.shard
@@ -172,14 +175,12 @@ def draw(sampler, head: LogitsHead, shard: torch.Tensor, input_batch) -> Drawn |
     work = processed[:, :n_local]
     near = None
     if truncates(states, idx_np):  # V2's top-k / top-p: bounds of its cut
-        bounds = shard_top_k_top_p.cut(comm, work, states.top_k.gpu[mapping],
-                                       states.top_p.gpu[mapping], head.vocab, head.shard)
+        bounds = shard_bounds.cut(comm, work, states.top_k.gpu[mapping],
+                                  states.top_p.gpu[mapping], head.vocab, head.shard)
         if isinstance(bounds, str):
             return bounds
-        cut, wide = bounds.rows[:, None], work.double()
-        below = cut & (wide <= bounds.keep[:, None])
-        near = torch.where(below & (wide >= bounds.drop[:, None]), work, float("-inf"))
-        work = torch.where(below, float("-inf"), work)
+        near = bounds.between(work)
+        work = torch.where(bounds.below(work), float("-inf"), work)
 
     def maxima(logits):
         return shard_gumbel.block_maxima(
@@ -189,9 +190,9 @@ def draw(sampler, head: LogitsHead, shard: torch.Tensor, input_batch) -> Drawn |
     value, index = maxima(work)
     value = value.masked_fill(processed[:, :n_local].isnan().any(-1), float("nan"))
     rival = None if near is None else maxima(near)[0]
-    got = first_max(comm, value, index, rival, edges=True)
-    if isinstance(got, str):
-        return got
+    got = payload.first_max(comm, value, index, rival)
+    if got is None:
+        return NAN
     tokens, edge = got
     if edge is not None and bool(edge.any()):  # from gathered values: every rank alike
         which = edge.nonzero()[:, 0]
@@ -199,8 +200,7 @@ def draw(sampler, head: LogitsHead, shard: torch.Tensor, input_batch) -> Drawn |
         if why is not None:
             return why
         # those rows made whole, cut by vLLM's kernel, drawn over the row as V2 draws
-        whole = shard_edge_rows.whole(comm, processed[:, :n_local], which, head.shard,
-                                      head.vocab)
+        whole = edges.whole(comm, processed[:, :n_local], which, head.shard, head.vocab)
         cut = shard_edge_rows.cut(whole, which, states, input_batch, len(edge))
         tokens[which] = shard_gumbel.block_maxima(
             cut, 0, mapping[which], states.temperature.gpu, states.seeds.gpu, pos[which],
@@ -210,7 +210,6 @@ def draw(sampler, head: LogitsHead, shard: torch.Tensor, input_batch) -> Drawn |
 
 
 NAN = "NaN logits: V2's own pick"
-BOUNDARY = "top-k / top-p: a token at the cut's edge could be drawn"
 
 
 def truncates(states, idx_np) -> bool:
@@ -250,7 +249,7 @@ def process(sampler, buf, n_local: int, start: int, input_batch, comm,
         apply_penalties(work, mapping, ids - start, input_batch.expanded_local_pos,
                         penalties.repetition_penalty.gpu, penalties.frequency_penalty.gpu,
                         penalties.presence_penalty.gpu,
-                        shard_bits(penalties.prompt_bin_mask, start, n_local, idx_np),
+                        columns.shard_bits(penalties.prompt_bin_mask, start, n_local, idx_np),
                         penalties.output_bin_counts[:, start:start + n_local])
     bad_words = _state(sampler, "BadWordsState")
     if n_local and bad_words is not None and np.any(bad_words.num_bad_words.np[idx_np]):
@@ -293,12 +292,14 @@ def _logit_bias(bias, work, start: int, input_batch, stops: bool = True) -> None
 
     n = work.shape[1]
     slots = np.unique(input_batch.idx_mapping_np)
-    allowed_n, allowed, _ = shard_ids(bias.num_allowed_token_ids.np,
-                                      bias.allowed_token_ids.gpu, slots, start, n, spare=True)
-    bias_n, bias_ids, values = shard_ids(bias.num_logit_bias.np, bias.logit_bias_token_ids.gpu,
-                                         slots, start, n, values=bias.logit_bias.gpu)
-    stop_n, stop_ids, _ = shard_ids(bias.num_stop_token_ids.np, bias.stop_token_ids.gpu,
-                                    slots, start, n)
+    allowed_n, allowed, _ = columns.shard_ids(bias.num_allowed_token_ids.np,
+                                              bias.allowed_token_ids.gpu, slots, start, n,
+                                              spare=True)
+    bias_n, bias_ids, values = columns.shard_ids(bias.num_logit_bias.np,
+                                                 bias.logit_bias_token_ids.gpu, slots, start,
+                                                 n, values=bias.logit_bias.gpu)
+    stop_n, stop_ids, _ = columns.shard_ids(bias.num_stop_token_ids.np, bias.stop_token_ids.gpu,
+                                            slots, start, n)
     stop_n = stop_n if stops else torch.zeros_like(stop_n)
     apply_logit_bias(work, input_batch.expanded_idx_mapping,
                      input_batch.positions[input_batch.logits_indices], allowed_n, allowed,
@@ -360,73 +361,3 @@ def _thinking_budget(state, work, start: int, input_batch, ids: torch.Tensor) ->
     cols = ends[which] - start
     here = (cols >= 0) & (cols < work.shape[1])
     work[rows[here], cols[here]] = 1.0e9
-
-
-def shard_ids(counts, ids: torch.Tensor, slots, start: int, n: int, spare: bool = False,
-              values: torch.Tensor | None = None):
-    """(counts [max_reqs] int32, ids, values) of V2's per-request token id lists
-    (ids [max_reqs, max] int32, the first counts[slot] of a row used; values beside
-    them) with only the ids in [start, start + n), as shard columns, for `slots`.
-    spare: a slot with ids but none here gets column n (one past the shard)."""
-    out_n = torch.zeros(ids.shape[0], dtype=torch.int32, device=ids.device)
-    out = torch.zeros_like(ids)
-    out_values = None if values is None else torch.zeros_like(values)
-    for slot in slots:
-        row = ids[slot, :int(counts[slot])].long()
-        keep = (row >= start) & (row < start + n)
-        local = row[keep] - start
-        if spare and len(row) and not len(local):
-            local = row.new_full((1,), n)
-        out[slot, :len(local)] = local.to(ids.dtype)
-        out_n[slot] = len(local)
-        if out_values is not None and values is not None:
-            out_values[slot, :len(local)] = values[slot, :len(row)][keep]
-    return out_n, out, out_values
-
-
-def shard_bits(mask: torch.Tensor, start: int, n: int, idx_np) -> torch.Tensor:
-    """V2's packed prompt-token bit mask [max_reqs, vocab / 32] (int32, token t at bit
-    t % 32 of word t // 32) for the columns [start, start + n): a view where start is
-    word-aligned, else re-packed for the step's requests (idx_np)."""
-    import numpy as np
-
-    q, s = divmod(start, 32)
-    if s == 0:
-        return mask[:, q:]
-    words = -(-n // 32)
-    rows = torch.as_tensor(np.asarray(idx_np), dtype=torch.int64, device=mask.device)
-    w = torch.nn.functional.pad(mask[rows].to(torch.int64) & 0xFFFFFFFF, (0, 1))
-    lo, hi = w[:, q:q + words], w[:, q + 1:q + 1 + words]
-    bits = ((lo >> s) | (hi << (32 - s))) & 0xFFFFFFFF
-    bits = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
-    out = mask.new_zeros(mask.shape[0], words)
-    out[rows] = bits
-    return out
-
-
-def first_max(comm, value: torch.Tensor, index: torch.Tensor,
-              rival: torch.Tensor | None = None, edges: bool = False):
-    """The global index of the first maximum over ranks of each row's (value, index)
-    (one all-gather of an int64 pair per row per rank); NAN where a value is NaN.
-    rival: each row's best value among tokens a top-k / top-p cut may or may not keep
-    (-inf: none), gathered with the pair: BOUNDARY where one is not below the row's
-    maximum (which token V2 draws then hangs on the cut's exact edge) - or, with
-    edges, (tokens, those rows [rows] bool or None), alike on every rank."""
-    bits = _BITS[value.dtype]
-    columns = [value.view(bits).to(torch.int64), index]
-    if rival is not None:
-        columns.append(rival.view(bits).to(torch.int64))
-    pairs = comm.all_gather(torch.stack(columns, dim=-1)).view(comm.world_size(), -1,
-                                                                len(columns))
-    values = pairs[..., 0].to(bits).view(value.dtype)
-    if bool(values.isnan().any()):
-        return NAN
-    edge = None
-    if rival is not None:
-        rivals = pairs[..., 2].to(bits).view(value.dtype).amax(0)
-        edge = (rivals >= values.amax(0)) & (rivals > float("-inf"))
-        if not edges and bool(edge.any()):
-            return BOUNDARY
-    winner = values.argmax(dim=0, keepdim=True)  # the first rank holding the maximum
-    tokens = pairs[..., 1].gather(0, winner).squeeze(0)
-    return (tokens, edge) if edges else tokens

@@ -1,7 +1,7 @@
 """The rows of a step whose top-k / top-p cut the bounds leave in doubt, made whole and
 cut by vLLM's own kernel: exact where bounds are not.
 
-commfold.vllm.sample.shard_top_k_top_p bounds V2's cut from one small exchange; a row whose
+commfold.shard.bounds bounds V2's cut from one small exchange; a row whose
 tokens between its ``drop`` and ``keep`` matter (the draw could pick one, or the
 verification's probabilities depend on them) used to give the whole step to V2. Here
 only those rows are made whole: one all-gather of their processed float32 columns
@@ -34,16 +34,16 @@ Why a subset of rows is cut as in V2's whole batch (sources pinned in sampled_pi
 A step whose doubtful rows would cost more than half the bytes of vLLM's own gather
 (float32 rows against its raw ones: a quarter of a bfloat16 step's rows) is given
 back as before, the count in the reason: the step then sends well under what vLLM's
-gather would, its other exchanges included.
+gather would, its other exchanges included. The gather of the rows and that rule are
+commfold.shard.edges'; what reads vLLM's kernel and platform is here.
 """
 from __future__ import annotations
 
 import torch
 
+from commfold.shard import edges
 from commfold.vllm.compat import releases
 
-BYTES = 2  # the rows made whole cost at most 1 / BYTES of vLLM's gather (float32
-# columns against its raw ones: a quarter of a bfloat16 step's rows, half a float32's)
 NOTE_KEY = "top_k_top_p_whole"  # the step log's entry: how many rows were made whole
 
 
@@ -59,29 +59,7 @@ def refusal(doubtful: int, rows: int, itemsize: int) -> str | None:
 
     if not topk_topp_sampler.HAS_TRITON:  # what apply_top_k_top_p branches on
         return "top-k / top-p: a token at the cut's edge, vLLM's sort-based cut"
-    if doubtful * 4 * BYTES > rows * itemsize:
-        return (f"top-k / top-p: a token at the cut's edge in {doubtful} of {rows} rows "
-                f"(made whole up to {rows * itemsize // (4 * BYTES)}: half the bytes of "
-                "vLLM's gather)")
-    return None
-
-
-def gathered_bytes(doubtful: int, shard: int) -> int:
-    """What one rank sends to make `doubtful` rows whole (float32 columns)."""
-    return doubtful * shard * 4
-
-
-def whole(comm, work: torch.Tensor, which: torch.Tensor, shard: int,
-          vocab: int) -> torch.Tensor:
-    """The rows `which` (the same on every rank) of every rank's processed real columns
-    `work` [rows, n_local] (float32), whole: [d, vocab] contiguous, as V2 holds them.
-    One all-gather of [d, shard] float32 per rank; every rank calls it together."""
-    world = comm.world_size()
-    d, n = which.numel(), work.shape[1]
-    mine = work.new_full((d, shard), float("-inf"), dtype=torch.float32)
-    mine[:, :n] = work[which]
-    got = comm.all_gather(mine).view(world, d, shard)
-    return got.permute(1, 0, 2).reshape(d, world * shard)[:, :vocab].contiguous()
+    return edges.over_budget(doubtful, rows, itemsize)
 
 
 def cut(rows: torch.Tensor, which: torch.Tensor, states, input_batch, batch: int,

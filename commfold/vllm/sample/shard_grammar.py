@@ -7,7 +7,7 @@ ceil(vocab / 32)], token t allowed where bit t % 32 of word t // 32 is set, and 
 ``_apply_grammar_bitmask_kernel`` writes -inf at every column whose bit is clear.
 Each column's outcome depends on its own bit only, so the shard's columns are masked
 here by V2's own method, given the shard's columns [start, start + n) as its logits
-and the bitmask re-packed for them (``sampled_pick.shard_bits``: a shard starting
+and the bitmask re-packed for them (``commfold.shard.columns.shard_mask``: a shard starting
 inside a 32-token word is shifted across words). The masked shard then equals V2's
 masked row's columns bit for bit, and V2's greedy argmax / Gumbel draw over it is
 what commfold.vllm.sample.sampled_pick and local_argmax repeat. No collective.
@@ -27,11 +27,11 @@ import os
 import torch
 
 from commfold.distributed.collectives import communicator
+from commfold.shard.columns import shard_mask
 from commfold.vllm.compat import hook_points, pins, runtime
 from commfold.vllm.observe import step_log
 from commfold.vllm.target import switch
 from commfold.vllm.target.logits_head import LogitsHead
-from commfold.vllm.sample.sampled_pick import shard_bits
 
 _S = "vllm.v1.worker.gpu.structured_outputs:"
 # what the shard's mask rests on, each function's whole source per release: V2's
@@ -76,20 +76,6 @@ def refusal() -> str | None:
     log.warning("commfold: structured output on the shards off: vLLM changed %s",
                 "; ".join(gone))
     return f"structured output: vLLM changed {gone[0].split(' ')[0]} (commfold doctor)"
-
-
-def shard_mask(bitmask, start: int, n: int):
-    """V2's packed grammar bitmask (numpy int32 [rows, words]) for the columns
-    [start, start + n): the same shape, shard column j at bit j % 32 of word j // 32,
-    the words past the shard's zero (V2's worker copies it into a buffer of that
-    width; its kernel reads no column past the logits it is given)."""
-    import numpy as np
-
-    full = torch.from_numpy(np.ascontiguousarray(bitmask, dtype=np.int32))
-    words = -(-n // 32)
-    out = torch.zeros_like(full)
-    out[:, :words] = shard_bits(full, start, n, np.arange(full.shape[0]))[:, :words]
-    return out.numpy()
 
 
 def apply(apply_bitmask, head: LogitsHead, shard: torch.Tensor, input_batch,

@@ -5,7 +5,7 @@ reader that needs them.
 
 V2's Gumbel kernel writes a drafted row's logits whole, on every rank (the gathered
 logits). commfold's drafter writes, on each rank, its own vocab shard, the neighbours'
-columns of the 8192-column blocks it verifies (commfold.vllm.spec_decode.verify_layout.Layout: the
+columns of the 8192-column blocks it verifies (commfold.shard.layout.Layout: the
 stats kernel's reads) and the drafted token's logit (the rejection kernel's read).
 Every write, commfold's or V2's, writes the writing rank's own columns, so the owner
 of a column always holds its latest value: one all-gather of each rank's own columns

@@ -15,7 +15,7 @@ seed is salted with the draft step, from 0.34 the cache is a DraftLogitsCache (i
   V2's drafting flags: each rank's first maximum;
 - one all-gather per draft step (int32 words) of, per row per rank, that maximum's
   (value, token id), the raw logit at it, and the rank's columns its neighbours
-  verify (commfold.vllm.spec_decode.verify_layout.Layout's heads and tails; none where shard ends
+  verify (commfold.shard.layout.Layout's heads and tails; none where shard ends
   fall on 8192-column blocks): the first maximum over ranks is V2's token;
 - the cache gets, on each rank, its own columns, the neighbours' columns of its
   blocks, and the drafted token's logit: what commfold's verification reads
@@ -43,7 +43,8 @@ import os
 import torch
 
 from commfold.distributed.collectives import communicator
-from commfold.vllm.spec_decode import draft_cache, shard_verify, verify_kernels, verify_layout
+from commfold.shard import layout, payload
+from commfold.vllm.spec_decode import draft_cache, shard_verify, verify_kernels
 from commfold.vllm.compat import hook_points, pins, releases, runtime
 from commfold.vllm.target import pick_cost
 from commfold.vllm.sample import shard_gumbel
@@ -221,7 +222,7 @@ def refusal(spec, given: dict) -> str | None:
     if cache.dtype != head.model_dtype or cache.shape[-1] != head.vocab:
         return f"a draft cache of {cache.dtype} x {cache.shape[-1]}, not the logits'"
     if pick_cost.enabled():  # its verification would be V2's, the cache gathered back
-        why = verify_layout.no_saving(head.shard, head.vocab, head.head.world,
+        why = layout.no_saving(head.shard, head.vocab, head.head.world,
                                      cache.element_size())
         if why is not None:
             return why
@@ -293,21 +294,16 @@ def draw(spec, hidden: torch.Tensor, given: dict) -> torch.Tensor | str:
     value = value.masked_fill(real.isnan().any(-1), float("nan"))
     at = (index - start).clamp(0, max(n - 1, 0))[:, None]
     raw = real.gather(1, at) if n else shard.new_zeros(shard.shape[0], 1)
-    lay = verify_layout.Layout(head.shard, head.vocab, world)
-    sent = verify_layout.sent(lay, rank, shard)
-    parts = (value[:, None], index[:, None], raw, sent)
-    payload = torch.cat([words(p) for p in parts], dim=1)
-    got = comm.all_gather(payload).view(world, shard.shape[0], -1)
-    cut = [w.shape[1] for w in map(words, parts)]
-    v, i, r, s = (got[..., a:a + k] for a, k in zip(_offsets(cut), cut))
-    values = unwords(v, value.dtype, 1)[..., 0]  # [world, rows]
+    lay = layout.Layout(head.shard, head.vocab, world)
+    v, i, r, s = payload.exchange(comm, payload.draft_parts(value, index, raw, lay, rank,
+                                                            shard))
+    values = v[..., 0]  # [world, rows]
     if bool(values.isnan().any()):
         return NAN
-    winner = values.argmax(dim=0, keepdim=True)  # the first rank holding the maximum
-    tokens = unwords(i, torch.int64, 1)[..., 0].gather(0, winner).squeeze(0)
-    logit = unwords(r, shard.dtype, 1)[..., 0].gather(0, winner).squeeze(0)
-    _fill(cache, lay, rank, mapping, col, real, unwords(s, shard.dtype, lay.width()), tokens,
-          logit, start)
+    winner = payload.first_rank(values)
+    tokens = i[..., 0].gather(0, winner).squeeze(0)
+    logit = r[..., 0].gather(0, winner).squeeze(0)
+    _fill(cache, lay, rank, mapping, col, real, s, tokens, logit, start)
     draft_cache.filled(cache, head.comm, head.shard, head.vocab)
     draft_cache.record(cache, mapping, col, tokens, partial=True)
     return tokens
@@ -333,39 +329,3 @@ def _fill(cache, lay, rank: int, mapping, col: int, real, neighbours, tokens, lo
         if t:
             rows[slots, e - t:e] = neighbours[p, valid, width - t:]
     rows[slots, tokens[valid]] = logit[valid]
-
-
-def _offsets(sizes):
-    out, at = [], 0
-    for k in sizes:
-        out.append(at)
-        at += k
-    return out
-
-
-def words(x: torch.Tensor) -> torch.Tensor:
-    """[rows, n] of any dtype as int32 words [rows, ceil(n * itemsize / 4)] (bits kept)."""
-    if not x.numel():
-        return torch.zeros(x.shape[0], 0, dtype=torch.int32, device=x.device)
-    b = x.contiguous().flatten().view(torch.uint8).view(x.shape[0], -1)
-    pad = -b.shape[1] % 4
-    if pad:
-        b = torch.nn.functional.pad(b, (0, pad))
-    return b.view(torch.int32)
-
-
-def unwords(w: torch.Tensor, dtype: torch.dtype, n: int) -> torch.Tensor:
-    """words()'s inverse: [..., k] int32 -> [..., n] of dtype."""
-    size = torch.empty((), dtype=dtype).element_size()
-    b = w.contiguous().flatten().view(torch.uint8).view(*w.shape[:-1], -1)[..., :n * size]
-    return b.contiguous().flatten().view(dtype).view(*w.shape[:-1], n)
-
-
-@functools.cache
-def exchanged_bytes(rows: int, shard: int, vocab: int, world: int, itemsize: int,
-                    fp64: bool = False) -> int:
-    """What one rank sends per draft step of `rows` rows (vLLM's gather sends
-    rows * shard * itemsize)."""
-    lay = verify_layout.Layout(shard, vocab, world)
-    per_row = (2 if fp64 else 1) + 2 + -(-itemsize // 4) + -(-lay.width() * itemsize // 4)
-    return rows * per_row * 4

@@ -142,7 +142,7 @@ class Block:
 
     def pick(self, logits, idx_map, sample_pos, step, bias=None):
         from commfold.ops.local_argmax import local_argmax
-        from commfold.vllm.target.nan_pick import nan_as_neg_inf
+        from commfold.shard.payload import nan_as_neg_inf
 
         if self.whole:
             return self.sample(logits, idx_map, sample_pos, step, *(

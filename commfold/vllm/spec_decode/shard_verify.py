@@ -36,7 +36,7 @@ tokens as V2 passes them, logit bias, allowed ids, min_tokens, bad words,
 temperature, min_p) by the sampled draw's own shard processing
 (commfold.vllm.sample.sampled_pick.process, pinned with the draw); the columns a rank
 borrows from its neighbours for a split block are then sent processed (float32).
-Top-k / top-p: the bounds of V2's cut (commfold.vllm.sample.shard_top_k_top_p) mask what
+Top-k / top-p: the bounds of V2's cut (commfold.shard.bounds) mask what
 they prove dropped; a row where they leave a token in doubt on any rank (known on
 every rank from the bounds' exchange) is made whole and cut by vLLM's own kernel
 (commfold.vllm.sample.shard_edge_rows: one all-gather of those rows), since every
@@ -64,20 +64,21 @@ from typing import NamedTuple
 import torch
 
 from commfold.distributed.collectives import communicator
+from commfold.shard import bounds as shard_bounds
+from commfold.shard import edges
+from commfold.shard.layout import Layout, whole_blocks
+from commfold.shard.payload import bits_value, value_bits
 from commfold.vllm.spec_decode import draft_cache, verify_kernels
 from commfold.vllm.compat import hook_points, pins, runtime
-from commfold.vllm.sample import sampled_pick, shard_top_k_top_p
+from commfold.vllm.sample import sampled_pick
 from commfold.vllm.observe import step_log
 from commfold.vllm.target import switch
 from commfold.vllm.target.decision import verify_method, verify_refusal
 from commfold.vllm.target.logits_head import LogitsHead
-from commfold.vllm.spec_decode.verify_layout import (  # noqa: F401  (their home for callers)
-    NO_SAVING, Layout, exchanged_bytes, no_saving, sent)
 
 log = logging.getLogger("commfold")
 
 HOOK = "target pick: sampled verification"
-BLOCK = verify_kernels.BLOCK  # rejection_sample's VOCAB_BLOCK_SIZE (pinned with it)
 RESAMPLE_BLOCK = verify_kernels.RESAMPLE_BLOCK
 _R = "vllm.v1.worker.gpu.spec_decode.rejection_sampler:"
 _S = "vllm.v1.worker.gpu.sample."
@@ -164,8 +165,8 @@ def _cut(comm, head: LogitsHead, target: torch.Tensor, states, input_batch, star
     from commfold.vllm.sample import shard_edge_rows
 
     mapping = input_batch.expanded_idx_mapping
-    bounds = shard_top_k_top_p.cut(comm, target, states.top_k.gpu[mapping],
-                                   states.top_p.gpu[mapping], head.vocab, head.shard)
+    bounds = shard_bounds.cut(comm, target, states.top_k.gpu[mapping],
+                              states.top_p.gpu[mapping], head.vocab, head.shard)
     if isinstance(bounds, str):
         return bounds
     rows = target.shape[0]
@@ -175,11 +176,9 @@ def _cut(comm, head: LogitsHead, target: torch.Tensor, states, input_batch, star
         why = shard_edge_rows.refusal(len(which), rows, itemsize)
         if why is not None:
             return why
-        whole = shard_edge_rows.whole(comm, target, which, head.shard, head.vocab)
+        whole = edges.whole(comm, target, which, head.shard, head.vocab)
         exact = shard_edge_rows.cut(whole, which, states, input_batch, rows, "states")
-    wide = target.double()
-    below = bounds.rows[:, None] & (wide <= bounds.keep[:, None])
-    target.masked_fill_(below, float("-inf"))  # V2's cut, where it is certain
+    target.masked_fill_(bounds.below(target), float("-inf"))  # V2's cut, where it is certain
     if exact is not None:  # ... and where it is not, vLLM's kernel's
         target[which] = exact[:, start:start + target.shape[1]]
         step_log.note(shard_edge_rows.NOTE_KEY, shard_edge_rows.note(len(which)))
@@ -243,7 +242,7 @@ def verify(rejection_sampler, head: LogitsHead, shard: torch.Tensor, input_batch
     temp, seeds = states.temperature.gpu, states.seeds.gpu
     has_draft = draft_logits is not None
 
-    whole = _whole_blocks(comm, lay, shard)  # processed columns where V2 processes
+    whole = whole_blocks(comm, lay, shard)  # processed columns where V2 processes
     nan_here = bool(target[:, :max(0, min(head.shard, eff - start))].isnan().any())
     nb = lay.first[rank + 1] - lay.first[rank]
     f32 = dict(dtype=torch.float32, device=device)
@@ -330,10 +329,9 @@ def verify(rejection_sampler, head: LogitsHead, shard: torch.Tensor, input_batch
     token = r_idx.gather(-1, best).squeeze(-1)
 
     # one (value bits, token) pair per request per rank; V2's insert picks the first
-    bits = torch.int64 if use_fp64 else torch.int32
-    pair = torch.stack([value.view(bits).to(torch.int64), token], dim=-1)
+    pair = torch.stack([value_bits(value), token], dim=-1)
     pairs = comm.all_gather(pair).view(world, reqs, 2)
-    vals = pairs[..., 0].to(bits).view(value.dtype).t().contiguous()
+    vals = bits_value(pairs[..., 0], value.dtype).t().contiguous()
     if bool(vals.isnan().any()):
         return sampled_pick.NAN
     toks = pairs[..., 1].t().contiguous()
@@ -355,33 +353,3 @@ def like_v2(whole: torch.Tensor, stride: int, last: bool, eff: int):
     buf = whole.new_empty(rows, max(stride, width))
     buf[:, :width] = whole
     return buf, width if last or eff % 16 == 0 else width + 1
-
-
-def _whole_blocks(comm, lay: Layout, shard: torch.Tensor) -> torch.Tensor:
-    """This rank's blocks [rows, hi - lo] of raw logits: its own columns and, where a
-    block runs past the shard, the neighbours' columns (one all-gather of every rank's
-    head and tail, where any is needed: the same on every rank)."""
-    rank, world = comm.rank(), comm.world_size()
-    lo, hi = lay.span(rank)
-    start, end = lay.columns(rank)
-    width = lay.width()
-    own = shard[:, max(lo, start) - start:max(min(hi, end), lo, start) - start]
-    if not width:  # every rank alike: no block crosses a shard end
-        return own if hi > lo else shard[:, :0]
-    # every rank sends, a rank holding no block too (a vocab of fewer blocks than ranks)
-    got = comm.all_gather(sent(lay, rank, shard)).view(world, shard.shape[0], width)
-    if hi <= lo:
-        return shard[:, :0]
-    parts = []
-    for p in range(world):
-        s, e = lay.columns(p)
-        a, b = max(lo, s), min(hi, e)
-        if b <= a:
-            continue
-        if p == rank:
-            parts.append(own)
-        elif p < rank:  # p's tail: its columns [e - tail, e) end the buffer
-            parts.append(got[p, :, width - (e - a):width - (e - b)])
-        else:  # p's head: its columns [s, s + head) start the buffer
-            parts.append(got[p, :, a - s:b - s])
-    return torch.cat(parts, dim=1)

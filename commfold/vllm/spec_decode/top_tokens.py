@@ -28,7 +28,8 @@ import torch
 
 from commfold.backend import backend
 from commfold.config import Config
-from commfold.vllm.target.nan_pick import MaskBeforeGather, nan_as_neg_inf
+from commfold.shard.payload import nan_as_neg_inf
+from commfold.vllm.target.nan_pick import MaskBeforeGather
 
 log = logging.getLogger("commfold")
 

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import torch
 
+from commfold.shard.layout import BLOCK  # rejection_sample's VOCAB_BLOCK_SIZE
 from commfold.vllm.compat import pins, releases
 
-BLOCK = 8192  # rejection_sample's VOCAB_BLOCK_SIZE
 RESAMPLE_BLOCK = 1024  # its RESAMPLE_BLOCK_SIZE
 _U = "vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils:"
 # each function's whole source, pinned per release (pins.json)

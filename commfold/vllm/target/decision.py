@@ -250,7 +250,7 @@ FUSED_OPTION = "COMMFOLD_FUSED_SAMPLER_STEPS"  # =gumbel: take fused-sampler ste
 
 
 def truncation_refusal(step: V2Step, spec: bool = False) -> str | None:
-    """Why a step with top-k / top-p stays V2's (commfold.vllm.sample.shard_top_k_top_p takes
+    """Why a step with top-k / top-p stays V2's (commfold.shard.bounds takes
     the rest, by bounds of the kernel's cut); None when it may be taken. spec: V2's
     verification cuts the target logits with the kernel itself, never a fused
     sampler."""

@@ -100,8 +100,3 @@ class MaskBeforeGather(CustomGraphPass):
         own = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
         then = self.then.uuid() if hasattr(self.then, "uuid") else None
         return own if self.then is None else (own, then)
-
-
-def nan_as_neg_inf(logits: torch.Tensor) -> torch.Tensor:
-    """The mask the pick writes (vLLM 0.34's greedy_argmax: NaN as -inf)."""
-    return logits.masked_fill(logits.isnan(), float("-inf"))

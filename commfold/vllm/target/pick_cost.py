@@ -56,15 +56,15 @@ def gate(mode: str | None, why: str, rows: int, like: torch.Tensor, head
     """The target pick's decision (mode, why) after the cost table: (None, the rule's
     reason) where the local pick of `rows` rows of `like`'s dtype over `head` (a
     LogitsHead: communicator, vocab, world) is slower - or, verifying sampled
-    requests, sends no fewer bytes (verify_layout.no_saving) -, else unchanged."""
+    requests, sends no fewer bytes (commfold.shard.layout.no_saving) -, else unchanged."""
     if mode is None:
         return mode, why
     reason = slower(mode, rows, like.dtype, like.device.type, head.comm, head.vocab,
                     head.world)
     if reason is None and mode == "verify_sampled" and enabled():
-        from commfold.vllm.spec_decode import verify_layout
+        from commfold.shard.layout import no_saving
 
-        reason = verify_layout.no_saving(head.shard, head.vocab, head.world,
+        reason = no_saving(head.shard, head.vocab, head.world,
                                         like.element_size())
     return (None, reason) if reason else (mode, why)
 

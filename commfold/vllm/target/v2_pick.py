@@ -29,8 +29,7 @@ from __future__ import annotations
 
 import weakref
 
-import torch
-
+from commfold.shard import accept
 from commfold.vllm.sample import sampled_pick, shard_grammar
 from commfold.vllm.spec_decode import shard_verify
 from commfold.vllm.observe import step_log
@@ -242,7 +241,7 @@ def pick(sampler, rejection_sampler, head: LogitsHead, shard, input_batch, mode:
         num_sampled = input_batch.seq_lens.new_ones(input_batch.num_reqs)
     generated = None  # under spec decoding: each request's logits rows, as V2 gives them
     if mode in ("verify", VERIFY_SAMPLED) and (dims := sampler.get_logprobs_dims(idx)):
-        flat = verified_tokens(sampled, num_sampled, input_batch.cu_num_logits_np)
+        flat = accept.verified_tokens(sampled, num_sampled, input_batch.cu_num_logits_np)
         scores = logprobs_scores(head, scored, dims[0], logits_mode, flat)
         if flat.shape[0] != input_batch.num_reqs:
             generated = input_batch.cu_num_logits_np.tolist()
@@ -257,19 +256,6 @@ def pick(sampler, rejection_sampler, head: LogitsHead, shard, input_batch, mode:
                                    cu_num_generated_tokens=generated)
     return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs,
                          num_nans=None, num_sampled=num_sampled, num_rejected=num_rejected)
-
-
-def verified_tokens(sampled: torch.Tensor, num_sampled: torch.Tensor, cu_np) -> torch.Tensor:
-    """The token V2's RejectionSampler scores at each logits row of a verified step
-    (its _flatten_sampled_kernel): request r's row i holds sampled[r, i] for i below
-    its num_sampled (before V2 counts the rejected), 0 past them."""
-    cu = torch.as_tensor(cu_np, dtype=torch.int64, device=sampled.device)
-    counts = cu[1:] - cu[:-1]
-    req = torch.repeat_interleave(torch.arange(counts.shape[0], device=sampled.device),
-                                  counts)
-    col = torch.arange(int(cu[-1]), device=sampled.device) - cu[req]
-    kept = col < num_sampled.to(torch.int64)[req]
-    return torch.where(kept, sampled[req, col.clamp(max=sampled.shape[1] - 1)], 0)
 
 
 def _given_back(head: LogitsHead, shard, vllm_samplers, why: str):
@@ -316,19 +302,5 @@ def verify(rejection_sampler, input_batch, argmax, prefill_len, invalid_drafts=N
         input_batch.expanded_idx_mapping, input_batch.expanded_local_pos, prefill_len)
     if invalid_drafts is not None:
         draft = draft.masked_fill(invalid_drafts, -1)
-    cu = torch.as_tensor(input_batch.cu_num_logits_np, dtype=torch.int64)
-    reqs, steps = input_batch.num_reqs, rejection_sampler.num_speculative_steps
-    counts = (cu[1:] - cu[:-1]).to(argmax.device)
-    req = torch.repeat_interleave(torch.arange(reqs, device=argmax.device), counts)
-    col = torch.arange(argmax.shape[0], device=argmax.device) - cu.to(argmax.device)[req]
-    nxt = torch.cat([draft[1:], draft.new_full((1,), -1)]).to(argmax.dtype)
-    bonus = col == (counts - 1)[req]
-    ok = (argmax == nxt) & (nxt >= 0) & ~bonus
-    accepted = torch.zeros(reqs, steps + 1, dtype=torch.bool, device=argmax.device)
-    target = torch.zeros(reqs, steps + 1, dtype=torch.int64, device=argmax.device)
-    drafts = torch.zeros_like(target)
-    accepted[req, col], target[req, col], drafts[req, col] = ok, argmax, nxt
-    length = accepted.to(torch.int32).cumprod(1).sum(1)  # drafts accepted per request
-    cols = torch.arange(steps + 1, device=argmax.device)
-    sampled = torch.where(cols < length[:, None], drafts, target)
-    return sampled, (length + 1).to(torch.int32)
+    return accept.greedy(draft, argmax, input_batch.cu_num_logits_np, input_batch.num_reqs,
+                         rejection_sampler.num_speculative_steps)

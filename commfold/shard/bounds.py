@@ -7,7 +7,8 @@ mass p only when its search converges; when it stops after 18 steps it cuts at a
 pivot within the search's last interval. Its path hangs on statistics of the whole
 row in its own float order (a sample block's mean and deviation, float32 sums), so a
 shard cannot repeat it. What a shard can do is bound where the cut lies, whichever
-way the search went (read from the kernel, pinned by source in sampled_pick):
+way the search went (read from the kernel, pinned by source in
+commfold.vllm.sample.sampled_pick):
 
 - top-k: the search keeps ``v_{k+1} <= lo <= v_k <= hi`` (the k-th and k+1-th
   largest values) and stops within (2/3)^18 of its first interval, which is at most
@@ -18,8 +19,9 @@ way the search went (read from the kernel, pinned by source in sampled_pick):
 
 From one all-gather of each rank's largest values and six row statistics, every rank
 computes the same two thresholds per row: ``keep`` (every token above it is kept,
-however the search ended) and ``drop`` (no token below it is). commfold.vllm.
-sampled_pick then draws over the tokens above ``keep`` and, apart, over those between:
+however the search ended) and ``drop`` (no token below it is). commfold.vllm.sample.
+sampled_pick then draws over the tokens above ``keep`` and, apart, over those between
+(``Cut.below``, ``Cut.between``):
 the token is V2's when the best noised token above ``keep`` beats every one between
 (the draw is then the same over any set the kernel may have kept); otherwise that
 row is made whole and cut by vLLM's own kernel (commfold.vllm.sample.shard_edge_rows), or,
@@ -29,6 +31,10 @@ bounds (V2's verification makes those rows whole). Rows whose cut cannot be boun
 from the gathered values (the mass p reaches past the candidates, +-inf logits, a
 top-p row whose float32 sums could overflow or underflow in the kernel) give the
 step to V2 as well, with the reason.
+
+Only the gathered values are read (a communicator's all-gather, commfold.shard.comm):
+no engine object, so the bounds are checked against a full row's exact cut in one
+process (tests/test_shard_bounds.py).
 """
 from __future__ import annotations
 
@@ -36,6 +42,8 @@ import math
 from typing import NamedTuple
 
 import torch
+
+from commfold.shard.comm import Comm
 
 K_LIMIT = 1024  # the largest top_k taken on shards (its k + 1 values per rank gathered)
 P_CANDIDATES = 1024  # the values per rank gathered for top-p's prefix mass
@@ -87,8 +95,19 @@ class Cut(NamedTuple):
     # sent, or its largest unsent value not below drop): alike on every rank
     doubt: torch.Tensor
 
+    def below(self, work: torch.Tensor) -> torch.Tensor:
+        """[rows, n] bool: the columns of `work` (this rank's, one row per bound) not
+        surely kept - at or below their row's keep - in the rows the kernel cuts."""
+        return self.rows[:, None] & (work.double() <= self.keep[:, None])
 
-def cut(comm, work: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, vocab: int,
+    def between(self, work: torch.Tensor) -> torch.Tensor:
+        """`work` where the kernel may or may not keep a token (from drop up to keep
+        in a cut row), -inf elsewhere."""
+        maybe = self.below(work) & (work.double() >= self.drop[:, None])
+        return torch.where(maybe, work, float("-inf"))
+
+
+def cut(comm: Comm, work: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, vocab: int,
         shard: int) -> Cut | str:
     """The bounds of V2's top-k / top-p cut for each row of the step, from this rank's
     processed columns `work` [rows, n_local] (float32, temperature and min_p applied)
@@ -104,7 +123,7 @@ def cut(comm, work: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, voca
                    block_size(work.device.type))
 
 
-def _payload(comm, work: torch.Tensor, m: int) -> torch.Tensor:
+def _payload(comm: Comm, work: torch.Tensor, m: int) -> torch.Tensor:
     """[rows, m/2 + _STATS] float64: this rank's m largest values (float32, two per
     float64, -inf past its columns) and its row statistics."""
     rows, n = work.shape
@@ -126,7 +145,7 @@ def _payload(comm, work: torch.Tensor, m: int) -> torch.Tensor:
     return torch.cat([values.view(torch.float64), stats], dim=-1).contiguous()
 
 
-def _first_tile(comm, work: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _first_tile(comm: Comm, work: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank 0: the mean and deviation of the finite values of the row's first tile, from
     which the kernel starts its searches (0, 0 where it has none, as the kernel); NaN
     where the tile is not all on rank 0, and on other ranks."""
@@ -178,7 +197,7 @@ class _Rows(NamedTuple):
     merged: torch.Tensor  # [rows, world * m]: every rank's largest values, descending
     top: torch.Tensor  # the row maximum
     low: torch.Tensor  # the finite minimum
-    count: torch.Tensor  # finite values
+    finite: torch.Tensor  # how many finite values
     unsent: torch.Tensor  # the largest value no rank sent
     z: torch.Tensor  # sum of exp(x - top)
     avg: torch.Tensor  # the first tile's mean (NaN: not on rank 0)
@@ -187,7 +206,7 @@ class _Rows(NamedTuple):
 
     def bounds(self, r: int, k: int, p: float, vocab: int) -> tuple[float, float] | str | None:
         """(keep, drop) of row r, None where the kernel keeps every token."""
-        n = int(self.count[r])
+        n = int(self.finite[r])
         topk, topp = k < vocab and n > k, p < 1.0 and n > 0
         if not (topk or topp):
             return None

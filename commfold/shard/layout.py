@@ -2,13 +2,16 @@
 8192-column blocks, each owned by the rank holding most of it, and the columns its
 neighbours lend for blocks a shard end splits - and what the verification sends for
 a layout: plain arithmetic on (shard, vocab, world), the same on every rank, kept
-apart so the pick's cost rule can weigh a layout without importing the verification.
+apart so the pick's cost rule (and the sampled drafter, which fills the columns the
+verification reads) can weigh a layout without importing the verification.
 """
 from __future__ import annotations
 
 import torch
 
-from commfold.vllm.spec_decode.verify_kernels import BLOCK
+from commfold.shard.comm import Comm
+
+BLOCK = 8192  # V2's rejection_sample's VOCAB_BLOCK_SIZE (pinned in verify_kernels)
 
 
 class Layout:
@@ -66,6 +69,36 @@ def sent(lay: Layout, rank: int, shard: torch.Tensor) -> torch.Tensor:
     if t:
         out[:, width - t:] = shard[:, end - start - t:end - start]
     return out
+
+
+def whole_blocks(comm: Comm, lay: Layout, shard: torch.Tensor) -> torch.Tensor:
+    """This rank's blocks [rows, hi - lo] of raw logits: its own columns and, where a
+    block runs past the shard, the neighbours' columns (one all-gather of every rank's
+    head and tail, where any is needed: the same on every rank)."""
+    rank, world = comm.rank(), comm.world_size()
+    lo, hi = lay.span(rank)
+    start, end = lay.columns(rank)
+    width = lay.width()
+    own = shard[:, max(lo, start) - start:max(min(hi, end), lo, start) - start]
+    if not width:  # every rank alike: no block crosses a shard end
+        return own if hi > lo else shard[:, :0]
+    # every rank sends, a rank holding no block too (a vocab of fewer blocks than ranks)
+    got = comm.all_gather(sent(lay, rank, shard)).view(world, shard.shape[0], width)
+    if hi <= lo:
+        return shard[:, :0]
+    parts = []
+    for p in range(world):
+        s, e = lay.columns(p)
+        a, b = max(lo, s), min(hi, e)
+        if b <= a:
+            continue
+        if p == rank:
+            parts.append(own)
+        elif p < rank:  # p's tail: its columns [e - tail, e) end the buffer
+            parts.append(got[p, :, width - (e - a):width - (e - b)])
+        else:  # p's head: its columns [s, s + head) start the buffer
+            parts.append(got[p, :, a - s:b - s])
+    return torch.cat(parts, dim=1)
 
 
 def exchanged_bytes(rows: int, reqs: int, shard: int, vocab: int, world: int,

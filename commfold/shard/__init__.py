@@ -1,0 +1,1 @@
+"""Engine-independent math of picking tokens from vocab shards (no vLLM imported)."""
