@@ -34,7 +34,7 @@ V2 uses them. Target logits are processed as V2 processes them before
 verifying (``apply_sampling_params`` but top-k / top-p: penalties with the draft
 tokens as V2 passes them, logit bias, allowed ids, min_tokens, bad words,
 temperature, min_p) by the sampled draw's own shard processing
-(commfold.vllm.sample.sampled_pick.process, pinned with the draw); the columns a rank
+(commfold.vllm.sample.sampling_params.process, pinned with the draw); the columns a rank
 borrows from its neighbours for a split block are then sent processed (float32).
 Top-k / top-p: the bounds of V2's cut (commfold.shard.bounds) mask what
 they prove dropped; a row where they leave a token in doubt on any rank (known on
@@ -70,7 +70,7 @@ from commfold.shard.layout import Layout, whole_blocks
 from commfold.shard.payload import bits_value, value_bits
 from commfold.vllm.spec_decode import draft_cache, verify_kernels
 from commfold.vllm.compat import hook_points, pins, runtime
-from commfold.vllm.sample import sampled_pick
+from commfold.vllm.sample import sampled_pick, sampling_params
 from commfold.vllm.observe import step_log
 from commfold.vllm.target import switch
 from commfold.vllm.target.decision import verify_method, verify_refusal
@@ -216,12 +216,12 @@ def verify(rejection_sampler, head: LogitsHead, shard: torch.Tensor, input_batch
         buf = torch.empty(shard.shape[0], head.shard + 1, dtype=torch.float32,
                           device=shard.device)  # one spare column for min_p
         buf[:, :head.shard].copy_(shard)
-        if not sampled_pick.process(sampler, buf, n_real, start, input_batch, comm, draft):
+        if not sampling_params.process(sampler, buf, n_real, start, input_batch, comm, draft):
             return sampled_pick.NAN
         shard = buf[:, :head.shard]
     # this rank's real columns (no padding: V2's rows are cut to the vocab)
     target = shard[:, :n_real]
-    if processing and sampled_pick.truncates(states, idx_np):
+    if processing and sampling_params.truncates(states, idx_np):
         why = _cut(comm, head, target, states, input_batch, start, itemsize)
         if why is not None:  # from gathered values: alike on every rank
             return why

@@ -30,7 +30,7 @@ from __future__ import annotations
 import weakref
 
 from commfold.shard import accept
-from commfold.vllm.sample import sampled_pick, shard_grammar
+from commfold.vllm.sample import sampled_pick, sampling_params, shard_grammar
 from commfold.vllm.spec_decode import shard_verify
 from commfold.vllm.observe import step_log
 from commfold.vllm.target.decision import V2Step, decide_v2, verify_method
@@ -83,7 +83,7 @@ def step_of(sampler, input_batch, vocab: int = 0) -> V2Step:
     dims = sampler.get_logprobs_dims(idx)
     return V2Step(
         temperatures=tuple(float(t) for t in states.temperature.np[idx]),
-        top_k_or_p=sampled_pick.truncates(states, idx),
+        top_k_or_p=sampling_params.truncates(states, idx),
         needs_processing=bool(sampler.needs_logits_processing[idx].any()),
         logprobs=dims is not None, num_logprobs=dims[0] if dims else 0,
         logprob_token_ids=bool(dims and dims[1]), logprobs_mode=str(sampler.logprobs_mode),
@@ -105,7 +105,7 @@ def fused_sampler(sampler, idx, logprobs: bool) -> bool:
         return False
     states = sampler.sampling_states
     processed = logprobs and str(sampler.logprobs_mode).startswith("processed")
-    return sampled_pick.truncates(states, idx) and not (processed or states.any_greedy(idx)
+    return sampling_params.truncates(states, idx) and not (processed or states.any_greedy(idx)
                               or states.any_explicit_seed(idx))
 
 
