@@ -70,7 +70,8 @@ def draft_cases(world: int, cases: list[dict]) -> list[dict]:
     from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
 
     from commfold.config import Config
-    from commfold.vllm.spec_decode import draft, draft_sampled
+    from commfold.vllm.spec_decode import draft, draft_sampled, draft_v2
+    from commfold.vllm.spec_decode.draft_choice import PICK
     from commfold.vllm.compat.runtime import Runner
     from harness.vllm_tp import init_vllm_tp
 
@@ -78,7 +79,7 @@ def draft_cases(world: int, cases: list[dict]) -> list[dict]:
     sample = GPUModelRunner.__dict__["sample"]
     drafted = DraftModelSpeculator.__dict__["sample_draft"]
     drafted = getattr(drafted, "__wrapped__", drafted)
-    draft._hook_v2_speculator(Config(passes=("local_argmax",)), True, False)  # as loaded
+    draft_v2.hook(Config(passes=("local_argmax",)), True, False)  # as loaded
     assert draft_sampled.install({}, Runner(2, "test")), "the hook is off"
     out = []
     try:
@@ -86,7 +87,7 @@ def draft_cases(world: int, cases: list[dict]) -> list[dict]:
             out.append(_case(case, tp.rank_in_group, world, sample, drafted))
     finally:
         draft_sampled.uninstall()
-        draft.uninstall(draft.PICK)
+        draft.uninstall(PICK)
     return out
 
 

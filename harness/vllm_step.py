@@ -170,9 +170,9 @@ def hook_v2_draft_pick():
     from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
 
     from commfold.config import Config
-    from commfold.vllm.spec_decode import draft as vllm_draft
+    from commfold.vllm.spec_decode import draft_v2
 
     original = DraftModelSpeculator.__dict__["sample_draft"]
     original = getattr(original, "__wrapped__", original)
-    vllm_draft._hook_v2_speculator(Config(passes=("local_argmax",)), True, True)
+    draft_v2.hook(Config(passes=("local_argmax",)), True, True)
     return original

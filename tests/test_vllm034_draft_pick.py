@@ -175,9 +175,9 @@ def test_draft_pick_equals_034_sample_draft(ranks, cases):
 
 
 def test_draft_pick_nan_rule_of_034():
-    from commfold.vllm.spec_decode import draft
+    from commfold.vllm.spec_decode import draft_v2
 
-    assert draft.v2_nan_as_neginf() is True
+    assert draft_v2.v2_nan_as_neginf() is True
 
 
 def test_step_log_finds_what_034s_pynccl_sends():

@@ -19,9 +19,9 @@ def _pick_state():
 
 
 def test_installed_sample_draft_is_pinned():
-    from commfold.vllm.spec_decode import draft
+    from commfold.vllm.spec_decode import draft_v2
 
-    assert draft.sample_draft_unpinned() == []
+    assert draft_v2.sample_draft_unpinned() == []
     assert _pick_state().on, _pick_state()
 
 

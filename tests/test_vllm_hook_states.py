@@ -167,12 +167,13 @@ def test_one_line_per_hook_at_load_when_unasked(fresh_plugin, caplog):
 
 
 def test_a_moved_hook_point_turns_one_hook_off(fresh_plugin, caplog, monkeypatch):
-    from commfold.vllm.spec_decode import draft as vllm_draft
+    from commfold.vllm.spec_decode import draft_v1
+    from commfold.vllm.spec_decode.draft_choice import PICK
 
-    moved = dict(vllm_draft.HOOK_POINTS)
-    moved[vllm_draft.PICK] = (("vllm.v1.spec_decode.llm_base_proposer:"
-                               "SpecDecodeBaseProposer._greedy_sample", "not in vLLM"),)
-    monkeypatch.setattr(vllm_draft, "HOOK_POINTS", moved)
+    moved = dict(draft_v1.HOOK_POINTS)
+    moved[PICK] = (("vllm.v1.spec_decode.llm_base_proposer:"
+                    "SpecDecodeBaseProposer._greedy_sample", "not in vLLM"),)
+    monkeypatch.setattr(draft_v1, "HOOK_POINTS", moved)
     monkeypatch.setenv("COMMFOLD_VLLM", "1")
     lines = _register(fresh_plugin, caplog)
     pick = lines["draft pick"]

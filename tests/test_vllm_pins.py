@@ -36,11 +36,11 @@ def test_no_hash_literal_outside_the_table():
 def _pinned_points():
     """Every (where, Pinned) a hook or the compat tool checks."""
     from commfold.vllm.compat import hooks
-    from commfold.vllm.spec_decode import draft, draft_sampled, dspark_pick
+    from commfold.vllm.spec_decode import draft_sampled, draft_v2, dspark_pick
 
     points = [p for h in hooks.HOOKS for p in h.points]
-    points += [*draft.ROUTE_POINTS, *dspark_pick.HOOK_POINTS, dspark_pick.MARKOV_CHAIN,
-               (f"{draft._SPEC}.sample_draft", draft.SAMPLE_DRAFT),
+    points += [*draft_v2.ROUTE_POINTS, *dspark_pick.HOOK_POINTS, dspark_pick.MARKOV_CHAIN,
+               (f"{draft_v2._SPEC}.sample_draft", draft_v2.SAMPLE_DRAFT),
                *(p for s in draft_sampled.SETS for p in s[0])]
     return [(w, t) for w, t in points if isinstance(t, hook_points.Pinned)]
 

@@ -36,7 +36,7 @@ def _speculator_classes() -> dict[str, type]:
 
 
 def test_every_speculator_is_listed_with_its_pick():
-    from commfold.vllm.spec_decode.draft import load_note
+    from commfold.vllm.spec_decode.draft_v2 import load_note
     from commfold.vllm.spec_decode.speculators import SPECULATORS
 
     classes = _speculator_classes()

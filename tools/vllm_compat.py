@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from commfold.vllm.spec_decode import draft, dspark_pick  # noqa: E402
+from commfold.vllm.spec_decode import draft_v2, dspark_pick  # noqa: E402
 from commfold.vllm.compat import hook_points, hooks, releases  # noqa: E402
 from commfold.vllm import plugin  # noqa: E402
 from commfold.vllm.compat.hook_points import Pinned, describe, source_hash  # noqa: E402
@@ -61,7 +61,7 @@ READS_V2_ONLY = (("vllm.platforms.interface:Platform.validate_environ",
                   'if env == "VLLM_USE_V2_MODEL_RUNNER":\n                if value != "1":'),)
 # every hook of commfold.vllm.compat.hooks.HOOKS (its label: its row), then what is only read
 HOOKS = {**{h.label(): h.points for h in hooks.HOOKS},
-         "draft pick's logits routes (V2)": draft.ROUTE_POINTS,
+         "draft pick's logits routes (V2)": draft_v2.ROUTE_POINTS,
          "DSpark block pick (V2)": dspark_pick.HOOK_POINTS,
          "Ray workers' settings (read)": plugin.RAY_POINTS,
          "runner choice, verification method (read)": READS,
@@ -282,16 +282,16 @@ def report(trees: list[Sources], tier: dict | None = None) -> list[str]:
         new = [m for m in found if m not in known and not m.startswith("none found")]
         lines.append(f"- {label}: {', '.join(found)}"
                      + (f" - NEW, unknown to commfold: {', '.join(new)}" if new else ""))
-    where = f"{draft._SPEC}.sample_draft"
+    where = f"{draft_v2._SPEC}.sample_draft"
     lines += ["", f"`{where}`, whose whole source the V2 draft pick pins "
-              "(draft.SAMPLE_DRAFT):", ""]
+              "(draft_v2.SAMPLE_DRAFT):", ""]
     for label, s in zip(labels, trees):
         try:
             digest = source_hash(s.find(where))
         except (LookupError, SyntaxError) as e:
             lines.append(f"- {label}: moved ({e})")
             continue
-        known = [r for r, h in draft.SAMPLE_DRAFT.hashes if h == digest]
+        known = [r for r, h in draft_v2.SAMPLE_DRAFT.hashes if h == digest]
         lines.append(f"- {label}: " + (f"pinned ({', '.join(known)})" if known else
                                        f"moved: sha256 {digest} is not pinned"))
     return lines

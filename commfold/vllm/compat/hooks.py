@@ -12,7 +12,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 
-from commfold.vllm.spec_decode import draft, draft_sampled, shard_verify
+from commfold.vllm.spec_decode import draft, draft_sampled, draft_v1, draft_v2, shard_verify
+from commfold.vllm.spec_decode.draft_choice import PICK, TOP_TOKENS
 from commfold.vllm import graph_passes
 from commfold.vllm.sample import sampled_pick, shard_grammar
 from commfold.vllm.observe import step_log
@@ -67,8 +68,8 @@ HOOKS: tuple[Hook, ...] = (
       for v, points in ((1, step_log.HOOK_POINTS), (2, step_log.HOOK_POINTS_V2))),
     *(Hook(hook, v, points[hook], partial(_draft, "state", hook),
            partial(_draft, "install", hook), partial(draft.uninstall, hook))
-      for v, points in ((1, draft.HOOK_POINTS), (2, draft.HOOK_POINTS_V2))
-      for hook in (draft.PICK, draft.TOP_TOKENS)),
+      for v, points in ((1, draft_v1.HOOK_POINTS), (2, draft_v2.HOOK_POINTS))
+      for hook in (PICK, TOP_TOKENS)),
     Hook(target_pick.HOOK, 1, target_pick.HOOK_POINTS, target_pick.state, target_pick.install,
          target_pick.uninstall),
     *(Hook(target_pick_v2.HOOK, 2, s.points, target_pick_v2.state, target_pick_v2.install,

@@ -106,7 +106,7 @@ def state(environ=os.environ, runner=None) -> runtime.HookState:
     """On while its points hold, COMMFOLD_PASSES lets draft picks be local (as the
     greedy draft pick) and sampled verification is commfold's (else the cache is
     gathered back at every target step: no saving)."""
-    from commfold.vllm.spec_decode.draft import PICK_PASSES, pick_config
+    from commfold.vllm.spec_decode.draft_choice import PICK_PASSES, pick_config
     from commfold.vllm.graph_passes import config_from_env
 
     verify = shard_verify.state(environ, runner)
@@ -195,7 +195,7 @@ def _log_once(spec, why: str) -> None:
 def refusal(spec, given: dict) -> str | None:
     """Why this call stays V2's (engine configuration, the drafter, the call's shapes:
     the same on every rank), else None."""
-    from commfold.vllm.spec_decode.draft import logits_route
+    from commfold.vllm.spec_decode.draft_v2 import logits_route
     from commfold.vllm.target.switch import paused
 
     if getattr(spec, "draft_watermarker", None) is not None:
@@ -270,7 +270,7 @@ def _find_head(spec):
 def draw(spec, hidden: torch.Tensor, given: dict) -> torch.Tensor | str:
     """V2's draft tokens [rows] int64 for the call, the cache filled for commfold's
     verification; why not (NAN: a row holds NaN; every rank alike), nothing written."""
-    from commfold.vllm.spec_decode.draft import logits_route
+    from commfold.vllm.spec_decode.draft_v2 import logits_route
 
     found, _ = head_of(spec)
     head = found.head
