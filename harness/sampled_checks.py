@@ -45,56 +45,53 @@ def check(results):
     case["any_reason"]: ... or for any top-k / top-p reason (generated cases);
     case["made_whole"]: True where rows must be made whole (the step taken), False
     where none may be. Returns how many rows each result made whole."""
-    from harness.vllm_step_v2 import same_step
+    from harness.vllm_step_v2 import score_ulps, steps_as_v2s
 
     from commfold.vllm.sample.shard_grammar import NOTE  # a grammar's bitmask, noted apart
 
     counts = []
-    for res in results:
-        for r in res:
-            case, where = r["case"], same_step(r)
-            r = without_whole(dict(r, notes=[n for n in r["notes"] if n != NOTE]))
-            counts.append(r["whole_rows"])
-            if case.get("made_whole") is not None:
-                assert bool(r["whole_rows"]) == case["made_whole"], (where, r["notes"])
-            # rows made whole: cut as V2 cut them, bit for bit
-            assert (r["same_cut"] is None) == (not r["whole_rows"]), where
-            assert r["same_cut"] in (True, None), where
-            mode = case["mode"]
-            gathers, whole = r["ours_gathers"], case.get("whole", False)
-            note = r["notes"][-1] if r["notes"] else ""
-            if case.get("edge") and EDGE in note:
-                mode = EDGE
-            if case.get("any_reason") and note.startswith(("vLLM (top-", "vLLM (top_k=")):
-                mode = note
-            if mode in ("sample", "sample_logprobs", "greedy", "logprobs"):
-                assert r["notes"] == [mode], where
-                # rows scored whole (logprobs) are gathered; None: either
-                assert gathers <= 1 if whole is None else gathers == int(whole), where
-                min_p = mode.startswith("sample") and any(
-                    p.get("min_p") and p.get("temperature", 1.0) for p in _params(case))
-                # a pair exchange (greedy logprobs: the scores' first exchange), the
-                # row maxima for min_p, the scores' two exchanges
-                base = {"greedy": 1, "logprobs": 2, "sample": 1, "sample_logprobs": 3}
-                cut = mode.startswith("sample") and any(_truncates(p) for p in _params(case))
-                assert r["calls"] == base[mode] + min_p + cut + gathers, where
-            else:  # vLLM's path, the note saying why
-                assert r["notes"][-1].startswith("vLLM ("), where
-                assert mode in r["notes"][-1], where
-                assert gathers == 1, where
-            ours, theirs = r["logprobs"], r["vllm_logprobs"]
-            assert (ours is None) == (theirs is None), where
-            if ours is not None:
-                assert ours[0] == theirs[0] and ours[2] == theirs[2], where
-                # V2's rank kernel under Triton's interpreter miscounts bf16 logits:
-                # raw bf16 ranks against torch's count, the rest against V2's
-                scored_bf16 = case["dtype"] == "bfloat16" and not (case.get(
-                    "logprobs_mode", "raw").startswith("processed") and _processed(case))
-                # (a row scored whole is V2's own compute_topk_scores: its count)
-                assert all(o in ((t, g) if scored_bf16 else (t,)) for o, t, g in zip(
-                    ours[1], theirs[1], r["ranks"], strict=True)), where
-                limit = 0 if "logits" in case.get("logprobs_mode", "") else 4
-                assert r["score_diff"] <= limit, (where, r["score_diff"])
+    for r, case, where in steps_as_v2s(results):
+        r = without_whole(dict(r, notes=[n for n in r["notes"] if n != NOTE]))
+        counts.append(r["whole_rows"])
+        if case.get("made_whole") is not None:
+            assert bool(r["whole_rows"]) == case["made_whole"], (where, r["notes"])
+        # rows made whole: cut as V2 cut them, bit for bit
+        assert (r["same_cut"] is None) == (not r["whole_rows"]), where
+        assert r["same_cut"] in (True, None), where
+        mode = case["mode"]
+        gathers, whole = r["ours_gathers"], case.get("whole", False)
+        note = r["notes"][-1] if r["notes"] else ""
+        if case.get("edge") and EDGE in note:
+            mode = EDGE
+        if case.get("any_reason") and note.startswith(("vLLM (top-", "vLLM (top_k=")):
+            mode = note
+        if mode in ("sample", "sample_logprobs", "greedy", "logprobs"):
+            assert r["notes"] == [mode], where
+            # rows scored whole (logprobs) are gathered; None: either
+            assert gathers <= 1 if whole is None else gathers == int(whole), where
+            min_p = mode.startswith("sample") and any(
+                p.get("min_p") and p.get("temperature", 1.0) for p in _params(case))
+            # a pair exchange (greedy logprobs: the scores' first exchange), the
+            # row maxima for min_p, the scores' two exchanges
+            base = {"greedy": 1, "logprobs": 2, "sample": 1, "sample_logprobs": 3}
+            cut = mode.startswith("sample") and any(_truncates(p) for p in _params(case))
+            assert r["calls"] == base[mode] + min_p + cut + gathers, where
+        else:  # vLLM's path, the note saying why
+            assert r["notes"][-1].startswith("vLLM ("), where
+            assert mode in r["notes"][-1], where
+            assert gathers == 1, where
+        ours, theirs = r["logprobs"], r["vllm_logprobs"]
+        assert (ours is None) == (theirs is None), where
+        if ours is not None:
+            assert ours[0] == theirs[0] and ours[2] == theirs[2], where
+            # V2's rank kernel under Triton's interpreter miscounts bf16 logits:
+            # raw bf16 ranks against torch's count, the rest against V2's
+            scored_bf16 = case["dtype"] == "bfloat16" and not (case.get(
+                "logprobs_mode", "raw").startswith("processed") and _processed(case))
+            # (a row scored whole is V2's own compute_topk_scores: its count)
+            assert all(o in ((t, g) if scored_bf16 else (t,)) for o, t, g in zip(
+                ours[1], theirs[1], r["ranks"], strict=True)), where
+            assert r["score_diff"] <= score_ulps(case), (where, r["score_diff"])
     return counts
 
 

@@ -525,6 +525,21 @@ def same_step(r: dict) -> str:
     return where
 
 
+def steps_as_v2s(results: list[list[dict]]):
+    """Every rank's step_cases results, each asserted first to be V2's step
+    (``same_step``): yields (result, its case, its label)."""
+    for res in results:
+        for r in res:
+            yield r, r["case"], same_step(r)
+
+
+def score_ulps(case: dict) -> int:
+    """How many float32 ulps ours may differ from V2's logprob scores (``score_diff``):
+    none in the logits modes (the logits are exact), 4 in the logprobs modes (V2's own
+    float32 sum order)."""
+    return 0 if "logits" in case.get("logprobs_mode", "") else 4
+
+
 def logprobs_agree(r: dict) -> bool:
     """Ours and V2's logprobs: the same ids and dtype; the ranks V2 computes on a GPU.
     V2's rank kernel under Triton's interpreter counts bf16 logits wrongly (its masked

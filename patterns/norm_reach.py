@@ -125,6 +125,12 @@ def _residual_add(node: fx.Node, x: fx.Node) -> bool:
 
 
 def _upcast(node: fx.Node) -> bool:
+    # a dtype argument is a torch.dtype: the isinstance keeps `==` a plain bool where an
+    # FX argument could be a SymInt (torch 2.14's stubs type its `==` as SymBool)
     if is_call(node, prims.convert_element_type.default):
-        return node.args[1] == torch.float32
-    return is_call(node, aten._to_copy.default) and node.kwargs.get("dtype") == torch.float32
+        to = node.args[1]
+    elif is_call(node, aten._to_copy.default):
+        to = node.kwargs.get("dtype")
+    else:
+        return False
+    return isinstance(to, torch.dtype) and to == torch.float32

@@ -163,28 +163,77 @@ def test_one_pause_for_every_target_pick():
     assert pause.paused() is was
 
 
-def test_no_hook_module_reads_anothers_private_names():
-    """A hook module uses only what another one makes public (no `module._name`)."""
+def _vllm_modules() -> dict[str, Path]:
+    """Every module of commfold.vllm, sub-packages included: dotted name -> file."""
     package = ROOT / "commfold" / "vllm"
-    ours = {p.stem for p in package.glob("*.py")}
-    found = []
-    for path in package.glob("*.py"):
-        tree = ast.parse(path.read_text())
-        aliases = {}
-        for node in ast.walk(tree):
-            if not isinstance(node, ast.ImportFrom):
-                continue
-            if node.module == "commfold.vllm" or (node.level and node.module is None):
-                aliases.update({a.asname or a.name: a.name for a in node.names
-                                if a.name in ours})
-            elif node.level or (node.module or "").startswith("commfold.vllm."):
-                found += [f"{path.name}: from {node.module} import {a.name}"
-                          for a in node.names if a.name.startswith("_")]
-        found += [f"{path.name}: {node.value.id}.{node.attr}" for node in ast.walk(tree)
-                  if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-                  and node.value.id in aliases and node.attr.startswith("_")
-                  and not node.attr.startswith("__")]
+    out = {}
+    for path in sorted(package.rglob("*.py")):
+        parts = ["commfold", "vllm", *path.relative_to(package).with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _private_reads(name: str, path: Path, ours: set[str]) -> list[str]:
+    """`module._name` reads and `from module import _name` imports of our modules in one
+    module (relative imports resolved against its package)."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    aliases, found = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases |= {a.asname for a in node.names if a.asname and a.name in ours}
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        base = node.module or ""
+        if node.level:
+            up = package.split(".")[:len(package.split(".")) - node.level + 1]
+            base = ".".join(up + ([node.module] if node.module else []))
+        for a in node.names:
+            if f"{base}.{a.name}" in ours:
+                aliases.add(a.asname or a.name)
+            elif base in ours and a.name.startswith("_"):
+                found.append(f"{path.name}: from {base} import {a.name}")
+    found += [f"{path.name}: {node.value.id}.{node.attr}" for node in ast.walk(tree)
+              if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+              and node.value.id in aliases and node.attr.startswith("_")
+              and not node.attr.startswith("__")]
+    return found
+
+
+def test_no_hook_module_reads_anothers_private_names():
+    """A hook module uses only what another one makes public (no `module._name`), in
+    every sub-package of commfold.vllm."""
+    import pkgutil
+
+    import commfold.vllm
+
+    modules = _vllm_modules()
+    # as many as the import system finds: a walk that misses a sub-package checks less
+    walked = {m.name for m in pkgutil.walk_packages(commfold.vllm.__path__, "commfold.vllm.")}
+    assert set(modules) == walked | {"commfold.vllm"}
+    assert {"commfold.vllm.plugin", "commfold.vllm.target.target_pick",
+            "commfold.vllm.spec_decode.draft", "commfold.vllm.compat.hooks"} <= set(modules)
+    ours = set(modules)
+    found = [f for name, path in modules.items() for f in _private_reads(name, path, ours)]
     assert found == []
+
+
+def test_private_reads_are_found_through_every_import_spelling(tmp_path):
+    ours = {"commfold.vllm.target", "commfold.vllm.target.switch",
+            "commfold.vllm.target.picker", "commfold.vllm.compat.runtime"}
+    path = tmp_path / "picker.py"
+    path.write_text("from commfold.vllm.target import switch as s\n"
+                    "from . import switch\n"
+                    "from ..compat import runtime\n"
+                    "import commfold.vllm.compat.runtime as rt\n"
+                    "from commfold.vllm.compat.runtime import _gate, gate\n"
+                    "s._on, switch._on, runtime._x, rt._y, s.__doc__, s.on\n")
+    assert _private_reads("commfold.vllm.target.picker", path, ours) == [
+        "picker.py: from commfold.vllm.compat.runtime import _gate",
+        "picker.py: s._on", "picker.py: switch._on", "picker.py: runtime._x",
+        "picker.py: rt._y"]
 
 
 # --- the V1 target pick runs vLLM's own _sample ---------------------------------------

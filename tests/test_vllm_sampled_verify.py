@@ -30,49 +30,46 @@ def _logprobs(case) -> bool:
 def _check(results):
     """Each result against V2's; returns how many rows each made whole."""
     from harness.sampled_checks import without_whole
-    from harness.vllm_step_v2 import logprobs_agree, same_step
+    from harness.vllm_step_v2 import logprobs_agree, score_ulps, steps_as_v2s
 
     counts = []
-    for res in results:
-        for r in res:
-            case, where = r["case"], same_step(r)
-            r = without_whole(r)  # the rows made whole: their gather checked
-            counts.append(r["whole_rows"])
-            if case.get("made_whole") is not None:
-                assert bool(r["whole_rows"]) == case["made_whole"], (where, r["notes"])
-            # the target as V2 processed and cut it, bit for bit, where both processed
-            assert r["same_cut"] in (True, None), where
-            if case["mode"] == "cut" and len(r["notes"]) == 1:
-                assert r["same_cut"], where
-            assert logprobs_agree(r), (where, r["logprobs"], r["vllm_logprobs"], r["ranks"])
-            if r["logprobs"] is not None:  # logits exact; logprobs: V2's own sum order
-                limit = 0 if "logits" in case.get("logprobs_mode", "") else 4
-                assert r["score_diff"] <= limit, (where, r["score_diff"])
-            # scoring: local_topk_scores' two small exchanges
-            scoring = 2 * _logprobs(case)
-            if case["mode"] == "verify":  # all greedy: strict verification
-                assert r["notes"] == ["verify"] and r["ours_gathers"] == 0, where
-                assert r["calls"] == 1 + scoring, (where, r["calls"])
-            elif case["mode"] == "verify_sampled":
-                assert r["notes"] == ["verify_sampled"], where
-                assert r["ours_gathers"] == 0, where
-                aligned = case["vocab"] % (2 * 8192) == 0
-                min_p = _min_p(case)
-                # per-block stats, the resampled pair; the split blocks' parts where
-                # a block runs past a shard; the row maxima for min_p
-                assert r["calls"] == 2 + (not aligned) + min_p + scoring, (where, r["calls"])
-                if not scoring:
-                    assert r["bytes"] == _bytes(case), (where, r["bytes"])
-            elif case["mode"] == "cut":  # local (rows made whole), or given back
-                assert r["notes"][0] == "verify_sampled", where
-                assert len(r["notes"]) == 1 or r["notes"][1].startswith("vLLM (top-"), where
-                assert r["ours_gathers"] == (len(r["notes"]) - 1), where
-                if len(r["notes"]) == 1 and not scoring:  # the bounds' exchange besides
-                    assert r["bytes"] == _bytes(case, r["whole_rows"]) + _cut_bytes(case), \
-                        (where, r["bytes"])
-            else:
-                assert r["notes"][-1].startswith("vLLM ("), where
-                assert case["mode"] in r["notes"][-1], (where, r["notes"])
+    for r, case, where in steps_as_v2s(results):
+        r = without_whole(r)  # the rows made whole: their gather checked
+        counts.append(r["whole_rows"])
+        if case.get("made_whole") is not None:
+            assert bool(r["whole_rows"]) == case["made_whole"], (where, r["notes"])
+        # the target as V2 processed and cut it, bit for bit, where both processed
+        assert r["same_cut"] in (True, None), where
+        if case["mode"] == "cut" and len(r["notes"]) == 1:
+            assert r["same_cut"], where
+        assert logprobs_agree(r), (where, r["logprobs"], r["vllm_logprobs"], r["ranks"])
+        if r["logprobs"] is not None:
+            assert r["score_diff"] <= score_ulps(case), (where, r["score_diff"])
+        # scoring: local_topk_scores' two small exchanges
+        scoring = 2 * _logprobs(case)
+        if case["mode"] == "verify":  # all greedy: strict verification
+            assert r["notes"] == ["verify"] and r["ours_gathers"] == 0, where
+            assert r["calls"] == 1 + scoring, (where, r["calls"])
+        elif case["mode"] == "verify_sampled":
+            assert r["notes"] == ["verify_sampled"], where
+            assert r["ours_gathers"] == 0, where
+            aligned = case["vocab"] % (2 * 8192) == 0
+            min_p = _min_p(case)
+            # per-block stats, the resampled pair; the split blocks' parts where
+            # a block runs past a shard; the row maxima for min_p
+            assert r["calls"] == 2 + (not aligned) + min_p + scoring, (where, r["calls"])
+            if not scoring:
+                assert r["bytes"] == _bytes(case), (where, r["bytes"])
+        elif case["mode"] == "cut":  # local (rows made whole), or given back
+            assert r["notes"][0] == "verify_sampled", where
+            assert len(r["notes"]) == 1 or r["notes"][1].startswith("vLLM (top-"), where
+            assert r["ours_gathers"] == (len(r["notes"]) - 1), where
+            if len(r["notes"]) == 1 and not scoring:  # the bounds' exchange besides
+                assert r["bytes"] == _bytes(case, r["whole_rows"]) + _cut_bytes(case), \
+                    (where, r["bytes"])
+        else:
+            assert r["notes"][-1].startswith("vLLM ("), where
+            assert case["mode"] in r["notes"][-1], (where, r["notes"])
     return counts
 
 

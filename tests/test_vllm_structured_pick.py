@@ -31,37 +31,34 @@ BASE = {"greedy": 1, "logprobs": 2, "sample": 1, "sample_logprobs": 3, "verify":
 
 
 def _check(results):
-    from harness.vllm_step_v2 import same_step
+    from harness.vllm_step_v2 import score_ulps, steps_as_v2s
 
-    for res in results:
-        for r in res:
-            case, where = r["case"], same_step(r)
-            mode, gathers = case["mode"], r["ours_gathers"]
-            if mode in BASE:
-                assert sorted(r["notes"]) == sorted([mode, NOTE]), (where, r["notes"])
-                assert gathers <= 1 if case.get("whole") is None else gathers == 0, where
-                min_p = mode.startswith(("sample", "verify_sampled")) and any(
-                    p.get("min_p") and p.get("temperature", 1.0) for p in _rows(case))
-                # the row maxima for V2's stop-token restore (a structured request's
-                # min_tokens)
-                restore = any(p.get("min_tokens") and p.get("structured_outputs")
-                              for p in _rows(case))
-                assert r["calls"] == BASE[mode] + min_p + restore + gathers, (
-                    where, r["calls"])
-                assert all(r["ours"][i][0] in STOPS for i in case.get("restored", ())), \
-                    (where, r["ours"])
-            else:  # vLLM's path, the note saying why
-                assert r["notes"][-1].startswith("vLLM ("), (where, r["notes"])
-                assert mode in r["notes"][-1], (where, r["notes"])
-                assert gathers == 1, where
-            ours, theirs = r["logprobs"], r["vllm_logprobs"]
-            assert (ours is None) == (theirs is None), where
-            if ours is not None:  # ids and dtype; the scored token's rank V2's, where
-                # Triton's interpreter counts right (float32: bf16 lanes miscount)
-                assert ours[0] == theirs[0] and ours[2] == theirs[2], where
-                assert case["dtype"] != "float32" or ours[1] == theirs[1], where
-                limit = 0 if "logits" in case.get("logprobs_mode", "") else 4
-                assert r["score_diff"] <= limit, (where, r["score_diff"])
+    for r, case, where in steps_as_v2s(results):
+        mode, gathers = case["mode"], r["ours_gathers"]
+        if mode in BASE:
+            assert sorted(r["notes"]) == sorted([mode, NOTE]), (where, r["notes"])
+            assert gathers <= 1 if case.get("whole") is None else gathers == 0, where
+            min_p = mode.startswith(("sample", "verify_sampled")) and any(
+                p.get("min_p") and p.get("temperature", 1.0) for p in _rows(case))
+            # the row maxima for V2's stop-token restore (a structured request's
+            # min_tokens)
+            restore = any(p.get("min_tokens") and p.get("structured_outputs")
+                          for p in _rows(case))
+            assert r["calls"] == BASE[mode] + min_p + restore + gathers, (
+                where, r["calls"])
+            assert all(r["ours"][i][0] in STOPS for i in case.get("restored", ())), \
+                (where, r["ours"])
+        else:  # vLLM's path, the note saying why
+            assert r["notes"][-1].startswith("vLLM ("), (where, r["notes"])
+            assert mode in r["notes"][-1], (where, r["notes"])
+            assert gathers == 1, where
+        ours, theirs = r["logprobs"], r["vllm_logprobs"]
+        assert (ours is None) == (theirs is None), where
+        if ours is not None:  # ids and dtype; the scored token's rank V2's, where
+            # Triton's interpreter counts right (float32: bf16 lanes miscount)
+            assert ours[0] == theirs[0] and ours[2] == theirs[2], where
+            assert case["dtype"] != "float32" or ours[1] == theirs[1], where
+            assert r["score_diff"] <= score_ulps(case), (where, r["score_diff"])
 
 
 def _rows(case) -> list[dict]:

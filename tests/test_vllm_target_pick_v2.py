@@ -37,30 +37,27 @@ V = 1500  # padded to 1536: rank 1 holds 732 real columns + 36 padding
 
 
 def _check(results):
-    from harness.vllm_step_v2 import logprobs_agree, same_step
+    from harness.vllm_step_v2 import logprobs_agree, score_ulps, steps_as_v2s
 
-    for res in results:
-        for r in res:
-            case, where = r["case"], same_step(r)
-            mode = case["mode"]
-            assert logprobs_agree(r), (where, r["logprobs"], r["vllm_logprobs"], r["ranks"])
-            if r["logprobs"] is not None:  # logits exact; logprobs: V2's own sum order
-                limit = 0 if "logits" in case.get("logprobs_mode", "") else 4
-                assert r["score_diff"] <= limit, (where, r["score_diff"])
-            if mode == "logprobs":
-                assert r["notes"] == [mode] and r["logprobs"] is not None, where
-                # two small exchanges, and the rows done whole gathered
-                assert r["ours_gathers"] == int(case.get("whole", False)), where
-                assert r["calls"] == 2 + r["ours_gathers"], where
-            elif mode in ("greedy", "verify"):
-                assert r["notes"] == [mode], where
-                assert r["ours_gathers"] == 0 and r["calls"] == 1, where  # one pair exchange
-                if mode == "verify" and case.get("accept") and case.get("placeholder") is None:
-                    assert max(r["counts"][0]) > 1, where  # some drafts accepted
-            else:  # vLLM's path (the note says why), or given back after the pick
-                assert r["notes"][-1].startswith("vLLM ("), where
-                assert mode in r["notes"][-1], where
-                assert r["ours_gathers"] == 1, where
+    for r, case, where in steps_as_v2s(results):
+        mode = case["mode"]
+        assert logprobs_agree(r), (where, r["logprobs"], r["vllm_logprobs"], r["ranks"])
+        if r["logprobs"] is not None:
+            assert r["score_diff"] <= score_ulps(case), (where, r["score_diff"])
+        if mode == "logprobs":
+            assert r["notes"] == [mode] and r["logprobs"] is not None, where
+            # two small exchanges, and the rows done whole gathered
+            assert r["ours_gathers"] == int(case.get("whole", False)), where
+            assert r["calls"] == 2 + r["ours_gathers"], where
+        elif mode in ("greedy", "verify"):
+            assert r["notes"] == [mode], where
+            assert r["ours_gathers"] == 0 and r["calls"] == 1, where  # one pair exchange
+            if mode == "verify" and case.get("accept") and case.get("placeholder") is None:
+                assert max(r["counts"][0]) > 1, where  # some drafts accepted
+        else:  # vLLM's path (the note says why), or given back after the pick
+            assert r["notes"][-1].startswith("vLLM ("), where
+            assert mode in r["notes"][-1], where
+            assert r["ours_gathers"] == 1, where
 
 
 CASES = [
@@ -195,7 +192,7 @@ def test_v2_prompt_logprobs_equal_v2s(vllm_v2_ranks):
     the vocab: that row gathered, V2 scores it); ids as V2's, ranks as V2 computes them
     on a GPU (its rank kernel under Triton's interpreter miscounts bf16: float32 ones
     are checked against V2 too), scores within float32 rounding; k = -1 stays V2's."""
-    from harness.vllm_step_v2 import prompt_cases
+    from harness.vllm_step_v2 import prompt_cases, score_ulps
 
     for res in vllm_v2_ranks.run(prompt_cases, 2, PROMPT_CASES):
         for r in res:
@@ -208,8 +205,7 @@ def test_v2_prompt_logprobs_equal_v2s(vllm_v2_ranks):
             assert r["ids"] and r["ranks"], where
             assert r["ids_dtype"][0] == r["ids_dtype"][1], where
             assert r["vllm_ranks"] or case["dtype"] != "float32", where
-            limit = 0 if "logits" in case.get("logprobs_mode", "") else 4
-            assert r["score_diff"] <= limit, (where, r["score_diff"])
+            assert r["score_diff"] <= score_ulps(case), (where, r["score_diff"])
             chunks = -(-case["rows"] // case.get("chunk", 1024))
             whole = int(case.get("targets_outside", False))
             assert r["ours_gathers"] == whole, where
