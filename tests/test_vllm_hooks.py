@@ -165,21 +165,23 @@ def test_one_pause_for_every_target_pick():
 def test_no_hook_module_reads_anothers_private_names():
     """A hook module uses only what another one makes public (no `module._name`)."""
     package = ROOT / "commfold" / "vllm"
-    ours = {p.stem for p in package.glob("*.py")}
+    paths = sorted(package.rglob("*.py"))  # its sub-packages too
+    ours = {p.stem for p in paths} - {"__init__"}
+    assert {"target_pick", "draft", "hooks"} <= ours
     found = []
-    for path in package.glob("*.py"):
+    for path in paths:
         tree = ast.parse(path.read_text())
         aliases = {}
+        name = path.relative_to(package)
         for node in ast.walk(tree):
             if not isinstance(node, ast.ImportFrom):
                 continue
-            if node.module == "commfold.vllm" or (node.level and node.module is None):
-                aliases.update({a.asname or a.name: a.name for a in node.names
-                                if a.name in ours})
-            elif node.level or (node.module or "").startswith("commfold.vllm."):
-                found += [f"{path.name}: from {node.module} import {a.name}"
-                          for a in node.names if a.name.startswith("_")]
-        found += [f"{path.name}: {node.value.id}.{node.attr}" for node in ast.walk(tree)
+            if not (node.level or (node.module or "").startswith("commfold.vllm")):
+                continue
+            aliases.update({a.asname or a.name: a.name for a in node.names if a.name in ours})
+            found += [f"{name}: from {node.module} import {a.name}"
+                      for a in node.names if a.name.startswith("_")]
+        found += [f"{name}: {node.value.id}.{node.attr}" for node in ast.walk(tree)
                   if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
                   and node.value.id in aliases and node.attr.startswith("_")
                   and not node.attr.startswith("__")]
