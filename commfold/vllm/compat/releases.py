@@ -31,6 +31,7 @@ class Release:
     version: str  # "0.34.0"
     verified: str  # one of VERIFIED
     runners: tuple[int, ...]  # the model runners it ships (1: V1, 2: Model Runner V2)
+    tier: tuple[str, ...] = ()  # the test modules its release tier runs (verified "classes")
 
     @property
     def numbers(self) -> tuple[int, ...]:
@@ -59,8 +60,8 @@ def parse(version: str) -> tuple[int, ...] | None:
 def load(path: Path = REGISTRY) -> tuple[Release, ...]:
     """The registry's releases, oldest first."""
     rows = json.loads(path.read_text())["releases"]
-    found = tuple(Release(r["distribution"], r["version"], r["verified"], tuple(r["runners"]))
-                  for r in rows)
+    found = tuple(Release(r["distribution"], r["version"], r["verified"], tuple(r["runners"]),
+                          tuple(r.get("tier", ()))) for r in rows)
     return tuple(sorted(found, key=lambda r: r.numbers))
 
 
@@ -76,6 +77,12 @@ def versions() -> tuple[str, ...]:
 
 def newest() -> Release:
     return claimed()[-1]
+
+
+def newest_verified(how: str) -> Release | None:
+    """The newest release verified `how` (e.g. "classes": the release tier's default)."""
+    found = [r for r in claimed() if r.verified == how]
+    return found[-1] if found else None
 
 
 def get(version: str) -> Release | None:
