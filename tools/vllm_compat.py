@@ -262,6 +262,14 @@ def tier_notes(tier: dict) -> list[str]:
              f"set; {', '.join(f'{n} {k}' for k, n in tier['counts'].items() if n)}:", ""]
     lines += [f"- `{c['module']}::{c['test']}`: {c['outcome']} ({c['seconds']} s)"
               for c in tier["cases"]]
+    if tier.get("deselected"):
+        lines += ["", f"Not selected (opt-in `slow`, not run): {tier['deselected']} tests."]
+    graph = tier.get("graph") or {}
+    if graph.get("spellings"):
+        lines += ["", "- Graph step: the release's ops its passes were handed: "
+                  + ", ".join(f"`{op}`" for op in graph["spellings"]) + "."]
+    lines += [f"- Graph step, {label}: {graph[key]}." for key, label in (
+        ("not_run", "not run here"), ("note", "note")) if graph.get(key)]
     lines += ["", "`commfold doctor` there (COMMFOLD_VLLM=1):", "", "```", *tier["doctor"],
               "```"]
     return lines
