@@ -239,12 +239,23 @@ def _tier_cell(tier: dict, hook: str, trees: list[Sources]) -> str:
     tree = next((t for t in trees if t.version() == version), None)
     if tree is not None and APPLIES.get(hook, lambda s: None)(tree):
         return "-"
+    if hook == "graph passes" and "graph" in tier:
+        return _graph_cell(tier["graph"])
     modules = [m for m, prefix in tier["covers"].items() if prefix and hook.startswith(prefix)]
     ran = [c for c in tier["cases"] if c["module"] in modules and c["outcome"] != "skipped"]
     if not ran:
         return "not run"
     bad = [c["test"] for c in ran if c["outcome"] != "passed"]
     return f"FAILED: {', '.join(bad)}" if bad else f"passed ({len(ran)} tests)"
+
+
+def _graph_cell(graph: dict) -> str:
+    """The tier's graph step: each pass's matches of the sites it was given, or why not."""
+    if graph["outcome"] != "passed":
+        return f"graph passes: {graph['outcome']} ({graph.get('why', graph.get('test'))})"
+    sites = ", ".join(f"{s['site']} {s['matched']}/{s['of']} ({s['by']})"
+                      for s in graph["sites"])
+    return f"graph passes: {sites} per graph; {graph['numerics']}"
 
 
 def tier_notes(tier: dict) -> list[str]:
@@ -256,6 +267,14 @@ def tier_notes(tier: dict) -> list[str]:
              f"set; {', '.join(f'{n} {k}' for k, n in tier['counts'].items() if n)}:", ""]
     lines += [f"- `{c['module']}::{c['test']}`: {c['outcome']} ({c['seconds']} s)"
               for c in tier["cases"]]
+    if tier.get("deselected"):
+        lines += ["", f"Not selected (opt-in `slow`, not run): {tier['deselected']} tests."]
+    graph = tier.get("graph") or {}
+    if graph.get("spellings"):
+        lines += ["", "- Graph step: the release's ops its passes were handed: "
+                  + ", ".join(f"`{op}`" for op in graph["spellings"]) + "."]
+    lines += [f"- Graph step, {label}: {graph[key]}." for key, label in (
+        ("not_run", "not run here"), ("note", "note")) if graph.get(key)]
     lines += ["", "`commfold doctor` there (COMMFOLD_VLLM=1):", "", "```", *tier["doctor"],
               "```"]
     return lines

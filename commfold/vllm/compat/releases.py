@@ -83,6 +83,12 @@ def newest() -> Release:
     return claimed()[-1]
 
 
+def newest_verified(how: str) -> Release | None:
+    """The newest release verified `how` (e.g. "classes": the release tier's default)."""
+    found = [r for r in claimed() if r.verified == how]
+    return found[-1] if found else None
+
+
 def get(version: str) -> Release | None:
     return next((r for r in claimed() if r.version == version), None)
 
