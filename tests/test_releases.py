@@ -36,6 +36,15 @@ def test_an_unclaimed_vllm_is_read_as_the_newest_claimed_release_below_it(versio
     assert here.at_least("0.33.0") == (read_as is not None and read_as >= "0.33.0")
 
 
+@pytest.mark.parametrize("version,line", [
+    ("0.35.0", "read as: vllm 0.34.0 (the newest claimed release below it; "),
+    ("0.31.0", "read as: no claimed release (older than all): the hooks that pin stay off"),
+    ("0.34.0", None)])
+def test_commfold_doctor_says_what_an_unclaimed_vllm_is_read_as(version, line):
+    said = releases.here_for(("vllm", version)).read_as()
+    assert said == line if line is None else said.startswith(line)
+
+
 def test_a_registry_file_is_read_sorted(tmp_path):
     path = tmp_path / "releases.json"
     rows = [{"distribution": "vllm", "version": v, "verified": "sources", "runners": [2]}

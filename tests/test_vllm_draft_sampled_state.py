@@ -23,7 +23,7 @@ def _state(environ):
 
 
 def test_on_with_the_installed_vllm():
-    from commfold.vllm.compat import hooks
+    from commfold.vllm.compat import hooks, releases
     from commfold.vllm.compat.runtime import Runner
 
     state = _state({})
@@ -34,7 +34,10 @@ def test_on_with_the_installed_vllm():
     for release, detail in (((0, 33), "cache tensor"), ((0, 34), "DraftLogitsCache")):
         found = [h for h in hooks.of(Runner(**V2), release) if h.name == name]
         assert [h.detail.split(",")[0] for h in found] == [detail], release
-    assert name not in [h.name for h in hooks.of(Runner(**V2), (0, 35))]
+    # a newer vLLM is read as the newest claimed release: its set, if its pins hold
+    read_as = releases.here_for(("vllm", "0.35.0")).numbers
+    found = [h for h in hooks.of(Runner(**V2), read_as) if h.name == name]
+    assert [h.detail.split(",")[0] for h in found] == ["DraftLogitsCache"]
 
 
 @pytest.mark.parametrize("environ,why", [

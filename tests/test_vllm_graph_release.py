@@ -19,7 +19,7 @@ import json
 import pytest
 
 from commfold.vllm.compat import releases
-from commfold.vllm.compat.runtime import installed_vllm
+from commfold.vllm.compat.releases import installed_vllm
 
 _found = installed_vllm()
 if ((releases.parse(_found[1]) if _found else None) or ()) < (0, 34):

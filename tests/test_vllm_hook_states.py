@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from commfold.vllm.compat import releases
 from commfold.vllm.compat import runtime as vllm_runtime
 from commfold.vllm.compat.hook_points import wrapped_by
 from commfold.vllm.compat.runtime import Runner, gate, runner_choice
@@ -200,7 +201,7 @@ def test_doctor_on_this_machines_vllm(capsys, clean_env):
 
     assert main(["doctor"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    found = vllm_runtime.installed_vllm()
+    found = releases.installed_vllm()
     verdict = "tested" if found in vllm_runtime.TESTED else "outside the tested set"
     assert any(line.startswith(f"vLLM {' '.join(found)}: {verdict}") for line in lines), lines
     assert "COMMFOLD_VLLM is unset here: the table shows COMMFOLD_VLLM=1" in lines

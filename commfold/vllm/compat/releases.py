@@ -128,14 +128,34 @@ class Here:
         """Whether this vLLM is read as `version` or a later claimed release."""
         return self.release is not None and self.release.at_least(version)
 
+    def read_as(self) -> str | None:
+        """`commfold doctor`'s line for an unclaimed vLLM (None: claimed, or none)."""
+        if self.installed is None or self.claimed:
+            return None
+        if self.release is None:
+            return "read as: no claimed release (older than all): the hooks that pin stay off"
+        return (f"read as: {self.release.name()} (the newest claimed release below it; a "
+                "hook acts only where that release's pins hold)")
+
 
 def here_for(installed: tuple[str, str] | None) -> Here:
     return Here(installed, taken_as(installed[1]) if installed else None)
 
 
+@functools.cache  # read once a process (~0.5 s: every installed distribution's files)
+def installed_vllm() -> tuple[str, str] | None:
+    """(distribution, version) that provides the `vllm` package, from its metadata."""
+    from importlib import metadata
+
+    for dist in metadata.packages_distributions().get("vllm", []):
+        try:
+            return dist, metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
 @functools.cache  # read once a process
 def here() -> Here:
     """The one answer to "which vLLM release is this", from the installed metadata."""
-    from commfold.vllm.compat.runtime import installed_vllm
-
     return here_for(installed_vllm())

@@ -58,19 +58,6 @@ class Runner:
     why: str
 
 
-@functools.cache  # read once a process (~0.5 s: every installed distribution's files)
-def installed_vllm() -> tuple[str, str] | None:
-    """(distribution, version) that provides the `vllm` package, from its metadata."""
-    from importlib import metadata
-
-    for dist in metadata.packages_distributions().get("vllm", []):
-        try:
-            return dist, metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
-
-
 def untested(found: tuple[str, str] | None) -> str | None:
     """Why `found` is outside the tested set (None: tested)."""
     if found is not None and tuple(found) in TESTED:
@@ -134,7 +121,7 @@ def gate(hook: str, *, off: str | None = None, missing=list, environ=os.environ,
         return HookState(hook, False, f"{what} ({runner.why}); this hook acts on the "
                          f"{name} runner only (the graph passes apply either way)",
                          problem=True)
-    found = found or installed_vllm()
+    found = found or releases.installed_vllm()
     missing = missing()
     if missing:
         v = " ".join(found) if found else "vLLM"

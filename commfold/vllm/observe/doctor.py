@@ -28,14 +28,17 @@ def report(environ: dict) -> list[str]:
         import vllm  # noqa: F401  (what a vLLM worker imports first)
 
         from commfold.vllm import plugin
-        from commfold.vllm.compat import runtime
+        from commfold.vllm.compat import releases, runtime
     except Exception as e:  # absent, or broken for this torch
         return lines + [f"vLLM: not usable here ({type(e).__name__}: {e}); the runtime "
                         "hooks need vLLM, the torch.compile passes do not"]
-    found = runtime.installed_vllm()
+    found = releases.installed_vllm()
     note = runtime.untested(found)
     lines.append(f"vLLM {' '.join(found) if found else '(no package metadata)'}: "
                  + (note or "tested") + _torch_pin(found, torch.__version__))
+    read_as = releases.here().read_as()
+    if read_as:
+        lines.append(read_as)
     runner = runtime.runner_choice(environ)
     name = {1: runtime.V1_RUNNER, 2: runtime.V2_RUNNER}.get(runner.version, "?")
     lines.append(f"model runner: V{runner.version or '?'} {name} ({runner.why})")
