@@ -203,3 +203,35 @@ def test_claimed_releases_pins_hold_in_their_wheels(capsys):
     spec.loader.exec_module(tool)
     assert tool.main(["check"]) == 0, capsys.readouterr().out
     assert "every pin holds" in capsys.readouterr().out
+
+
+def test_a_claimed_release_removed_and_added_again_is_the_same_bytes(tmp_path, monkeypatch,
+                                                                      capsys):
+    """The release drill: 0.34.0 removed from copies of the registry and the table, then
+    claimed again from its wheel's tree with the tool: both files byte for byte as
+    before (the hook sets that apply, the pins, the registry's line)."""
+    newest = releases.newest()
+    try:
+        tree = vllm_sources.tree(newest.version, newest.distribution)
+        vllm_sources.tree(releases.claimed()[-2].version, releases.claimed()[-2].distribution)
+    except vllm_sources.Unavailable as e:
+        if e.network or os.environ.get("CI") != "true":
+            pytest.skip(f"{newest.name()}: {e}")
+        raise
+    spec = importlib.util.spec_from_file_location("vllm_release",
+                                                  ROOT / "tools" / "vllm_release.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    for name, source in (("PINS", pins.TABLE), ("REGISTRY", releases.REGISTRY)):
+        shutil.copy(source, tmp_path / source.name)
+        monkeypatch.setattr(tool, name, tmp_path / source.name)
+    # the table and registry this process reads are the copies, as in a fresh process
+    monkeypatch.setattr(pins, "table", lambda: tool.load_pins(tool.PINS))
+    monkeypatch.setattr(releases, "claimed", lambda: releases.load(tool.REGISTRY))
+    before = {p: p.read_bytes() for p in (tool.PINS, tool.REGISTRY)}
+    assert tool.main(["remove", newest.version]) == 0
+    assert {p: p.read_bytes() for p in before} != before
+    assert tool.main(["add", newest.version, "--verified", newest.verified, "--distribution",
+                      newest.distribution, "--tree", str(tree), "--accept"]) == 0, \
+        capsys.readouterr()
+    assert {p: p.read_bytes() for p in before} == before

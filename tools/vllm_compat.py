@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from commfold.vllm.spec_decode import draft_v2, dspark_pick  # noqa: E402
-from commfold.vllm.compat import hook_points, hooks, releases  # noqa: E402
+from commfold.vllm.compat import hook_points, hooks, pins, releases  # noqa: E402
 from commfold.vllm import plugin  # noqa: E402
 from commfold.vllm.compat.hook_points import Pinned, describe, source_hash  # noqa: E402
 from commfold.vllm.target.decision import LEFT_TO_VLLM, STRICT_GREEDY  # noqa: E402
@@ -82,10 +82,21 @@ def _v2_only(src: Sources) -> str | None:
     return None if _v1_runner(src) else "- (V1 runner present)"
 
 
+def read_as(src: Sources) -> str | None:
+    """The release a tree is checked as: its own version where it is claimed or being
+    claimed (tools/vllm_release.py add: `claiming`, or its candidate pin table), else the
+    claimed release a vLLM of its version runs as (releases.taken_as), None if none."""
+    version = src.version()
+    if src.claiming or any(version in rows for rows in pins.table().values()):
+        return version
+    release = releases.taken_as(version)
+    return release.version if release else None
+
+
 def _in_range(hook_set):
     def applies(src: Sources) -> str | None:
-        read_as = releases.taken_as(src.version())
-        if hook_set.covers(read_as.numbers if read_as else None):
+        version = read_as(src)
+        if hook_set.covers(releases.parse(version) if version else None):
             return None
         return "- (another set)"
     return applies
@@ -101,8 +112,9 @@ APPLIES = {**{h.label(): _v1_runner for h in hooks.HOOKS if h.runner == 1},
 class Sources:
     """A vLLM source tree, parsed on demand; finds 'module:Attr.path' statically."""
 
-    def __init__(self, package: Path):
+    def __init__(self, package: Path, claiming: bool = False):
         self.package = package  # the `vllm` directory
+        self.claiming = claiming  # checked as the release it is (tools/vllm_release.py add)
         self._parsed: dict[str, tuple[ast.Module, str]] = {}
         self._packages: set[str] = set()  # modules that are packages (__init__.py)
 
@@ -188,10 +200,10 @@ def check(src: Sources, where: str, text) -> str:
     except (LookupError, SyntaxError) as e:
         return f"moved ({e})"
     if isinstance(text, Pinned):
-        release = releases.taken_as(src.version())
-        if release is None or not text.holds(source, release.version):
-            read_as = release.version if release else "no claimed release"
-            return f"moved: source hash {source_hash(source)} not pinned for {read_as}"
+        version = read_as(src)
+        if version is None or not text.holds(source, version):
+            return (f"moved: source hash {source_hash(source)} not pinned for "
+                    f"{version or 'any claimed release'}")
         return "present"
     if text is not None and not any(t in source for t in hook_points.texts(text)):
         return f"moved: `{describe(text)}` not in it"
@@ -310,9 +322,11 @@ def report(trees: list[Sources], tier: dict | None = None) -> list[str]:
         except (LookupError, SyntaxError) as e:
             lines.append(f"- {label}: moved ({e})")
             continue
-        known = [r for r, h in draft_v2.SAMPLE_DRAFT.hashes if h == digest]
-        lines.append(f"- {label}: " + (f"pinned ({', '.join(known)})" if known else
-                                       f"moved: sha256 {digest} is not pinned"))
+        version = read_as(s)
+        held = version is not None and draft_v2.SAMPLE_DRAFT.holds_for(digest, version)
+        lines.append(f"- {label}: " + (f"pinned ({version})" if held else
+                                       f"moved: sha256 {digest} is not pinned for "
+                                       f"{version or 'any claimed release'}"))
     return lines
 
 

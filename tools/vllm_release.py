@@ -201,7 +201,7 @@ def add(version: str, distribution: str, verified: str, accept: bool,
         raise Refused(f"--verified must be one of {', '.join(releases.VERIFIED)}")
     package = (tree if (tree / "_version.py").is_file() else tree / "vllm") if tree \
         else release_tree(version, distribution)
-    src = Sources(package)
+    src = Sources(package, claiming=True)
     try:
         found_version = src.version()
     except (OSError, AttributeError):
