@@ -38,14 +38,13 @@ def shard_ids(counts, ids: torch.Tensor, slots, start: int, n: int, spare: bool 
 def shard_bits(mask: torch.Tensor, start: int, n: int, idx_np) -> torch.Tensor:
     """V2's packed prompt-token bit mask [max_reqs, vocab / 32] (int32, token t at bit
     t % 32 of word t // 32) for the columns [start, start + n): a view where start is
-    word-aligned, else re-packed for the step's requests (idx_np)."""
-    import numpy as np
-
+    word-aligned, else re-packed for the step's requests (idx_np: any int sequence,
+    V2's numpy array; commfold itself needs no numpy)."""
     q, s = divmod(start, 32)
     if s == 0:
         return mask[:, q:]
     words = -(-n // 32)
-    rows = torch.as_tensor(np.asarray(idx_np), dtype=torch.int64, device=mask.device)
+    rows = torch.as_tensor(idx_np, dtype=torch.int64, device=mask.device)
     w = torch.nn.functional.pad(mask[rows].to(torch.int64) & 0xFFFFFFFF, (0, 1))
     lo, hi = w[:, q:q + words], w[:, q + 1:q + 1 + words]
     bits = ((lo >> s) | (hi << (32 - s))) & 0xFFFFFFFF
@@ -59,11 +58,10 @@ def shard_mask(bitmask, start: int, n: int):
     """V2's packed grammar bitmask (numpy int32 [rows, words]) for the columns
     [start, start + n): the same shape, shard column j at bit j % 32 of word j // 32,
     the words past the shard's zero (V2's worker copies it into a buffer of that
-    width; its kernel reads no column past the logits it is given)."""
-    import numpy as np
-
-    full = torch.from_numpy(np.ascontiguousarray(bitmask, dtype=np.int32))
+    width; its kernel reads no column past the logits it is given). Returned as numpy,
+    as V2 holds it (numpy is there: the caller's bitmask is numpy)."""
+    full = torch.as_tensor(bitmask, dtype=torch.int32).contiguous()
     words = -(-n // 32)
     out = torch.zeros_like(full)
-    out[:, :words] = shard_bits(full, start, n, np.arange(full.shape[0]))[:, :words]
+    out[:, :words] = shard_bits(full, start, n, torch.arange(full.shape[0]))[:, :words]
     return out.numpy()
