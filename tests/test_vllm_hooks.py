@@ -145,13 +145,13 @@ def test_points_are_what_doctor_reports(version, env, monkeypatch):
 
 def test_one_pause_for_every_target_pick():
     """commfold.vllm.target.switch stops the V1 pick, both V2 sets and V2's prompt logprobs."""
-    from commfold.vllm.target import switch as pause, target_pick, target_pick_v2
+    from commfold.vllm.target import switch as pause, target_pick_v2, v1_picker
     from commfold.vllm.target.target_pick_state import StatePick
 
     was = pause.pause(True)
     try:
         assert pause.paused()
-        assert target_pick.Picker._decide(SimpleNamespace()) == (None, "paused")
+        assert v1_picker.Picker._decide(SimpleNamespace()) == (None, "paused")
         assert target_pick_v2.decide(SimpleNamespace(), SimpleNamespace(), None) == \
             (None, "paused")
         state = StatePick(SimpleNamespace(), None, None, None)
@@ -248,7 +248,7 @@ def _v1_sample(shm: bool, cases: list[dict]) -> list[dict]:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from commfold.distributed.ranks import environment
-    from commfold.vllm.target import target_pick
+    from commfold.vllm.target import target_pick, v1_picker
     from harness import vllm_step as tc
 
     current_platform.register_triton_kernel_overrides()
@@ -267,7 +267,7 @@ def _v1_sample(shm: bool, cases: list[dict]) -> list[dict]:
         r.input_batch.update_async_output_token_ids = lambda calls=calls: calls.append("ids")
         r.use_async_scheduling, r._draft_token_req_ids = False, None
         r._get_spec_decode_draft_probs = lambda meta, calls=calls: calls.append("draft probs")
-        picker = target_pick.Picker.build(r)
+        picker = v1_picker.Picker.build(r)
         r._commfold_picker = picker
         picker.scheduler_output = SimpleNamespace(
             scheduled_spec_decode_tokens={"a": [0]} if spec is not None else {},

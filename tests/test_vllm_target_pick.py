@@ -209,7 +209,7 @@ DECISIONS = {
 
 @pytest.mark.parametrize("name", list(DECISIONS))
 def test_decision_per_sampling_parameter(name):
-    from commfold.vllm.target.target_pick import decide
+    from commfold.vllm.target.decision import decide
 
     makers, kw, want = DECISIONS[name]
     vocab = kw.pop("vocab", V)
@@ -223,7 +223,7 @@ def test_decision_per_sampling_parameter(name):
 def test_custom_logits_processor_keeps_vllms_path():
     from vllm.v1.sample.logits_processor import LogitsProcessor
 
-    from commfold.vllm.target.target_pick import decide
+    from commfold.vllm.target.decision import decide
 
     class Custom(LogitsProcessor):
         def __init__(self, *a, **kw):
