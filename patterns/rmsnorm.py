@@ -1,8 +1,9 @@
 """Residual add + RMSNorm after a value, in the aten spellings Inductor's post-grad
 graphs hold (torch 2.13, CPU):
 
-    h = x + residual            (either operand order; optional; vllm_ir.rms_norm(h):
-                                 patterns.rmsnorm_vllm)
+    h = x + residual            (either operand order; optional; the two may differ
+                                 by leading size-1 dims: patterns.broadcast;
+                                 vllm_ir.rms_norm(h): patterns.rmsnorm_vllm)
     hf = h | convert(h, f32)    (bf16/fp16 norms upcast)
   or, vLLM's bf16/fp16 fused add + norm (its native decomposition):
     hf = convert(x, f32) + convert(residual, f32)   (the norm reads the f32 sum)
@@ -28,6 +29,7 @@ import torch.fx as fx
 from commfold.fx.nodes import (arg, dtype_of, fake_tensor, is_call, is_number, only_user,
                             same_shape, tensor_val)
 
+from .broadcast import leading_ones_only
 from .common import Miss, Recognized, Verdict, aten, prims
 from .rmsnorm_match import RMSNorm
 from .rmsnorm_vllm import match_ir_norm, match_ir_norm_of_sum
@@ -68,7 +70,7 @@ def match_rmsnorm(x: fx.Node) -> Recognized[RMSNorm]:
     for user in list(x.users):
         if is_call(user, aten.add.Tensor) and len(user.args) == 2 and not user.kwargs:
             residual = _other(user, x)
-            if isinstance(residual, fx.Node) and same_shape(residual, x) \
+            if isinstance(residual, fx.Node) and leading_ones_only(residual, x) \
                     and dtype_of(residual) == dtype_of(x) == dtype_of(user):
                 m = _match_norm(x, residual, user)
                 if m is None:
@@ -137,7 +139,7 @@ def _match_norm(x, residual, h, hf=None, pre=()) -> Recognized[RMSNorm]:
     mean = only_user(sq)
     if not is_call(mean, aten.mean.dim):
         return None
-    rank = fake_tensor(x).dim()
+    rank = fake_tensor(hf).dim()  # x's rank, or wider: a leading-1 broadcast add
     dims, keepdim = arg(mean, "dim"), arg(mean, "keepdim")
     if arg(mean, "dtype") not in (None, torch.float32):
         return Miss("mean of squares in a dtype other than float32", mean)
