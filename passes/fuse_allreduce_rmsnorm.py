@@ -23,7 +23,9 @@ Why it is safe:
 - a residual add whose operands differ only by leading size-1 dims (a hook's [T, H]
   all-reduce added to a [1, T, H] residual stream: patterns.broadcast) repeats no
   element: the op gets both as views of the add's shape (unsqueeze / squeeze of dim
-  0), so its outputs have the shapes of the add and the norm they replace;
+  0), so its outputs have the shapes of the add and the norm they replace; a view of
+  the reduced value that only adds or removes leading 1s before the add is dropped
+  with it (read by anything else: skipped);
 - a scale is applied by the op where the graph applies it (after the reduction,
   before the add, in f32, rounded where the graph rounds it); the reduced value must
   have no other reader, and with a residual neither may the scaled one. FlashInfer's
@@ -131,7 +133,8 @@ def _unsafe(ar: AllReduce, scale: ResidualScale | None, norm: RMSNorm) -> str | 
         return f"unsupported dtype {dtype} (norm input {norm.dtype})"
     if scale is not None and len(ar.reduced.users) > 1:
         return "the reduced value is read besides its scale (the op returns the scaled value)"
-    if norm.residual is not None and len(norm.x.users) > 1:
+    if norm.residual is not None and (len(norm.x.users) > 1 or norm.x_view is not None
+                                      and len(norm.x_view.users) > 1):
         return (f"the {'scaled' if scale else 'reduced'} value is read besides the residual "
                 "add (the op returns only the sum with the residual)")
     if scale is not None and not scale.identity \
@@ -201,7 +204,8 @@ def _rewrite(ctx: PassContext, ar: AllReduce, scale: ResidualScale | None, norm:
     if norm.h is not None:
         norm.h.replace_all_uses_with(new_residual, delete_user_cb=lambda u: u not in private)
     chain = set([norm.output, *norm.inner, *([norm.h] if norm.h is not None else []),
-                 *([scale.scaled] if scale is not None else []), *ar.comm_nodes])
+                 *([scale.scaled] if scale is not None else []), *ar.comm_nodes,
+                 *([norm.x_view] if norm.x_view is not None else [])])
     operands = dict.fromkeys(a for n in chain for a in n.all_input_nodes if a not in chain)
     for node in sorted(chain, reverse=True):  # users before their inputs
         if not node.users:  # readers first: each node is erased once

@@ -2,7 +2,8 @@
 that all-reduces a layer's ``output[0]`` ([T, H]) while the residual stream is
 [1, T, H]. Broadcasting there repeats no element (same numel, same trailing shape),
 so the add is the elementwise sum of the two, viewed in the wider shape, and the
-fusion takes it. Any other broadcast ([1, H] + [T, H], [T, 1, H] + [T, S, H])
+fusion takes it, also after a view that only adds or removes leading 1s
+(``out.unsqueeze(0) + residual``). Any other broadcast ([1, H] + [T, H], [T, 1, H] + [T, S, H])
 repeats an operand's elements: no residual add, and the near-miss says so.
 """
 from __future__ import annotations
@@ -10,7 +11,14 @@ from __future__ import annotations
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from commfold.fx.nodes import same_shape, shape_of
+from commfold.fx.nodes import dtype_of, is_call, same_shape, shape_of
+
+from .common import aten
+
+# views that reshape in row-major order: with the same elements in the same order,
+# a shape that differs only by leading 1s is the same tensor
+_VIEWS = (aten.unsqueeze.default, aten.squeeze.dim, aten.reshape.default, aten.view.default,
+          aten._unsafe_view.default)
 
 
 def leading_ones_only(a, b) -> bool:
@@ -20,6 +28,13 @@ def leading_ones_only(a, b) -> bool:
     if sa is None or sb is None:
         return False
     return same_shape(_strip(sa), _strip(sb))
+
+
+def leading_view(node: fx.Node, x: fx.Node) -> bool:
+    """node views x with leading size-1 dims added or removed, nothing else
+    (``out.unsqueeze(0)``, ``out.view(1, T, H)``, post-grad's reshape)."""
+    return is_call(node, *_VIEWS) and bool(node.args) and node.args[0] is x \
+        and dtype_of(node) == dtype_of(x) and leading_ones_only(node, x)
 
 
 def _strip(shape: list) -> list:

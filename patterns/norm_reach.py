@@ -9,7 +9,8 @@ reads (pow(., 2) or x * x), one of vLLM's IR norms, or commfold's fused norm (th
 value reaches it as a residual). The spellings take, in this order: one scale by a
 number or a 0-d tensor of the value's dtype (patterns.residual_scale), one residual
 add of a tensor of the same dtype and shape (or one differing by leading size-1
-dims: patterns.broadcast), casts to f32 anywhere. The first op
+dims, read through a view adding or removing them: patterns.broadcast), casts
+to f32 anywhere. The first op
 that breaks this order is named; when the path fits it and still nothing matched, the
 norm's first op is. An add that would repeat an operand's elements (a true
 broadcast) is named with whose.
@@ -23,7 +24,7 @@ import torch.fx as fx
 
 from commfold.fx.nodes import dtype_of, is_call
 
-from .broadcast import leading_ones_only, repeated, shape_text
+from .broadcast import leading_ones_only, leading_view, repeated, shape_text
 from .common import AUTO_FUNCTIONALIZED, Miss, aten, is_functionalized, op_name, optional_op, prims
 from .residual_scale import scale_of
 
@@ -112,11 +113,13 @@ def _first_off_spelling(path: list[fx.Node]) -> tuple[fx.Node, fx.Node] | None:
     and the value on the path it reads."""
     scale_ok, add_ok = True, True
     prev = path[0]
-    for n in path[1:-1]:
+    for i, n in enumerate(path[1:-1], 1):
         if scale_ok and scale_of(n, prev) is not None:
             scale_ok = False
         elif add_ok and _residual_add(n, prev):
             scale_ok = add_ok = False
+        elif add_ok and leading_view(n, prev) and _residual_add(path[i + 1], n):
+            scale_ok = False  # out.unsqueeze(0) + residual: the add is next
         elif _upcast(n):
             scale_ok = False
         else:

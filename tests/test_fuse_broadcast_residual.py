@@ -1,6 +1,7 @@
 """fuse_allreduce_rmsnorm on real gloo ranks, for a hand-written TP spelling: a
 forward hook all-reduces a layer's [T, H] output and the residual add broadcasts it
-against the [1, T, H] residual stream (either operand order, or the reverse ranks).
+against the [1, T, H] residual stream (either operand order, the reverse ranks, or
+after an unsqueeze(0) / view(1, T, H) of the reduced value).
 Fused: the new residual equals the unfused program's bit for bit, the norm within
 docs/GUARANTEES.md's tolerances, the outputs keep the add's shape, and the graph's
 one all-reduce is all that runs. A broadcast that repeats elements stays unfused
@@ -78,7 +79,8 @@ def broadcast_on_rank(cases, tokens=(5, 9)):
 # (dtype, leading dims of the all-reduced input, of the residual, residual first, view)
 FUSED = [("f32", (), (1,), True, None), ("f32", (), (1,), False, None),
          ("bf16", (), (1,), True, None), ("bf16", (), (1,), False, None),
-         ("f32", (1,), (), True, None), ("bf16", (1,), (), False, None)]
+         ("f32", (1,), (), True, None), ("bf16", (1,), (), False, None),
+         ("f32", (), (1,), True, "unsqueeze"), ("bf16", (), (1,), False, "view")]
 REPEATED = [("f32", (), (2,), True, None)]
 
 

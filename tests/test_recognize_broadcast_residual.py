@@ -42,6 +42,24 @@ def test_leading_ones_are_a_residual_add(res_first, x_shape, r_shape, dtype):
     assert (m.x, m.residual, m.h, m.weight) == (x, r, node(g, aten.add.Tensor), w)
 
 
+@pytest.mark.parametrize("view", ["unsqueeze", "view", "squeeze"])
+def test_a_leading_one_view_before_the_add(view):
+    """out.unsqueeze(0) + residual, out.view(1, T, H) + residual (post-grad: a
+    reshape), out.squeeze(0) + residual: the match carries the view, read only by the
+    add; a view read elsewhere too is no residual add's operand."""
+    def fn(x, r, w):
+        y = {"unsqueeze": lambda: x.unsqueeze(0), "view": lambda: x.view(1, T, H),
+             "squeeze": lambda: x.squeeze(0)}[view]()
+        return _norm_of_sum(True)(y, r, w)
+
+    x_shape = (1, T, H) if view == "squeeze" else (T, H)
+    g = post_grad(fn, torch.randn(x_shape), torch.randn(1, T, H), torch.randn(H))
+    x, r, _ = placeholders(g)
+    m = match_rmsnorm(x)
+    assert isinstance(m, RMSNorm) and (m.x, m.residual) == (x, r), m
+    assert m.x_view is not None and m.x_view.args[0] is x and list(m.x_view.users) == [m.h]
+
+
 @pytest.mark.parametrize("x_shape,r_shape,reason", [
     ((T, H), (2, T, H), "aten.add.Tensor broadcasts the all-reduce's [3, 16] against "
                         "[2, 3, 16]: its elements would be repeated"),
@@ -74,18 +92,20 @@ def group():
         yield g
 
 
-def _hook_block(r_shape, res_first):
+def _hook_block(r_shape, res_first, view=False):
     def fn(x, m, r, w):
         # the hook's dist.all_reduce(output[0]), as Dynamo traces it
         out = funcol.all_reduce(x @ m, "sum", dist.group.WORLD)
+        out = out.unsqueeze(0) if view else out
         h = r + out if res_first else out + r
         return F.rms_norm(h, (H,), w, EPS), h
     return fn, (torch.randn(T, 8), torch.randn(8, H), torch.randn(r_shape), torch.randn(H))
 
 
+@pytest.mark.parametrize("view", [False, True], ids=["", "unsqueeze"])
 @pytest.mark.parametrize("res_first", [True, False], ids=["residual+x", "x+residual"])
-def test_pass_fuses_with_the_adds_shape(group, res_first):
-    fn, inputs = _hook_block((1, T, H), res_first)
+def test_pass_fuses_with_the_adds_shape(group, res_first, view):
+    fn, inputs = _hook_block((1, T, H), res_first, view)
     g = post_grad(fn, *inputs)
     add = node(g, aten.add.Tensor)
     want = add.meta["val"].shape
@@ -99,6 +119,25 @@ def test_pass_fuses_with_the_adds_shape(group, res_first):
     assert all(u.meta["val"].shape == want for u in fused.users)
     assert "leading-1 broadcast" in rep.rewrites[0].detail
     assert not [n for n in g.nodes if n.target is c10d.all_reduce.default]  # the op runs it
+    # the graph's view went with the add: one unsqueeze left, the op's own
+    assert [n.target for n in g.nodes if n.op == "call_function"].count(
+        aten.unsqueeze.default) == 1
+
+
+def test_pass_skips_a_view_read_besides_the_add(group):
+    def fn(x, m, r, w):
+        y = funcol.all_reduce(x @ m, "sum", dist.group.WORLD).unsqueeze(0)
+        return F.rms_norm(y + r, (H,), w, EPS), y * 2
+
+    g = post_grad(fn, torch.randn(T, 8), torch.randn(8, H), torch.randn(1, T, H),
+                  torch.randn(H))
+    commfold.CommfoldPass(commfold.Config(passes=("fuse_allreduce_rmsnorm",), strict=True,
+                                          fuse_cost_rule=False))(g)
+    rep = commfold.last_report()
+    assert rep.count("fuse_allreduce_rmsnorm") == 0
+    assert [m.reason for m in rep.near_misses] == [
+        "the reduced value is read besides the residual add (the op returns only the sum "
+        "with the residual)"]
 
 
 def test_pass_refuses_a_repeating_broadcast(group):

@@ -149,7 +149,7 @@ def test_the_op_in_the_way_is_named():
           "operand's elements would be repeated", lambda g: nodes(g, aten.add.Tensor)[0])
     _miss(lambda x, r, w: _rms(x + r.float(), w.float()),  # the residual in another dtype
           "aten.add.Tensor between all_reduce and rmsnorm", lambda g: nodes(g, aten.add.Tensor)[0])
-    _miss(lambda x, r, w: _rms(x.unsqueeze(0) + r, w)[0],
+    _miss(lambda x, r, w: _rms(x.unsqueeze(1) + r, w)[0],  # [T, 1, H]: no leading 1
           "aten.unsqueeze.default between all_reduce and rmsnorm",
           lambda g: node(g, aten.unsqueeze.default))
 
