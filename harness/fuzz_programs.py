@@ -15,7 +15,8 @@ program runs several rewrite sites (and distractors) in ONE compiled graph:
   dist.all_reduce, DTensor Partial -> Replicate) -> optional scale of the reduced
   branch (``x * c`` or ``x / c``: Granite's residual multiplier, MiniCPM's scale_depth;
   by a 0-d tensor of x's dtype, a graph input: Gemma's ``x *= normalizer``)
-  -> optional residual add -> RMSNorm (hand-written, F.rms_norm, Gemma 1 + w) in
+  -> optional residual add (also over a leading size-1 dim: a hook's [T, H] output
+  added to a [1, T, H] residual stream) -> RMSNorm (hand-written, F.rms_norm, Gemma 1 + w) in
   f32 / bf16. Distractor: a max / avg / min reduction (not a sum): no fusion.
 - ``embed``: vocab-parallel embedding (range mask, offset, lookup, zero rows,
   all-reduce) with masked_fill or where, funcol or in-place all-reduce.
@@ -84,6 +85,10 @@ norm_block = st.fixed_dictionaries({
                        st.tuples(st.just("div"), st.sampled_from([3.0, -0.5])),
                        st.tuples(st.sampled_from(["tensor", "itensor", "tdiv"]),
                                  st.sampled_from([0.22, -1.5, 45.25]))),
+    # a hook's TP spelling, broadcast over a leading 1 (patterns.broadcast): the
+    # residual [1, T, H] ("res1"), the all-reduced input [1, T, H] ("x1"), or the
+    # reduced value unsqueezed before the add ("unsqueeze", residual [1, T, H])
+    "broadcast": st.sampled_from([None, None, "res1", "x1", "unsqueeze"]),
 })
 embed_block = st.fixed_dictionaries({
     "kind": st.just("embed"), "seed": seeds,
@@ -192,7 +197,12 @@ def block_inputs(b: dict) -> list:
         r = torch.randn(t, h, generator=g, dtype=torch.float64)
         w = (torch.randn(h, generator=g, dtype=torch.float64) * 0.3
              + (0.0 if b["norm"] == "gemma" else 1.0))
-        return [xs[rank].to(dtype), r.to(dtype), w.to(dtype)]
+        x, r = xs[rank], r
+        if b.get("broadcast") == "x1":
+            x = x.unsqueeze(0)
+        elif b.get("broadcast") in ("res1", "unsqueeze"):
+            r = r.unsqueeze(0)
+        return [x.to(dtype), r.to(dtype), w.to(dtype)]
     if b["kind"] == "embed":
         v, h = b["vocab"], b["hidden"]
         vs = -(-v // world)
@@ -321,6 +331,8 @@ def _norm(b, x, r, w):
         y = scale_branch(y, scale[1], scale[0])
     elif scale is not None:
         y = y * scale
+    if b.get("broadcast") == "unsqueeze" and b["residual"]:
+        y = y.unsqueeze(0)
     if b["residual"]:
         y = y + r
     return _rms(y, w, b["eps"], b["norm"]), y

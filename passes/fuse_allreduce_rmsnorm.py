@@ -20,6 +20,12 @@ Why it is safe:
   norm, just leaves it unread). A reader of the reduced value before the add would need a value
   the op does not return: skipped;
 - the norm's intermediates have no readers outside the norm (the recognizer checks);
+- a residual add whose operands differ only by leading size-1 dims (a hook's [T, H]
+  all-reduce added to a [1, T, H] residual stream: patterns.broadcast) repeats no
+  element: the op gets both as views of the add's shape (unsqueeze / squeeze of dim
+  0), so its outputs have the shapes of the add and the norm they replace; a view of
+  the reduced value that only adds or removes leading 1s before the add is dropped
+  with it (read by anything else: skipped);
 - a scale is applied by the op where the graph applies it (after the reduction,
   before the add, in f32, rounded where the graph rounds it); the reduced value must
   have no other reader, and with a residual neither may the scaled one. FlashInfer's
@@ -127,7 +133,8 @@ def _unsafe(ar: AllReduce, scale: ResidualScale | None, norm: RMSNorm) -> str | 
         return f"unsupported dtype {dtype} (norm input {norm.dtype})"
     if scale is not None and len(ar.reduced.users) > 1:
         return "the reduced value is read besides its scale (the op returns the scaled value)"
-    if norm.residual is not None and len(norm.x.users) > 1:
+    if norm.residual is not None and (len(norm.x.users) > 1 or norm.x_view is not None
+                                      and len(norm.x_view.users) > 1):
         return (f"the {'scaled' if scale else 'reduced'} value is read besides the residual "
                 "add (the op returns only the sum with the residual)")
     if scale is not None and not scale.identity \
@@ -171,6 +178,13 @@ def _rewrite(ctx: PassContext, ar: AllReduce, scale: ResidualScale | None, norm:
         with graph.inserting_after(anchor):
             written = anchor = insert_call(graph, torch.ops.aten.clone.default, (written,),
                                            like=norm.output)
+    # a leading-1 broadcast add ([T, H] + [1, T, H]): the op reads both as views of
+    # the add's shape, so its outputs have the shapes of the values they replace
+    rank = fake_tensor(norm.output).dim()
+    written, anchor = _to_rank(graph, written, rank, anchor)
+    residual = norm.residual
+    if residual is not None:
+        residual, anchor = _to_rank(graph, residual, rank, anchor)
     op, args = torch.ops.commfold.allreduce_rmsnorm.default, {}
     if scaled and scale is not None:
         ops = torch.ops.commfold.allreduce_rmsnorm
@@ -178,7 +192,7 @@ def _rewrite(ctx: PassContext, ar: AllReduce, scale: ResidualScale | None, norm:
     with graph.inserting_after(anchor):
         fused = insert_call(
             graph, auto_functionalized, (op,),
-            dict(x=written, residual=norm.residual, weight=norm.weight, eps=norm.eps,
+            dict(x=written, residual=residual, weight=norm.weight, eps=norm.eps,
                  weight_offset=norm.offset, flags=flags, comm=ar.comm, **args),
             like=norm.output)
     with graph.inserting_after(fused):
@@ -190,7 +204,8 @@ def _rewrite(ctx: PassContext, ar: AllReduce, scale: ResidualScale | None, norm:
     if norm.h is not None:
         norm.h.replace_all_uses_with(new_residual, delete_user_cb=lambda u: u not in private)
     chain = set([norm.output, *norm.inner, *([norm.h] if norm.h is not None else []),
-                 *([scale.scaled] if scale is not None else []), *ar.comm_nodes])
+                 *([scale.scaled] if scale is not None else []), *ar.comm_nodes,
+                 *([norm.x_view] if norm.x_view is not None else [])])
     operands = dict.fromkeys(a for n in chain for a in n.all_input_nodes if a not in chain)
     for node in sorted(chain, reverse=True):  # users before their inputs
         if not node.users:  # readers first: each node is erased once
@@ -211,6 +226,19 @@ def _last_operand(ar: AllReduce, scale: ResidualScale | None, norm: RMSNorm
     """The fused op's operand defined last: the op goes after it."""
     c = scale.value if scale is not None and isinstance(scale.value, torch.fx.Node) else None
     return max(n for n in (ar.collective, norm.residual, norm.weight, c) if n is not None)
+
+
+def _to_rank(graph: torch.fx.Graph, x: torch.fx.Node, rank: int, anchor: torch.fx.Node
+             ) -> tuple[torch.fx.Node, torch.fx.Node]:
+    """(x viewed with leading size-1 dims added or removed to the given rank, the new
+    anchor): the recognizer checked that only such dims differ. Views go after anchor;
+    x and anchor unchanged when x has that rank."""
+    while fake_tensor(x).dim() != rank:
+        grow = fake_tensor(x).dim() < rank
+        op = torch.ops.aten.unsqueeze.default if grow else torch.ops.aten.squeeze.dim
+        with graph.inserting_after(anchor):
+            x = anchor = insert_call(graph, op, (x, 0), like=x)
+    return x, anchor
 
 
 def _aliases(x: torch.fx.Node, *others) -> bool:
@@ -240,6 +268,9 @@ def _detail(x, norm: RMSNorm, scale: ResidualScale | None) -> str:
              ("weight (1+w)" if norm.offset == 1.0 else
               f"weight (w{norm.offset:+g})" if norm.offset else "weight"),
              f"eps {norm.eps:g}"]
+    dims = {fake_tensor(n).dim() for n in (norm.x, norm.residual, norm.output) if n is not None}
+    if len(dims) > 1:
+        parts.append("leading-1 broadcast")
     if norm.round_before_weight:
         parts.append("cast before weight")
     if norm.eager:

@@ -8,9 +8,12 @@ views, getitem) from the value to where a norm starts: the square that mean.dim
 reads (pow(., 2) or x * x), one of vLLM's IR norms, or commfold's fused norm (the
 value reaches it as a residual). The spellings take, in this order: one scale by a
 number or a 0-d tensor of the value's dtype (patterns.residual_scale), one residual
-add of a same-shape tensor of the same dtype, casts to f32 anywhere. The first op
+add of a tensor of the same dtype and shape (or one differing by leading size-1
+dims, read through a view adding or removing them: patterns.broadcast), casts
+to f32 anywhere. The first op
 that breaks this order is named; when the path fits it and still nothing matched, the
-norm's first op is.
+norm's first op is. An add that would repeat an operand's elements (a true
+broadcast) is named with whose.
 """
 from __future__ import annotations
 
@@ -19,8 +22,9 @@ import operator
 import torch
 import torch.fx as fx
 
-from commfold.fx.nodes import dtype_of, is_call, same_shape
+from commfold.fx.nodes import dtype_of, is_call
 
+from .broadcast import leading_ones_only, leading_view, repeated, shape_text
 from .common import AUTO_FUNCTIONALIZED, Miss, aten, is_functionalized, op_name, optional_op, prims
 from .residual_scale import scale_of
 
@@ -39,7 +43,13 @@ def unmatched_norm(value: fx.Node, hops: int = HOPS) -> Miss | None:
         return None
     stop = _first_off_spelling(path)
     if stop is not None:
-        return Miss(f"{op_label(stop)} between all_reduce and rmsnorm", stop)
+        node, prev = stop
+        other = _other(node, prev)  # an add of a tensor that repeats elements: whose
+        who = repeated(prev, other, node) if other is not None else None
+        if other is not None and who is not None:
+            return Miss(f"{op_label(node)} broadcasts the all-reduce's {shape_text(prev)} "
+                        f"against {shape_text(other)}: {who} elements would be repeated", node)
+        return Miss(f"{op_label(node)} between all_reduce and rmsnorm", node)
     return Miss(f"rmsnorm starting at {op_label(path[-1])} matched no spelling", path[-1])
 
 
@@ -98,30 +108,40 @@ def _elementwise(node: fx.Node) -> bool:
     return isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags
 
 
-def _first_off_spelling(path: list[fx.Node]) -> fx.Node | None:
-    """The first op between the ends of path that the spellings do not take there."""
+def _first_off_spelling(path: list[fx.Node]) -> tuple[fx.Node, fx.Node] | None:
+    """The first op between the ends of path that the spellings do not take there,
+    and the value on the path it reads."""
     scale_ok, add_ok = True, True
     prev = path[0]
-    for n in path[1:-1]:
+    for i, n in enumerate(path[1:-1], 1):
         if scale_ok and scale_of(n, prev) is not None:
             scale_ok = False
         elif add_ok and _residual_add(n, prev):
             scale_ok = add_ok = False
+        elif add_ok and leading_view(n, prev) and _residual_add(path[i + 1], n):
+            scale_ok = False  # out.unsqueeze(0) + residual: the add is next
         elif _upcast(n):
             scale_ok = False
         else:
-            return n
+            return n, prev
         prev = n
     return None
 
 
 def _residual_add(node: fx.Node, x: fx.Node) -> bool:
+    other = _other(node, x)
+    return other is not None and leading_ones_only(other, x)
+
+
+def _other(node: fx.Node, x: fx.Node) -> fx.Node | None:
+    """The other operand of an add of x and a tensor of x's dtype (the add's too)."""
     if not is_call(node, aten.add.Tensor) or len(node.args) != 2 or node.kwargs:
-        return False
+        return None
     a, b = node.args
     other = b if a is x else a if b is x else None
-    return isinstance(other, fx.Node) and other is not x and same_shape(other, x) \
-        and dtype_of(other) == dtype_of(x) == dtype_of(node)
+    if not isinstance(other, fx.Node) or other is x:
+        return None
+    return other if dtype_of(other) == dtype_of(x) == dtype_of(node) else None
 
 
 def _upcast(node: fx.Node) -> bool:

@@ -1,8 +1,10 @@
 """Residual add + RMSNorm after a value, in the aten spellings Inductor's post-grad
 graphs hold (torch 2.13, CPU):
 
-    h = x + residual            (either operand order; optional; vllm_ir.rms_norm(h):
-                                 patterns.rmsnorm_vllm)
+    h = x + residual            (either operand order; optional; the two may differ
+                                 by leading size-1 dims, x read through a view
+                                 adding or removing them: patterns.broadcast;
+                                 vllm_ir.rms_norm(h): patterns.rmsnorm_vllm)
     hf = h | convert(h, f32)    (bf16/fp16 norms upcast)
   or, vLLM's bf16/fp16 fused add + norm (its native decomposition):
     hf = convert(x, f32) + convert(residual, f32)   (the norm reads the f32 sum)
@@ -22,12 +24,15 @@ vllm_ir.fused_add_rms_norm) are recognized by patterns.rmsnorm_vllm.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.fx as fx
 
 from commfold.fx.nodes import (arg, dtype_of, fake_tensor, is_call, is_number, only_user,
                             same_shape, tensor_val)
 
+from .broadcast import leading_ones_only, leading_view
 from .common import Miss, Recognized, Verdict, aten, prims
 from .rmsnorm_match import RMSNorm
 from .rmsnorm_vllm import match_ir_norm, match_ir_norm_of_sum
@@ -65,17 +70,18 @@ def match_rmsnorm(x: fx.Node) -> Recognized[RMSNorm]:
     if direct:
         return direct
     found = direct
-    for user in list(x.users):
-        if is_call(user, aten.add.Tensor) and len(user.args) == 2 and not user.kwargs:
-            residual = _other(user, x)
-            if isinstance(residual, fx.Node) and same_shape(residual, x) \
-                    and dtype_of(residual) == dtype_of(x) == dtype_of(user):
-                m = _match_norm(x, residual, user)
-                if m is None:
-                    m = match_ir_norm_of_sum(x, residual, user)
-                if m:
-                    return m
-                found = found or m
+    for src, user in _adds_of(x):
+        residual = _other(user, src)
+        if isinstance(residual, fx.Node) and leading_ones_only(residual, src) \
+                and dtype_of(residual) == dtype_of(src) == dtype_of(user):
+            m = _match_norm(src, residual, user)
+            if m is None:
+                m = match_ir_norm_of_sum(src, residual, user)
+            if m and src is not x:
+                m = replace(m, x=x, x_view=src)
+            if m:
+                return m
+            found = found or m
     if dtype_of(x) in (torch.bfloat16, torch.float16):
         for up in [u for u in x.users if _cast_to(u, torch.float32)]:
             for s in [u for u in up.users if is_call(u, aten.add.Tensor) and len(u.args) == 2
@@ -85,6 +91,13 @@ def match_rmsnorm(x: fx.Node) -> Recognized[RMSNorm]:
                     return m
                 found = found or m
     return found
+
+
+def _adds_of(x: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
+    """(operand, add) for each binary add reading x, or a leading-1 view of x."""
+    srcs = [x, *[v for v in x.users if leading_view(v, x)]]
+    return [(src, u) for src in srcs for u in list(src.users)
+            if is_call(u, aten.add.Tensor) and len(u.args) == 2 and not u.kwargs]
 
 
 def _match_f32_sum(x, up, s) -> Recognized[RMSNorm]:
@@ -137,7 +150,7 @@ def _match_norm(x, residual, h, hf=None, pre=()) -> Recognized[RMSNorm]:
     mean = only_user(sq)
     if not is_call(mean, aten.mean.dim):
         return None
-    rank = fake_tensor(x).dim()
+    rank = fake_tensor(hf).dim()  # x's rank, or wider: a leading-1 broadcast add
     dims, keepdim = arg(mean, "dim"), arg(mean, "keepdim")
     if arg(mean, "dtype") not in (None, torch.float32):
         return Miss("mean of squares in a dtype other than float32", mean)

@@ -28,6 +28,9 @@ class RMSNorm:
     inner: tuple[fx.Node, ...]  # nodes between h and output, read only by the norm
     sum_in_f32: bool = False  # the norm reads the exact f32 sum, h is rounded apart
     eager: bool = False  # an eager op: every cast rounds (not fused by Inductor)
+    # a view of x adding or removing leading 1s that the residual add reads instead
+    # of x (patterns.broadcast); a fusion needs it read by the add alone
+    x_view: fx.Node | None = None
 
     @property
     def dtype(self) -> torch.dtype:

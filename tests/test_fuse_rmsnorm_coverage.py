@@ -129,6 +129,13 @@ def test_fuzz_norm_blocks(group):
                                         fused=1 if reduce == "sum" else 0)
         if reduce != "sum":
             assert "'avg' all-reduce" in rep.near_misses[0].reason
+    for broadcast, dtype, scale in itertools.product(["res1", "x1", "unsqueeze"],
+                                                     ["f32", "bf16"], [None, -0.75]):
+        b = dict(kind="norm", seed=1, coll="funcol", norm="hand", dtype=dtype, tokens=3,
+                 hidden=8, residual=True, eps=1e-6, reduce="sum", scale=scale,
+                 broadcast=broadcast)
+        rep = assert_fused_or_explained(fp.build([b]), *fp.block_inputs(b), fused=1)
+        assert not rep.near_misses, rep.summary()
 
 
 def _tanh(group):

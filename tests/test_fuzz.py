@@ -28,9 +28,10 @@ G = dict(kind="greedy", bad=None, seed=1, gather="funcol", dtype="f32", rows=3, 
          ops=["scale", "div"], pick="argmax", ties=True)
 
 
-def _norm(coll, norm, dtype, residual, reduce="sum", seed=2, scale=None):
+def _norm(coll, norm, dtype, residual, reduce="sum", seed=2, scale=None, broadcast=None):
     return dict(kind="norm", seed=seed, coll=coll, norm=norm, dtype=dtype, tokens=3,
-                hidden=16, residual=residual, eps=1e-6, reduce=reduce, scale=scale)
+                hidden=16, residual=residual, eps=1e-6, reduce=reduce, scale=scale,
+                broadcast=broadcast)
 
 
 # Every spelling at least once, every distractor at least once (fixed: always run).
@@ -47,6 +48,10 @@ COVERAGE = [
      _norm("inplace", "functional", "bf16", True, scale=0.22),
      _norm("dtensor", "gemma", "f32", False, scale=("div", 3.0)),
      _norm("inplace", "gemma", "bf16", False, scale=("itensor", 45.25)),
+     # a hook's [T, H] all-reduce added to a [1, T, H] residual stream, and the reverse
+     _norm("inplace", "hand", "bf16", True, broadcast="res1"),
+     _norm("funcol", "functional", "f32", True, scale=0.22, broadcast="unsqueeze"),
+     _norm("dtensor", "gemma", "bf16", True, broadcast="x1"),
      dict(kind="embed", seed=3, vocab=11, hidden=4, ids=(2, 3), spelling="masked_fill",
           coll="funcol"),
      dict(kind="embed", seed=4, vocab=7, hidden=8, ids=(1, 5), spelling="where", coll="inplace"),

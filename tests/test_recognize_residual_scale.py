@@ -144,11 +144,12 @@ def test_the_op_in_the_way_is_named():
           "aten.mul.Tensor between all_reduce and rmsnorm", lambda g: nodes(g, aten.mul.Tensor)[0])
     _miss(lambda x, r, w: _rms(x * 2.0 * 3.0 + r, w),  # a second scale
           "aten.mul.Tensor between all_reduce and rmsnorm", lambda g: nodes(g, aten.mul.Tensor)[1])
-    _miss(lambda x, r, w: _rms(x + w, w),  # a broadcast add: no residual
-          "aten.add.Tensor between all_reduce and rmsnorm", lambda g: nodes(g, aten.add.Tensor)[0])
+    _miss(lambda x, r, w: _rms(x + w, w),  # a broadcast add repeating w: no residual
+          "aten.add.Tensor broadcasts the all-reduce's [3, 16] against [16]: the other "
+          "operand's elements would be repeated", lambda g: nodes(g, aten.add.Tensor)[0])
     _miss(lambda x, r, w: _rms(x + r.float(), w.float()),  # the residual in another dtype
           "aten.add.Tensor between all_reduce and rmsnorm", lambda g: nodes(g, aten.add.Tensor)[0])
-    _miss(lambda x, r, w: _rms(x.unsqueeze(0) + r, w)[0],
+    _miss(lambda x, r, w: _rms(x.unsqueeze(1) + r, w)[0],  # [T, 1, H]: no leading 1
           "aten.unsqueeze.default between all_reduce and rmsnorm",
           lambda g: node(g, aten.unsqueeze.default))
 
