@@ -25,36 +25,52 @@ from commfold.torch_compat import torch_version
 from harness import fuzz_programs as fp
 from harness.gathers import all_gather_last_dim
 
-LA, FUSE, REP = fp.LA, fp.FUSE, fp.REP
+LA, FUSE, REP, TOPK, STATS = fp.LA, fp.FUSE, fp.REP, fp.TOPK, fp.STATS
 G = dict(kind="greedy", bad=None, seed=1, gather="funcol", dtype="f32", rows=3, vs=5, pad=1,
          ops=["scale"], pick="argmax", ties=True)
-# One site per pass: greedy pick, all-reduce + norm, embedding, LM head.
+# One site per pass: greedy pick, all-reduce + norm, embedding, LM head, top-k, logprob.
 PROGRAM = [G, dict(kind="norm", seed=2, coll="funcol", norm="hand", dtype="f32", tokens=3,
                    hidden=16, residual=True, eps=1e-6, reduce="sum"),
            dict(kind="embed", seed=3, vocab=11, hidden=4, ids=(2, 3), spelling="masked_fill",
                 coll="funcol"),
-           dict(kind="lm_head", seed=4, vocab=13, hidden=8, rows=2, coll="funcol")]
+           dict(kind="lm_head", seed=4, vocab=13, hidden=8, rows=2, coll="funcol"),
+           dict(G, seed=5, gather="inplace", pick="topk3", ties=False, ops=["div"]),
+           dict(G, seed=6, gather="funcol", pick="logprob", ops=["add"])]
+REWRITES = {LA: 1, FUSE: 1, REP: 2, TOPK: 1, STATS: 1}  # PROGRAM's rewrites per pass
 
 # Injection rounds: each faults one point in every pass (the passes fail independently).
-# (module, attribute, fail on the n-th call)
+# (module, attribute, fail on the n-th call; 0: on every call)
 ROUNDS = {
     "inside each pass": [("commfold.passes._local_pick", "insert_call", 2),
                          ("commfold.passes.fuse_allreduce_rmsnorm", "insert_call", 2),
-                         ("commfold.passes.replicate_vocab_parallel", "insert_call", 1)],
+                         ("commfold.passes.replicate_vocab_parallel", "insert_call", 1),
+                         ("commfold.passes.local_topk", "insert_call", 2),
+                         ("commfold.passes.local_softmax_stats", "insert_call", 2)],
     "recognizers (a)": [("commfold.passes.local_argmax", "match_greedy", 1),
                         ("commfold.passes.fuse_allreduce_rmsnorm", "match_allreduce", 1),
-                        ("commfold.passes.replicate_vocab_parallel", "match_embedding", 1)],
-    "recognizers (b)": [("commfold.passes.local_argmax", "after_vocab_gather", 1),
+                        ("commfold.passes.replicate_vocab_parallel", "match_embedding", 1),
+                        ("commfold.passes.local_topk", "match_topk", 1),
+                        ("commfold.passes.local_softmax_stats", "match_row_reads", 1)],
+    # the vocab gather's recognizer, as every pick pass (through after_vocab_gather) and
+    # the replication pass call it
+    "recognizers (b)": [("commfold.patterns.gather", "match_vocab_gather", 0),
                         ("commfold.passes.fuse_allreduce_rmsnorm", "match_rmsnorm", 1),
-                        ("commfold.passes.replicate_vocab_parallel", "match_lm_head", 1)],
+                        ("commfold.passes.replicate_vocab_parallel", "match_vocab_gather", 1)],
+    "recognizers (c)": [("commfold.passes.replicate_vocab_parallel", "match_lm_head", 1)],
     # only one pass faults: the others' rewrites stay
     "local_argmax only": [("commfold.passes._local_pick", "insert_call", 3)],
 }
 STRICT_ROUNDS = ("inside each pass", "recognizers (b)")  # strict=True must raise
-# local_argmax's rewrite is passes/_local_pick.py's rewrite_pick
-PASS_OF = {"commfold.passes.local_argmax": LA, "commfold.passes._local_pick": LA,
-           "commfold.passes.fuse_allreduce_rmsnorm": FUSE,
-           "commfold.passes.replicate_vocab_parallel": REP}
+# a round's rewrites that move: an LM head left gathered has its argmax taken locally
+MOVED = {"recognizers (c)": {LA: 2}}
+# the passes a point faults (local_argmax's rewrite is passes/_local_pick.py's
+# rewrite_pick; the pick passes reach the vocab gather's recognizer in patterns/gather.py)
+PASS_OF = {"commfold.passes.local_argmax": (LA,), "commfold.passes._local_pick": (LA,),
+           "commfold.passes.fuse_allreduce_rmsnorm": (FUSE,),
+           "commfold.passes.replicate_vocab_parallel": (REP,),
+           "commfold.passes.local_topk": (TOPK,),
+           "commfold.passes.local_softmax_stats": (STATS,),
+           "commfold.patterns.gather": (STATS, TOPK, LA)}
 
 
 class Injected(RuntimeError):
@@ -73,7 +89,7 @@ def _inject(points):
 
         def faulty(*a, _real=real, _calls=calls, _nth=nth, _where=f"{mod_name}.{attr}", **k):
             _calls[0] += 1
-            if _calls[0] == _nth:
+            if _calls[0] == _nth or _nth == 0:
                 raise Injected(f"injected fault in {_where}")
             return _real(*a, **k)
 
@@ -117,7 +133,7 @@ def injected_faults(rounds: dict, strict_rounds) -> dict:
                 out[name, strict] = {
                     "raised": False, "mismatches": fp.compare(PROGRAM, got, want),
                     "errors": sorted((e.pass_name, e.error) for r in reps for e in r.errors),
-                    "counts": {p: sum(r.count(p) for r in reps) for p in (LA, FUSE, REP)},
+                    "counts": {p: sum(r.count(p) for r in reps) for p in REWRITES},
                     "warnings": [r.getMessage() for r in records]}
     finally:
         logging.getLogger("commfold").removeHandler(handler)
@@ -129,14 +145,14 @@ def test_injected_faults(ranks2):
         for name, points in ROUNDS.items():
             r = res[name, False]
             assert not r["raised"] and r["mismatches"] == [], (name, r)
-            faulted = {PASS_OF[m] for m, _, _ in points}
+            faulted = {p: f"Injected: injected fault in {m}.{a}"
+                       for m, a, _ in points for p in PASS_OF[m]}
             # a failing pass is undone entirely; the others keep their rewrites
-            want_counts = {p: 0 if p in faulted else n for p, n in ((LA, 1), (FUSE, 1), (REP, 2))}
+            want_counts = {p: 0 if p in faulted else n
+                           for p, n in dict(REWRITES, **MOVED.get(name, {})).items()}
             assert r["counts"] == want_counts, (name, r)
-            want = sorted((PASS_OF[m], f"Injected: injected fault in {m}.{a}")
-                          for m, a, _ in points)
-            assert r["errors"] == want, (name, r)
-            for pass_name, error in want:
+            assert r["errors"] == sorted(faulted.items()), (name, r)
+            for pass_name, error in faulted.items():
                 assert any(pass_name in w and error in w for w in r["warnings"]), (name, r)
         for name in STRICT_ROUNDS:
             assert res[name, True] == {"raised": True}, name  # strict raises
