@@ -4,7 +4,8 @@ result.
 - An exception injected inside each pass (midway through its graph surgery: the
   second node it inserts) and inside each recognizer a pass calls (monkeypatched in
   the rank process): the compile succeeds, every output equals plain Inductor's, the
-  failing pass's rewrites are undone (the other passes still rewrite), a warning on
+  failing pass's rewrites are undone (the other passes still rewrite: the graph
+  commfold hands on is the one it makes with the failing passes left out), a warning on
   logger "commfold" and a report.errors entry name the pass and the error;
   strict=True raises instead.
 - Dynamic shapes (symbolic batch), recompiles (new static shapes), in-place ops on
@@ -44,8 +45,9 @@ ROUNDS = {
     "inside each pass": [("commfold.passes._local_pick", "insert_call", 2),
                          ("commfold.passes.fuse_allreduce_rmsnorm", "insert_call", 2),
                          ("commfold.passes.replicate_vocab_parallel", "insert_call", 1),
-                         ("commfold.passes.local_topk", "insert_call", 2),
-                         ("commfold.passes.local_softmax_stats", "insert_call", 2)],
+                         # after the rewrite's uses are redirected: the graph is half-done
+                         ("commfold.passes.local_topk", "erase_if_dead", 1),
+                         ("commfold.passes.local_softmax_stats", "erase_if_dead", 1)],
     "recognizers (a)": [("commfold.passes.local_argmax", "match_greedy", 1),
                         ("commfold.passes.fuse_allreduce_rmsnorm", "match_allreduce", 1),
                         ("commfold.passes.replicate_vocab_parallel", "match_embedding", 1),
@@ -59,6 +61,7 @@ ROUNDS = {
     "recognizers (c)": [("commfold.passes.replicate_vocab_parallel", "match_lm_head", 1)],
     # only one pass faults: the others' rewrites stay
     "local_argmax only": [("commfold.passes._local_pick", "insert_call", 3)],
+    "local_topk only": [("commfold.passes.local_topk", "erase_if_dead", 1)],
 }
 STRICT_ROUNDS = ("inside each pass", "recognizers (b)")  # strict=True must raise
 # a round's rewrites that move: an LM head left gathered has its argmax taken locally
@@ -102,6 +105,40 @@ def _inject(points):
     return undo
 
 
+class _GraphSeen:
+    """A post-grad pass composed after commfold's: records the graph it receives,
+    names left out (they count earlier compiles); unkeyed: every compile runs."""
+
+    def __init__(self):
+        self.graphs: list[str] = []
+
+    def __call__(self, graph):
+        import torch.fx as fx
+
+        at = {n: i for i, n in enumerate(graph.nodes)}
+        self.graphs.append("\n".join(
+            f"{n.op} {n.target} "
+            f"{fx.map_arg((n.args, n.kwargs), lambda a: f'%{at[a]}')}"
+            for n in graph.nodes))
+
+
+def _diff(a: list[str], b: list[str]) -> str:
+    import difflib
+
+    return "\n".join(difflib.unified_diff("\n".join(a).splitlines(),
+                                           "\n".join(b).splitlines(), lineterm="", n=1))
+
+
+def _compiled(fn, backend, args):
+    """(outputs, the post-grad graphs commfold handed on) of compiling fn."""
+    from torch._inductor import config as inductor_config
+
+    seen = _GraphSeen()
+    with inductor_config.patch(post_grad_custom_post_pass=seen):
+        got = torch.compile(fn, backend=backend)(*[a.clone() for a in args])
+    return got, seen.graphs
+
+
 def injected_faults(rounds: dict, strict_rounds) -> dict:
     fn = fp.build(PROGRAM)
     args = fp.inputs(PROGRAM)
@@ -123,15 +160,23 @@ def injected_faults(rounds: dict, strict_rounds) -> dict:
                 nonce = ("test_nonce", f"{name}-{dist.get_rank()}")
                 backend = commfold.backend(strict=strict, extra=(nonce,))
                 try:
-                    got = torch.compile(fn, backend=backend)(*[a.clone() for a in args])
+                    got, graphs = _compiled(fn, backend, args)
                 except Exception as e:
                     out[name, strict] = {"raised": "injected fault" in str(e)}
                     continue
                 finally:
                     undo()
                 reps = commfold.reports()[seen:]
+                # the graph commfold hands on is the one it makes without the faulted passes
+                healthy = tuple(p for p in commfold.ALL_PASSES
+                                if p not in {q for m, _, _ in points for q in PASS_OF[m]})
+                torch._dynamo.reset()
+                _, healthy_graphs = _compiled(fn, commfold.backend(
+                    passes=healthy, extra=(("test_nonce", f"{name}-{dist.get_rank()}-ok"),)),
+                    args)
                 out[name, strict] = {
                     "raised": False, "mismatches": fp.compare(PROGRAM, got, want),
+                    "graph_diff": _diff(graphs, healthy_graphs),
                     "errors": sorted((e.pass_name, e.error) for r in reps for e in r.errors),
                     "counts": {p: sum(r.count(p) for r in reps) for p in REWRITES},
                     "warnings": [r.getMessage() for r in records]}
@@ -145,6 +190,7 @@ def test_injected_faults(ranks2):
         for name, points in ROUNDS.items():
             r = res[name, False]
             assert not r["raised"] and r["mismatches"] == [], (name, r)
+            assert r["graph_diff"] == "", (name, r["graph_diff"])
             faulted = {p: f"Injected: injected fault in {m}.{a}"
                        for m, a, _ in points for p in PASS_OF[m]}
             # a failing pass is undone entirely; the others keep their rewrites
