@@ -28,6 +28,8 @@ it is a distractor that must leave a near-miss of its pass.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -195,6 +197,11 @@ def block_inputs(b: dict) -> list:
         t, h = b["tokens"], b["hidden"]
         xs = torch.randn(world, t, h, generator=g, dtype=torch.float64)
         r = torch.randn(t, h, generator=g, dtype=torch.float64)
+        # the last token's row is tiny: its mean square is about eps, so a dropped (or
+        # doubled) eps moves that row's output by tens of percent, not 1e-7
+        tiny = math.sqrt(b["eps"]) / 2
+        xs[:, -1] *= tiny
+        r[-1] *= tiny
         w = (torch.randn(h, generator=g, dtype=torch.float64) * 0.3
              + (0.0 if b["norm"] == "gemma" else 1.0))
         x, r = xs[rank], r

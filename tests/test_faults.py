@@ -4,7 +4,8 @@ result.
 - An exception injected inside each pass (midway through its graph surgery: the
   second node it inserts) and inside each recognizer a pass calls (monkeypatched in
   the rank process): the compile succeeds, every output equals plain Inductor's, the
-  failing pass's rewrites are undone (the other passes still rewrite), a warning on
+  failing pass's rewrites are undone (the other passes still rewrite: the graph
+  commfold hands on is the one it makes with the failing passes left out), a warning on
   logger "commfold" and a report.errors entry name the pass and the error;
   strict=True raises instead.
 - Dynamic shapes (symbolic batch), recompiles (new static shapes), in-place ops on
@@ -25,36 +26,54 @@ from commfold.torch_compat import torch_version
 from harness import fuzz_programs as fp
 from harness.gathers import all_gather_last_dim
 
-LA, FUSE, REP = fp.LA, fp.FUSE, fp.REP
+LA, FUSE, REP, TOPK, STATS = fp.LA, fp.FUSE, fp.REP, fp.TOPK, fp.STATS
 G = dict(kind="greedy", bad=None, seed=1, gather="funcol", dtype="f32", rows=3, vs=5, pad=1,
          ops=["scale"], pick="argmax", ties=True)
-# One site per pass: greedy pick, all-reduce + norm, embedding, LM head.
+# One site per pass: greedy pick, all-reduce + norm, embedding, LM head, top-k, logprob.
 PROGRAM = [G, dict(kind="norm", seed=2, coll="funcol", norm="hand", dtype="f32", tokens=3,
                    hidden=16, residual=True, eps=1e-6, reduce="sum"),
            dict(kind="embed", seed=3, vocab=11, hidden=4, ids=(2, 3), spelling="masked_fill",
                 coll="funcol"),
-           dict(kind="lm_head", seed=4, vocab=13, hidden=8, rows=2, coll="funcol")]
+           dict(kind="lm_head", seed=4, vocab=13, hidden=8, rows=2, coll="funcol"),
+           dict(G, seed=5, gather="inplace", pick="topk3", ties=False, ops=["div"]),
+           dict(G, seed=6, gather="funcol", pick="logprob", ops=["add"])]
+REWRITES = {LA: 1, FUSE: 1, REP: 2, TOPK: 1, STATS: 1}  # PROGRAM's rewrites per pass
 
 # Injection rounds: each faults one point in every pass (the passes fail independently).
-# (module, attribute, fail on the n-th call)
+# (module, attribute, fail on the n-th call; 0: on every call)
 ROUNDS = {
     "inside each pass": [("commfold.passes._local_pick", "insert_call", 2),
                          ("commfold.passes.fuse_allreduce_rmsnorm", "insert_call", 2),
-                         ("commfold.passes.replicate_vocab_parallel", "insert_call", 1)],
+                         ("commfold.passes.replicate_vocab_parallel", "insert_call", 1),
+                         # after the rewrite's uses are redirected: the graph is half-done
+                         ("commfold.passes.local_topk", "erase_if_dead", 1),
+                         ("commfold.passes.local_softmax_stats", "erase_if_dead", 1)],
     "recognizers (a)": [("commfold.passes.local_argmax", "match_greedy", 1),
                         ("commfold.passes.fuse_allreduce_rmsnorm", "match_allreduce", 1),
-                        ("commfold.passes.replicate_vocab_parallel", "match_embedding", 1)],
-    "recognizers (b)": [("commfold.passes.local_argmax", "after_vocab_gather", 1),
+                        ("commfold.passes.replicate_vocab_parallel", "match_embedding", 1),
+                        ("commfold.passes.local_topk", "match_topk", 1),
+                        ("commfold.passes.local_softmax_stats", "match_row_reads", 1)],
+    # the vocab gather's recognizer, as every pick pass (through after_vocab_gather) and
+    # the replication pass call it
+    "recognizers (b)": [("commfold.patterns.gather", "match_vocab_gather", 0),
                         ("commfold.passes.fuse_allreduce_rmsnorm", "match_rmsnorm", 1),
-                        ("commfold.passes.replicate_vocab_parallel", "match_lm_head", 1)],
+                        ("commfold.passes.replicate_vocab_parallel", "match_vocab_gather", 1)],
+    "recognizers (c)": [("commfold.passes.replicate_vocab_parallel", "match_lm_head", 1)],
     # only one pass faults: the others' rewrites stay
     "local_argmax only": [("commfold.passes._local_pick", "insert_call", 3)],
+    "local_topk only": [("commfold.passes.local_topk", "erase_if_dead", 1)],
 }
 STRICT_ROUNDS = ("inside each pass", "recognizers (b)")  # strict=True must raise
-# local_argmax's rewrite is passes/_local_pick.py's rewrite_pick
-PASS_OF = {"commfold.passes.local_argmax": LA, "commfold.passes._local_pick": LA,
-           "commfold.passes.fuse_allreduce_rmsnorm": FUSE,
-           "commfold.passes.replicate_vocab_parallel": REP}
+# a round's rewrites that move: an LM head left gathered has its argmax taken locally
+MOVED = {"recognizers (c)": {LA: 2}}
+# the passes a point faults (local_argmax's rewrite is passes/_local_pick.py's
+# rewrite_pick; the pick passes reach the vocab gather's recognizer in patterns/gather.py)
+PASS_OF = {"commfold.passes.local_argmax": (LA,), "commfold.passes._local_pick": (LA,),
+           "commfold.passes.fuse_allreduce_rmsnorm": (FUSE,),
+           "commfold.passes.replicate_vocab_parallel": (REP,),
+           "commfold.passes.local_topk": (TOPK,),
+           "commfold.passes.local_softmax_stats": (STATS,),
+           "commfold.patterns.gather": (STATS, TOPK, LA)}
 
 
 class Injected(RuntimeError):
@@ -73,7 +92,7 @@ def _inject(points):
 
         def faulty(*a, _real=real, _calls=calls, _nth=nth, _where=f"{mod_name}.{attr}", **k):
             _calls[0] += 1
-            if _calls[0] == _nth:
+            if _calls[0] == _nth or _nth == 0:
                 raise Injected(f"injected fault in {_where}")
             return _real(*a, **k)
 
@@ -84,6 +103,40 @@ def _inject(points):
         for mod, attr, real in saved:
             setattr(mod, attr, real)
     return undo
+
+
+class _GraphSeen:
+    """A post-grad pass composed after commfold's: records the graph it receives,
+    names left out (they count earlier compiles); unkeyed: every compile runs."""
+
+    def __init__(self):
+        self.graphs: list[str] = []
+
+    def __call__(self, graph):
+        import torch.fx as fx
+
+        at = {n: i for i, n in enumerate(graph.nodes)}
+        self.graphs.append("\n".join(
+            f"{n.op} {n.target} "
+            f"{fx.map_arg((n.args, n.kwargs), lambda a: f'%{at[a]}')}"
+            for n in graph.nodes))
+
+
+def _diff(a: list[str], b: list[str]) -> str:
+    import difflib
+
+    return "\n".join(difflib.unified_diff("\n".join(a).splitlines(),
+                                           "\n".join(b).splitlines(), lineterm="", n=1))
+
+
+def _compiled(fn, backend, args):
+    """(outputs, the post-grad graphs commfold handed on) of compiling fn."""
+    from torch._inductor import config as inductor_config
+
+    seen = _GraphSeen()
+    with inductor_config.patch(post_grad_custom_post_pass=seen):
+        got = torch.compile(fn, backend=backend)(*[a.clone() for a in args])
+    return got, seen.graphs
 
 
 def injected_faults(rounds: dict, strict_rounds) -> dict:
@@ -107,17 +160,25 @@ def injected_faults(rounds: dict, strict_rounds) -> dict:
                 nonce = ("test_nonce", f"{name}-{dist.get_rank()}")
                 backend = commfold.backend(strict=strict, extra=(nonce,))
                 try:
-                    got = torch.compile(fn, backend=backend)(*[a.clone() for a in args])
+                    got, graphs = _compiled(fn, backend, args)
                 except Exception as e:
                     out[name, strict] = {"raised": "injected fault" in str(e)}
                     continue
                 finally:
                     undo()
                 reps = commfold.reports()[seen:]
+                # the graph commfold hands on is the one it makes without the faulted passes
+                healthy = tuple(p for p in commfold.ALL_PASSES
+                                if p not in {q for m, _, _ in points for q in PASS_OF[m]})
+                torch._dynamo.reset()
+                _, healthy_graphs = _compiled(fn, commfold.backend(
+                    passes=healthy, extra=(("test_nonce", f"{name}-{dist.get_rank()}-ok"),)),
+                    args)
                 out[name, strict] = {
                     "raised": False, "mismatches": fp.compare(PROGRAM, got, want),
+                    "graph_diff": _diff(graphs, healthy_graphs),
                     "errors": sorted((e.pass_name, e.error) for r in reps for e in r.errors),
-                    "counts": {p: sum(r.count(p) for r in reps) for p in (LA, FUSE, REP)},
+                    "counts": {p: sum(r.count(p) for r in reps) for p in REWRITES},
                     "warnings": [r.getMessage() for r in records]}
     finally:
         logging.getLogger("commfold").removeHandler(handler)
@@ -129,14 +190,15 @@ def test_injected_faults(ranks2):
         for name, points in ROUNDS.items():
             r = res[name, False]
             assert not r["raised"] and r["mismatches"] == [], (name, r)
-            faulted = {PASS_OF[m] for m, _, _ in points}
+            assert r["graph_diff"] == "", (name, r["graph_diff"])
+            faulted = {p: f"Injected: injected fault in {m}.{a}"
+                       for m, a, _ in points for p in PASS_OF[m]}
             # a failing pass is undone entirely; the others keep their rewrites
-            want_counts = {p: 0 if p in faulted else n for p, n in ((LA, 1), (FUSE, 1), (REP, 2))}
+            want_counts = {p: 0 if p in faulted else n
+                           for p, n in dict(REWRITES, **MOVED.get(name, {})).items()}
             assert r["counts"] == want_counts, (name, r)
-            want = sorted((PASS_OF[m], f"Injected: injected fault in {m}.{a}")
-                          for m, a, _ in points)
-            assert r["errors"] == want, (name, r)
-            for pass_name, error in want:
+            assert r["errors"] == sorted(faulted.items()), (name, r)
+            for pass_name, error in faulted.items():
                 assert any(pass_name in w and error in w for w in r["warnings"]), (name, r)
         for name in STRICT_ROUNDS:
             assert res[name, True] == {"raised": True}, name  # strict raises

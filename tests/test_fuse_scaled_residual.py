@@ -11,8 +11,9 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings, strategies as st
+from hypothesis import strategies as st
 
+from harness.draws import drawn
 from harness.models_norm import (EMULATED_CASTS_ROUND_LESS, EMULATED_CASTS_WHY,
                                  fused_decoder_sites)
 from test_fuse_allreduce_rmsnorm import (assert_fused_once, assert_sites_fused, DTYPES, SITES,
@@ -92,11 +93,10 @@ scaled_case = st.fixed_dictionaries({
 
 
 # Each case compiles four programs per rank (fused and unfused, T dynamic and T=1):
-# one draw of three cases (COMMFOLD_HYPOTHESIS=random draws fresh ones each run)
-@settings(max_examples=1, deadline=None, phases=[Phase.generate],
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(cases=st.lists(scaled_case, min_size=3, max_size=3))
-def test_scaled_matches_unfused_program(ranks2, cases):
+# three distinct drawn cases (harness.draws; COMMFOLD_HYPOTHESIS=random: fresh ones)
+def test_scaled_matches_unfused_program(ranks2):
+    cases = drawn(scaled_case, 3)
+    assert len(cases) == 3
     assert_fused_once(ranks2.run(numerics_on_rank, cases), cases)
 
 

@@ -5,9 +5,9 @@ relative, new residuals bit-equal; every rewrite site is rewritten exactly once,
 distractor is left alone (with a near-miss where its pass promises one), no pass
 error, and the ranks' decision fingerprints agree.
 
-The default run has two fixed programs that cover every spelling, plus one
-derandomized batch; the long fuzz (`slow`: `python -m pytest -n 0 -m slow
-tests/test_fuzz.py`) runs fresh random batches of larger programs,
+The default run has two fixed programs that cover every spelling, plus one batch
+of three distinct drawn programs (the same every run); the long fuzz (`slow`:
+`python -m pytest -n 0 -m slow tests/test_fuzz.py`) runs fresh random batches of larger programs,
 COMMFOLD_FUZZ_PROGRAMS of them in all (default 1002). Every batch is one rank-pool
 call, and each program is compiled once per backend.
 """
@@ -19,8 +19,9 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 from harness import fuzz_programs as fp
+from harness.draws import drawn
 
-PER_BATCH, BLOCKS = 2, (2, 4)  # programs per batch (one rank-pool call), blocks per program
+PER_BATCH, BLOCKS = 3, (2, 4)  # programs per batch (one rank-pool call), blocks per program
 LONG_PER_BATCH, LONG_BLOCKS = 6, (3, 7)
 LONG_PROGRAMS = int(os.environ.get("COMMFOLD_FUZZ_PROGRAMS", "1002"))
 
@@ -90,11 +91,11 @@ def test_every_spelling(ranks2, i):
     _run_batch(ranks2, [COVERAGE[i]])
 
 
-# one fixed batch (derandomized: the same programs, the same time every run)
-@settings(max_examples=1, deadline=None, database=None, phases=[Phase.generate],
-          derandomize=True, suppress_health_check=list(HealthCheck))
-@given(programs=st.lists(fp.program(*BLOCKS), min_size=PER_BATCH, max_size=PER_BATCH))
-def test_random_programs(ranks2, programs):
+def test_random_programs(ranks2):
+    """One batch of PER_BATCH distinct drawn programs (harness.draws: the same ones every
+    run, fresh ones with COMMFOLD_HYPOTHESIS=random), in one rank-pool call."""
+    programs = drawn(fp.program(*BLOCKS), PER_BATCH)
+    assert len(programs) == PER_BATCH
     _run_batch(ranks2, programs)
 
 

@@ -154,3 +154,52 @@ def test_every_edge_row_kind(ranks2, name, dtype_name):
     """Ties, NaN, +-inf, all -inf rows and NaN/inf padding bait, each in one run."""
     cases = [{"rows": 3, "vocab": 37, "seed": i, "special": k} for i, k in enumerate(SPECIALS)]
     _run(ranks2, name, dtype_name, cases, with_inductor=True)
+
+
+def rounded_ties_on_rank() -> dict:
+    """softmax(x).max(-1) over rows where an earlier column's logit is 2^-26 or 2^-25 below
+    the max: its probability rounds equal to the top one in float32. Per kernel (the C++
+    scan, then the torch implementation): commfold's indices, and the logits' first max."""
+    from commfold.ops import vocab_scan
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    setup_mesh()
+    vs, vocab = 8, 8 * world
+    x = torch.full((4, vocab), -3.0)
+    # (earlier column, its logit: 1 float32 ulp below the max, column of the max, max)
+    for row, (early, low, top, high) in enumerate([
+            (3, 0.5 - 2.0 ** -25, vs + 3, 0.5),  # the max on the next rank
+            (1, 0.5 - 2.0 ** -25, 5, 0.5),  # both on rank 0
+            (vs + 1, 0.25 - 2.0 ** -26, vs + 6, 0.25),  # both on rank 1
+            (0, -2.0 ** -25, vocab - 1, 0.0)]):
+        x[row, early], x[row, top] = low, high
+    shard = x[:, rank * vs:(rank + 1) * vs].contiguous()
+    idx = torch.zeros(4, 1, dtype=torch.long)
+    out = {"first_max": x.argmax(-1).tolist(),
+           "torch": PROGRAMS["top_prob"](shard, vocab, idx)[1].tolist()}
+    for kernel in ("cpp", "torch"):
+        torch._dynamo.reset()
+        seen = len(commfold.reports())
+        fn = torch.compile(lambda s, i: PROGRAMS["top_prob"](s, vocab, i),
+                           backend=commfold.backend(strict=True))
+        if kernel == "cpp":
+            got = fn(shard, idx)
+        else:
+            with vocab_scan.fallback():
+                got = fn(shard, idx)
+        out[kernel] = {"indices": got[1].tolist(),
+                       "rewrites": sum(r.count("local_softmax_stats")
+                                       for r in commfold.reports()[seen:])}
+    return out
+
+
+def test_rounded_tie_is_not_a_tie(ranks2):
+    """A column whose probability only rounds equal to the top one is no earlier tie:
+    commfold returns the logits' true first maximum (docs/GUARANTEES.md), where eager
+    torch's softmax(x).max(-1) takes the earlier column."""
+    for res in ranks2.run(rounded_ties_on_rank):
+        # the rows really are such rows: torch's answer is the earlier column
+        assert all(t != f for t, f in zip(res["torch"], res["first_max"])), res
+        for kernel in ("cpp", "torch"):
+            assert res[kernel]["rewrites"] == 1, (kernel, res)
+            assert res[kernel]["indices"] == res["first_max"], (kernel, res)
