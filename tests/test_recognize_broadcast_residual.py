@@ -92,6 +92,13 @@ def group():
         yield g
 
 
+def _fuse(g):
+    """The fusion alone on post-grad graph g (strict, no cost rule): its report."""
+    commfold.CommfoldPass(commfold.Config(passes=("fuse_allreduce_rmsnorm",), strict=True,
+                                          fuse_cost_rule=False))(g)
+    return commfold.last_report()
+
+
 def _hook_block(r_shape, res_first, view=False):
     def fn(x, m, r, w):
         # the hook's dist.all_reduce(output[0]), as Dynamo traces it
@@ -109,9 +116,7 @@ def test_pass_fuses_with_the_adds_shape(group, res_first, view):
     g = post_grad(fn, *inputs)
     add = node(g, aten.add.Tensor)
     want = add.meta["val"].shape
-    commfold.CommfoldPass(commfold.Config(passes=("fuse_allreduce_rmsnorm",), strict=True,
-                                          fuse_cost_rule=False))(g)
-    rep = commfold.last_report()
+    rep = _fuse(g)
     assert rep.count("fuse_allreduce_rmsnorm") == 1 and not rep.near_misses, rep.summary()
     fused = node(g, AF)
     assert fused.kwargs["x"].target is aten.unsqueeze.default  # a view, not a copy
@@ -131,9 +136,7 @@ def test_pass_skips_a_view_read_besides_the_add(group):
 
     g = post_grad(fn, torch.randn(T, 8), torch.randn(8, H), torch.randn(1, T, H),
                   torch.randn(H))
-    commfold.CommfoldPass(commfold.Config(passes=("fuse_allreduce_rmsnorm",), strict=True,
-                                          fuse_cost_rule=False))(g)
-    rep = commfold.last_report()
+    rep = _fuse(g)
     assert rep.count("fuse_allreduce_rmsnorm") == 0
     assert [m.reason for m in rep.near_misses] == [
         "the reduced value is read besides the residual add (the op returns only the sum "
@@ -143,9 +146,7 @@ def test_pass_skips_a_view_read_besides_the_add(group):
 def test_pass_refuses_a_repeating_broadcast(group):
     fn, inputs = _hook_block((2, T, H), True)
     g = post_grad(fn, *inputs)
-    commfold.CommfoldPass(commfold.Config(passes=("fuse_allreduce_rmsnorm",), strict=True,
-                                          fuse_cost_rule=False))(g)
-    rep = commfold.last_report()
+    rep = _fuse(g)
     assert rep.count("fuse_allreduce_rmsnorm") == 0
     assert [m.reason for m in rep.near_misses] == [
         "aten.add.Tensor broadcasts the all-reduce's [3, 16] against [2, 3, 16]: its "

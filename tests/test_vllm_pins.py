@@ -68,14 +68,34 @@ def test_pinned_reads_the_table_and_names_an_unpinned_function():
         pins.pinned("vllm.nowhere:f")
 
 
-@pytest.fixture
-def tool(tmp_path, monkeypatch):
-    """tools/vllm_release.py on copies of the registry and the table, its cache in
-    tmp_path, and no download: a test puts its fake wheels in WHEELS."""
+def _load_tool():
+    """tools/vllm_release.py as a module (tools/ is not a package)."""
     spec = importlib.util.spec_from_file_location("vllm_release",
                                                   ROOT / "tools" / "vllm_release.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def _trees_or_skip(wanted) -> dict[str, Path]:
+    """The cached source trees of claimed releases `wanted`, by version; a skip with the
+    reason when a wheel cannot be had (under CI=true only when the network failed)."""
+    trees = {}
+    for release in wanted:
+        try:
+            trees[release.version] = vllm_sources.tree(release.version, release.distribution)
+        except vllm_sources.Unavailable as e:
+            if e.network or os.environ.get("CI") != "true":
+                pytest.skip(f"{release.name()}: {e}")
+            raise
+    return trees
+
+
+@pytest.fixture
+def tool(tmp_path, monkeypatch):
+    """tools/vllm_release.py on copies of the registry and the table, its cache in
+    tmp_path, and no download: a test puts its fake wheels in WHEELS."""
+    module = _load_tool()
     for name, source in (("PINS", pins.TABLE), ("REGISTRY", releases.REGISTRY)):
         copy = tmp_path / source.name
         shutil.copy(source, copy)
@@ -190,17 +210,8 @@ def test_claimed_releases_pins_hold_in_their_wheels(capsys):
     their wheels downloaded once into the cache (harness.vllm_sources; $COMMFOLD_WHEELS
     looked in first). Skips, with the reason, when a wheel cannot be had; under CI=true
     only when the network failed (a missing wheel fails)."""
-    for release in releases.claimed():
-        try:
-            vllm_sources.tree(release.version, release.distribution)
-        except vllm_sources.Unavailable as e:
-            if e.network or os.environ.get("CI") != "true":
-                pytest.skip(f"{release.name()}: {e}")
-            raise
-    spec = importlib.util.spec_from_file_location("vllm_release",
-                                                  ROOT / "tools" / "vllm_release.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    _trees_or_skip(releases.claimed())
+    tool = _load_tool()
     assert tool.main(["check"]) == 0, capsys.readouterr().out
     assert "every pin holds" in capsys.readouterr().out
 
@@ -211,17 +222,8 @@ def test_a_claimed_release_removed_and_added_again_is_the_same_bytes(tmp_path, m
     claimed again from its wheel's tree with the tool: both files byte for byte as
     before (the hook sets that apply, the pins, the registry's line)."""
     newest = releases.newest()
-    try:
-        tree = vllm_sources.tree(newest.version, newest.distribution)
-        vllm_sources.tree(releases.claimed()[-2].version, releases.claimed()[-2].distribution)
-    except vllm_sources.Unavailable as e:
-        if e.network or os.environ.get("CI") != "true":
-            pytest.skip(f"{newest.name()}: {e}")
-        raise
-    spec = importlib.util.spec_from_file_location("vllm_release",
-                                                  ROOT / "tools" / "vllm_release.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tree = _trees_or_skip(releases.claimed()[-2:])[newest.version]  # the diff reads both
+    tool = _load_tool()
     for name, source in (("PINS", pins.TABLE), ("REGISTRY", releases.REGISTRY)):
         shutil.copy(source, tmp_path / source.name)
         monkeypatch.setattr(tool, name, tmp_path / source.name)
