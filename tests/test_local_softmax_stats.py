@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import commfold
 from commfold.distributed.comm_log import record_collectives
 
+from harness.draws import drawn
 from harness.softmax_programs import PROGRAMS, setup_mesh
 from harness.logit_cases import DTYPES, make_logits
 from test_local_argmax import SPECIALS, case_4_ranks_st, case_st
@@ -142,10 +143,9 @@ def test_same_results_2_ranks(ranks2, name, cases, dtype_name):
     _run(ranks2, name, dtype_name, cases)
 
 
-@settings(max_examples=1, deadline=None, suppress_health_check=list(HealthCheck))
-@given(case=case_4_ranks_st)
-def test_greedy_logprob_4_ranks(ranks4, case):
-    _run(ranks4, "greedy_logprob", "f32", [case])
+def test_greedy_logprob_4_ranks(ranks4):
+    """Two distinct drawn cases past hypothesis's simplest (harness.draws), one call."""
+    _run(ranks4, "greedy_logprob", "f32", drawn(case_4_ranks_st, 2))
 
 
 @pytest.mark.parametrize("name,dtype_name", [("greedy_logprob", "bf16"), ("logsumexp_temp", "f16"),
