@@ -271,7 +271,8 @@ class EngineRun(NamedTuple):
 
 def engine_set(tmp: Path, model: Path, dtype: str, runs: dict[str, EngineRun],
                torch_wrap: bool = False, replicate_max: str | None = None,
-               batches: bool = False, timeout: float = 900) -> dict[str, tuple]:
+               batches: bool = False, timeout: float = 900,
+               v2: bool = False) -> dict[str, tuple]:
     """Engine runs in one subprocess (this file run as a script: vLLM's imports paid
     once), one after another in `runs`' order, sharing vLLM's and Inductor's cache
     directories (fresh under `tmp`): per run name (tokens, reports, steps) - its greedy
@@ -280,12 +281,13 @@ def engine_set(tmp: Path, model: Path, dtype: str, runs: dict[str, EngineRun],
     per-rank engine step collective logs (read_step_logs). A "ray" run's processes
     get harness.ray_cpu's stand-in (the subprocess starts a Ray cluster). The
     subprocess's output is kept in tmp/engine-std{out,err}.txt.
-    replicate_max: COMMFOLD_REPLICATE_MAX_BYTES of the commfold runs (None: the default)."""
+    replicate_max: COMMFOLD_REPLICATE_MAX_BYTES of the commfold runs (None: the default).
+    v2: the engines on Model Runner V2 (engine_env's)."""
     import glob
 
     from commfold.distributed.comm_log import read_step_logs
 
-    env = engine_env(tmp)
+    env = engine_env(tmp, v2=v2)
     # the runner is a script of the checkout: its harness/ imports from the root
     root = Path(__file__).resolve().parents[1]
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))

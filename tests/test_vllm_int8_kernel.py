@@ -9,8 +9,8 @@
 - vLLM's AVX2 build with oneDNN capped at AVX2 (ONEDNN_MAX_CPU_ISA=AVX2: an AVX2 CPU
   without VNNI, Haswell to Zen 3, as vLLM and oneDNN see it): the int8 kernel exists
   and runs (so no int8 test is skipped for AVX2 as such), and oneDNN takes its
-  pre-VNNI ``gemm:jit``, whose int8 products are summed in pairs in 16 bits
-  (vpmaddubsw) and saturate: full-range weights (|w| up to 127, as every symmetric
+  pre-VNNI ``gemm:jit``, which saturates as 16-bit sums of u8 x s8 pairs (vpmaddubsw)
+  would: full-range weights (|w| up to 127, as every symmetric
   per-channel checkpoint has) come out far off, 7-bit weights exact. That is vLLM's
   output on such a CPU, with or without commfold (the engine pair compares the two, so
   it holds there too). Should oneDNN or vLLM change this, the test fails: update
