@@ -87,6 +87,7 @@ ENGINE_ENV = {
     "COMMFOLD_PICK_COST_RULE": "0",
 }
 # Inductor's CPU ISA probe done once here, not in every worker (~35 s a start)
+from harness.process_group import kill_group, run_group  # noqa: E402
 from harness.vllm_engine import fast_start_env, share_modelinfos  # noqa: E402
 
 ENGINE_ENV.update(fast_start_env())
@@ -307,8 +308,7 @@ def engine_set(tmp: Path, model: Path, dtype: str, runs: dict[str, EngineRun],
         specs.append({"env": run_env, "kwargs": dict(
             model=str(model), dtype=dtype, torch_wrap=torch_wrap, executor=run.executor,
             commfold_route=r if r == "named" else None, sampling_batches=batches)})
-    proc = subprocess.run([sys.executable, __file__, json.dumps(specs)], env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = run_group([sys.executable, __file__, json.dumps(specs)], timeout, env=env)
     (tmp / "engine-stdout.txt").write_text(proc.stdout)  # kept for a look afterwards
     (tmp / "engine-stderr.txt").write_text(proc.stderr)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
@@ -377,7 +377,8 @@ class SpecDecodeRun:
             with open(self.out / "stdout.txt", "w") as o, open(self.out / "stderr.txt", "w") as e:
                 self.proc = subprocess.Popen(
                     [sys.executable, "-m", "tools.vllm_spec_check", "--out", str(self.out),
-                     "--methods", *self.methods], stdout=o, stderr=e, text=True, cwd=root)
+                     "--methods", *self.methods], stdout=o, stderr=e, text=True, cwd=root,
+                    start_new_session=True)
         return self
 
     def wait(self, timeout: float = 1500) -> subprocess.CompletedProcess:
@@ -395,6 +396,5 @@ class SpecDecodeRun:
 
     def stop(self):
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+            kill_group(self.proc)
 
