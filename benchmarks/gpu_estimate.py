@@ -88,6 +88,12 @@ def logprobs_least(world: int = 2) -> int:
     return round(SIZES[-1] + extra * BYTES_PER_US / (world - 1))
 
 
+def sampled_least(world: int = 2, exchanges: int = 3) -> int:
+    """The same for a sampled step's exchanges (min_p's maxima, the bounds, the pair)."""
+    extra = exchanges * AG["eager"][0] - AG["eager"][-1]
+    return round(SIZES[-1] + extra * BYTES_PER_US / (world - 1))
+
+
 def per_exchange_least(world: int = 2) -> int:
     """DSpark's block: bytes of the one gather per exchange commfold makes instead
     (each a 2 KiB-class all-gather), past which the gather is the dearer (eager)."""
@@ -98,15 +104,13 @@ def per_exchange_least(world: int = 2) -> int:
 
 def estimate_rows(traffic: dict) -> list[dict]:
     """Per (shape, kind, C, TP) of traffic_bytes.json: each way's collectives in
-    microseconds (eager; commfold's exchanges as the step log listed them at TP=2, their
-    sizes the same at any TP), with the step's weight-read floor on H100 and H200."""
-    events = {}
+    microseconds (eager), with the step's weight-read floor on H100 and H200."""
+    per_row: dict[str, list[float]] = {}  # kind -> each exchange's bytes per row
     for name, kinds in traffic.get("measured", {}).items():
-        if name.endswith("-commfold") or name.endswith("-commfold-spec"):
+        if name.endswith("-commfold"):
             for kind, by_c in kinds.items():
-                for c, fig in by_c.items():
-                    events[(int(name.split("-")[0]), kind, int(c))] = \
-                        [e["bytes"] for e in fig["events"]]
+                c, fig = max(by_c.items(), key=lambda cf: int(cf[0]))
+                per_row[kind] = [e["bytes"] / int(c) for e in fig["events"]]
     out = []
     for r in traffic["rows"]:
         world, c = r["TP"], r["C"]
@@ -114,10 +118,10 @@ def estimate_rows(traffic: dict) -> list[dict]:
             continue
         gather = all_gather_us(r["gather"], world)
         lp = "logprobs" in r["kind"]
-        parts = events.get((r["vocab"], r["kind"], c))
-        if parts is None:
-            parts = [16 * c] if r["kind"] == "greedy" else \
-                [40 * c, 48 * c] if r["kind"] == "greedy+logprobs" else None
+        # commfold's exchanges as the TP=2 log listed them at the largest C measured,
+        # per row (their widths do not follow the world size or the vocab)
+        parts = [round(b * c) for b in per_row.get(r["kind"], [])] or \
+            ([16 * c] if r["kind"] == "greedy" else None)
         ours = exchanges_us(parts, world) if parts else None
         sharded = None
         if r["batch-sharded"] is not None:
@@ -153,6 +157,8 @@ def markdown(rows: list[dict]) -> str:
     lines += ["", "Cost rule entries derived from the same figures (commfold.cost, CUDA): "
               f"top-k logprobs local from {logprobs_least(2):,} B of logits per rank "
               f"(TP=2; {logprobs_least(4):,} at TP=4, {logprobs_least(8):,} at TP=8); "
+              f"sampled steps local from {sampled_least(2):,} B (TP=2; "
+              f"{sampled_least(8):,} at TP=8); "
               f"DSpark's block local from {per_exchange_least(2):,} B per exchange (TP=2); "
               "the greedy pick (one exchange instead of one gather) never slower."]
     return "\n".join(lines) + "\n"

@@ -59,6 +59,10 @@ BATCH_SHARDED_PICK = "vllm_batch_sharded_pick"
 LOCAL_PICK = "vllm_local_pick"
 # the same with top-k logprobs: two small exchanges (local_logprobs) against the gather
 LOCAL_LOGPROBS = "vllm_local_logprobs"
+# Model Runner V2's sampled steps from the shards (the draw, sampled verification):
+# up to three small exchanges (min_p's maxima, the top-k / top-p bounds, the pair) or more
+# with logprobs, against the gather
+SAMPLED_PICK = "vllm_sampled_pick"
 # DSpark's greedy draft block: one (value, index) exchange per position from the base
 # logits' shard (commfold.vllm.spec_decode.dspark_pick) or vLLM's one gather of the block's logits
 DSPARK_PICK = "vllm_dspark_pick"
@@ -171,6 +175,10 @@ TABLE: dict[Key, Limit] = {
     # 128 KiB + 11.0 us at 370 GB/s per rank (TP=2, the most; fewer bytes at TP=4 / 8)
     Key(LOCAL_LOGPROBS, "cuda"): Limit(_PICK_CUDA, least=4_201_072,
                                        figure="estimated from published H100 NCCL figures"),
+    # a sampled step's three exchanges against the gather: equal at 128 KiB + 25.6 us at
+    # 370 GB/s per rank (TP=2; a step with logprobs makes more: not told apart)
+    Key(SAMPLED_PICK, "cuda"): Limit(_PICK_CUDA, least=9_591_972,
+                                     figure="estimated from published H100 NCCL figures"),
     # DSpark's block: each exchange 14.57 us, worth 5.39 MB of gather at 370 GB/s (TP=2)
     Key(DSPARK_PICK, "cuda"): Limit(_PICK_CUDA, least=5_390_900,
                                     figure="estimated from published H100 NCCL figures, "
@@ -334,5 +342,6 @@ CHECKS: dict[str, Callable[[Site, Limit | None, Config | None], str | None]] = {
     BATCH_SHARDED_PICK: _batch_sharded_pick,
     LOCAL_PICK: _local_pick,
     LOCAL_LOGPROBS: _local_pick,
+    SAMPLED_PICK: _local_pick,
     DSPARK_PICK: _dspark_pick,
 }

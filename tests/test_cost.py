@@ -118,6 +118,11 @@ def test_the_pick_rule_per_engine_step_and_its_switch(monkeypatch):
     assert "cost rule: 16 row(s)" in pick_cost.slower("logprobs", 16, *args)
     assert pick_cost.slower("draft", 1, *args) is None
     assert pick_cost.slower("logprobs", 28, *args) is None
+    # a sampled step's three exchanges: vLLM's below 64 rows of V=151936 at TP=2
+    assert "cost rule: 63 row(s)" in pick_cost.slower("sample", 63, *args)
+    assert pick_cost.slower("sample", 64, *args) is None
+    assert pick_cost.slower("sample", 1, torch.bfloat16, "cpu", "vllm_shm:0", 151936, 2) \
+        is None
     assert pick_cost.slower("logprobs", 1, torch.bfloat16, "cpu", "vllm_shm:0", 151936, 2)
     monkeypatch.setenv(pick_cost.ENV, "0")
     assert pick_cost.slower("logprobs", 16, *args) is None

@@ -26,6 +26,10 @@ def test_cost_rule_cuda_entries_are_the_estimates():
                                              1, 151936, 2))
     dspark = cost.limit_for(cost.dspark_site("cuda", cost.VLLM, bf16, 1, 2, 151936, 2))
     assert logprobs.least == g.logprobs_least(2)
+    sampled = cost.limit_for(cost.pick_site(cost.SAMPLED_PICK, "cuda", cost.VLLM, bf16,
+                                            1, 151936, 2))
+    assert sampled.least == g.sampled_least(2)
+    assert abs(g.all_gather_us(g.sampled_least(2), 2) - 3 * g.AG["eager"][0]) < 1e-3
     assert dspark.least == g.per_exchange_least(2)
     # at the derived size the gather costs what the two exchanges do
     assert abs(g.all_gather_us(g.logprobs_least(2), 2) - 2 * g.AG["eager"][0]) < 1e-3
