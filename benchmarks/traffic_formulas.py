@@ -16,7 +16,8 @@ ITEM = 2  # bf16 logits
 PAIR = 16  # commfold's (value bits, token id) int64 pair per row (payload.first_max)
 # local_logprobs: round one, five float64 per row (M, log-sum-exp, first argmax,
 # candidates, the target's logit); round two, one int64 count and `width` packed
-# candidates per row, width <= k (ops/local_logprobs.py _round_one / _round_two)
+# candidates per row, width the most candidates a rank holds for the top k - k or more:
+# ties take them all (ops/local_logprobs.py _round_one / _round_two)
 ROUND_ONE = 5 * 8
 
 
@@ -61,8 +62,24 @@ def ours_greedy(rows: int) -> int:
     return rows * PAIR
 
 
+def ours_sampled(rows: int, vocab: int, world: int, top_k: int | None, top_p: float,
+                 min_p: bool) -> int:
+    """A sampled step from the shards (commfold.vllm.sample.sampled_pick): min_p's row
+    maxima (one float32 per row, sampling_params.process), the top-k / top-p bounds'
+    all-gather (commfold.shard.bounds.exchanged_bytes) and the draw's (value, index,
+    rival) int64 triple (payload.first_max with a rival)."""
+    import torch
+
+    from commfold.shard import bounds
+
+    k = torch.tensor([top_k if top_k else vocab])
+    cut = bounds.exchanged_bytes(rows, k, torch.tensor([top_p]), vocab, shard(vocab, world)) \
+        if (top_k or top_p < 1.0) else 0
+    return rows * (4 * min_p + 3 * 8) + cut
+
+
 def ours_logprobs(rows: int, width: int) -> int:
-    """local_logprobs' two exchanges (the pick rides in round one)."""
+    """local_logprobs' two exchanges (the pick rides in round one), `width` candidates."""
     return rows * (ROUND_ONE + 8 * (1 + width))
 
 
