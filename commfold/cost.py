@@ -59,6 +59,10 @@ BATCH_SHARDED_PICK = "vllm_batch_sharded_pick"
 LOCAL_PICK = "vllm_local_pick"
 # the same with top-k logprobs: two small exchanges (local_logprobs) against the gather
 LOCAL_LOGPROBS = "vllm_local_logprobs"
+# Model Runner V2's sampled steps from the shards (the draw, sampled verification):
+# up to three small exchanges (min_p's maxima, the top-k / top-p bounds, the pair) or more
+# with logprobs, against the gather
+SAMPLED_PICK = "vllm_sampled_pick"
 # DSpark's greedy draft block: one (value, index) exchange per position from the base
 # logits' shard (commfold.vllm.spec_decode.dspark_pick) or vLLM's one gather of the block's logits
 DSPARK_PICK = "vllm_dspark_pick"
@@ -136,8 +140,9 @@ _FUSE_GLOO = "docs/performance.md, \"The fused norm's cost rule\" (gloo)"
 _REPLICATE = "benchmarks/results/results.md, `replicate`"
 _PICK_CPU = "benchmarks/results/target_pick_rule.md"
 _DSPARK_CPU = "benchmarks/results/dspark_pick.md"
-# not commfold's measurement: SGLang's (sgl-project/sglang#37106), until the GPU check
-_PICK_CUDA = "docs/performance.md, \"The target pick's cost rule\""
+# not commfold's measurement: an estimate from published NCCL figures on H100 NVLink
+# (SGLang's bench_symm.sh, nccl-tests#212), benchmarks/gpu_estimate.py, until the GPU check
+_PICK_CUDA = "docs/performance.md, \"GPU estimate: what the bytes are worth\""
 
 TABLE: dict[Key, Limit] = {
     Key(FUSE, "cpu", SHM, 4): Limit(_FUSE_SHM, least=256 << 10),
@@ -164,14 +169,19 @@ TABLE: dict[Key, Limit] = {
                                         figure="0.91-1.10x at 1 KiB per exchange"),
     Key(DSPARK_PICK, "cpu", GLOO): Limit(_DSPARK_CPU, least=64 << 10,
                                          figure="0.25-0.86x up to 32000 B per exchange"),
-    # assumed: a collective's fixed latency on GPUs (SGLang's draft local argmax: slower
-    # than the plain gather at 1-16 rows of V=151936)
-    Key(LOCAL_PICK, "cuda"): Limit(_PICK_CUDA, least=17 * 75968 * 2,
-                                   figure="assumed from SGLang's GPU measurement"),
-    Key(LOCAL_LOGPROBS, "cuda"): Limit(_PICK_CUDA, least=17 * 75968 * 2,
-                                       figure="assumed from SGLang's GPU measurement"),
-    Key(DSPARK_PICK, "cuda"): Limit(_PICK_CUDA, least=17 * 75968 * 2,
-                                    figure="assumed from SGLang's GPU measurement, "
+    # estimated, eager NCCL on H100 / H200 NVLink (benchmarks/gpu_estimate.py): the
+    # greedy pick's one exchange is never dearer than the one gather it replaces (no
+    # entry); top-k logprobs' two exchanges (2 x 14.57 us) cost more than a gather below
+    # 128 KiB + 11.0 us at 370 GB/s per rank (TP=2, the most; fewer bytes at TP=4 / 8)
+    Key(LOCAL_LOGPROBS, "cuda"): Limit(_PICK_CUDA, least=4_201_072,
+                                       figure="estimated from published H100 NCCL figures"),
+    # a sampled step's three exchanges against the gather: equal at 128 KiB + 25.6 us at
+    # 370 GB/s per rank (TP=2; a step with logprobs makes more: not told apart)
+    Key(SAMPLED_PICK, "cuda"): Limit(_PICK_CUDA, least=9_591_972,
+                                     figure="estimated from published H100 NCCL figures"),
+    # DSpark's block: each exchange 14.57 us, worth 5.39 MB of gather at 370 GB/s (TP=2)
+    Key(DSPARK_PICK, "cuda"): Limit(_PICK_CUDA, least=5_390_900,
+                                    figure="estimated from published H100 NCCL figures, "
                                     "per exchange"),
 }
 
@@ -332,5 +342,6 @@ CHECKS: dict[str, Callable[[Site, Limit | None, Config | None], str | None]] = {
     BATCH_SHARDED_PICK: _batch_sharded_pick,
     LOCAL_PICK: _local_pick,
     LOCAL_LOGPROBS: _local_pick,
+    SAMPLED_PICK: _local_pick,
     DSPARK_PICK: _dspark_pick,
 }

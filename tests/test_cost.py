@@ -89,8 +89,9 @@ def test_batch_sharded_pick_weighs_bytes_moved():
 
 def test_the_pick_rule_weighs_the_gathered_bytes():
     """vLLM's token picks: one exchange (greedy, verify, the drafter's pick) is never
-    slower on the CPU communicators; two (top-k logprobs) are below a few rows'
-    logits; on CUDA the assumed limit is 17 rows of V=151936 at TP=2 in 16 bits."""
+    slower on the CPU communicators nor, by the GPU estimate, on CUDA; two (top-k
+    logprobs) are below a few rows' logits, on CUDA below the estimate's bytes (28 rows
+    of V=151936 at TP=2 in 16 bits)."""
     bf16 = torch.bfloat16
 
     def site(rule, device, comm, rows, vocab=151936):
@@ -101,9 +102,10 @@ def test_the_pick_rule_weighs_the_gathered_bytes():
         assert cost.why_slower(site(cost.LOCAL_LOGPROBS, "cpu", comm, local_from // 2))
         assert cost.why_slower(site(cost.LOCAL_LOGPROBS, "cpu", comm, local_from)) is None
     assert site(cost.LOCAL_PICK, "cpu", cost.SHM, 3, vocab=1001).nbytes == 3 * 501 * 2
-    why = cost.why_slower(site(cost.LOCAL_PICK, "cuda", cost.VLLM, 16))
-    assert why and "16 row(s)" in why and "SGLang" in why
-    assert cost.why_slower(site(cost.LOCAL_PICK, "cuda", cost.VLLM, 17)) is None
+    assert cost.why_slower(site(cost.LOCAL_PICK, "cuda", cost.VLLM, 1)) is None
+    why = cost.why_slower(site(cost.LOCAL_LOGPROBS, "cuda", cost.VLLM, 27))
+    assert why and "27 row(s)" in why and "GPU estimate" in why
+    assert cost.why_slower(site(cost.LOCAL_LOGPROBS, "cuda", cost.VLLM, 28)) is None
 
 
 def test_the_pick_rule_per_engine_step_and_its_switch(monkeypatch):
@@ -113,11 +115,17 @@ def test_the_pick_rule_per_engine_step_and_its_switch(monkeypatch):
     from commfold.vllm.target import pick_cost
 
     args = (torch.bfloat16, "cuda", "vllm:tp:0", 151936, 2)
-    assert "cost rule: 16 row(s)" in pick_cost.slower("draft", 16, *args)
-    assert pick_cost.slower("greedy", 17, *args) is None
+    assert "cost rule: 16 row(s)" in pick_cost.slower("logprobs", 16, *args)
+    assert pick_cost.slower("draft", 1, *args) is None
+    assert pick_cost.slower("logprobs", 28, *args) is None
+    # a sampled step's three exchanges: vLLM's below 64 rows of V=151936 at TP=2
+    assert "cost rule: 63 row(s)" in pick_cost.slower("sample", 63, *args)
+    assert pick_cost.slower("sample", 64, *args) is None
+    assert pick_cost.slower("sample", 1, torch.bfloat16, "cpu", "vllm_shm:0", 151936, 2) \
+        is None
     assert pick_cost.slower("logprobs", 1, torch.bfloat16, "cpu", "vllm_shm:0", 151936, 2)
     monkeypatch.setenv(pick_cost.ENV, "0")
-    assert pick_cost.slower("draft", 16, *args) is None
+    assert pick_cost.slower("logprobs", 16, *args) is None
 
 
 def test_sampled_verification_is_left_where_it_sends_no_fewer_bytes(monkeypatch):

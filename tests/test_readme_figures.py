@@ -6,8 +6,8 @@ row cites, up to rounding to the printed digits.
 A row of the table is `| figure | plain → commfold | speed-up | source |`:
 - source: a link to the results file, then the record in it in backticks: a figure of
   results.json (`local_argmax`, `sampling`, `allreduce_rmsnorm`, `replicate`,
-  `decode`), or a spec-decoding method of vllm_engine.json (`none`, `draft_model`,
-  `eagle3`);
+  `decode`), a spec-decoding method of vllm_engine.json (`none`, `draft_model`,
+  `eagle3`), or a traffic kind of traffic_bytes.json (`greedy`, `chat-top-p`, ...);
 - figure: the row's parameters as the results file names them (B=, V=, T=, H=, r=,
   C=, TP=; TP=2 unless given), plus the words that pick a case (f32 / bf16 / fp16,
   top-k / logprob, embedding / head), and for a replicated layer its full weight
@@ -136,6 +136,20 @@ def _engine_figure(data: dict, method: str, label: str, unit: str) -> dict:
     raise AssertionError(f"{label!r}: unit {unit!r} is not one of tok/s, B")
 
 
+def _traffic_figure(data: dict, kind: str, label: str, unit: str) -> dict:
+    """traffic_bytes.json: bytes per decode step per rank of one traffic kind, vLLM's
+    gather vs commfold, at the label's C=, TP= (2 unless given) and V=."""
+    assert unit == "B", f"{label!r}: traffic rows are bytes (B), not {unit!r}"
+    p = _label_params(label)
+    want = {"kind": kind, "C": p.get("C"), "TP": p.get("TP", 2), "vocab": p.get("V")}
+    assert want["C"] and want["vocab"], f"{label!r}: a traffic row names C= and V="
+    rows = [r for r in data.get("rows", []) if all(r[k] == v for k, v in want.items())]
+    assert rows, f"{label!r}: no row of traffic_bytes.json is {want}"
+    plain, mine = rows[0]["gather"], rows[0]["commfold"]
+    assert all((r["gather"], r["commfold"]) == (plain, mine) for r in rows), want
+    return {"plain": plain, "commfold": mine, "ratio": plain / mine if mine else None}
+
+
 def check(readme: str, root: Path = ROOT, only_line: int | None = None) -> list[str]:
     """Every disagreement between the README's performance table and the files it cites
     (only_line: the row on that line of the README only)."""
@@ -175,6 +189,8 @@ def check(readme: str, root: Path = ROOT, only_line: int | None = None) -> list[
                 truth = _suite_figure(data, record.group(1), label, unit)
             elif Path(path).name == "vllm_engine.json":
                 truth = _engine_figure(data, record.group(1), label, unit)
+            elif Path(path).name == "traffic_bytes.json":
+                truth = _traffic_figure(data, record.group(1), label, unit)
             else:
                 raise AssertionError(f"no reader for {path}")
         except (AssertionError, KeyError) as e:

@@ -9,6 +9,10 @@
 #   bash tools/gpu_check.sh             on the GPU machine, from the checkout's root,
 #                                       build/gpu-wheels carried along: under 5 minutes;
 #                                       exit status pytest's (0: all passed or skipped)
+#   bash tools/gpu_check.sh --pick-time on the GPU machine: only the GPU estimate's
+#                                       compute side (tools/gpu_pick_time.py: torch
+#                                       alone, no wheels, ~1 minute; table also to
+#                                       $OUT/gpu_pick_time.{md,json})
 #
 # commfold runs from the working tree (PYTHONPATH=.). Whatever the machine's Python
 # lacks of those wheels' packages is installed from them alone (--no-index) into
@@ -94,8 +98,15 @@ print("gpu check: torch", torch.__version__, "| CUDA GPU:",
   return "$status"
 }
 
+pick_time() {  # one GPU: a rank's pick work over its shard vs the full row's
+  local timeout=()
+  command -v timeout >/dev/null && timeout=(timeout -k 10 "${PICK_TIME_TIMEOUT:-240}")
+  ${timeout[@]+"${timeout[@]}"} "$PY" tools/gpu_pick_time.py ${OUT:+--out "$OUT"}
+}
+
 case "${1:-}" in
   --prepare) prepare ;;
+  --pick-time) pick_time ;;
   "") install_missing || exit 2; run_checks ;;
-  *) echo "usage: bash tools/gpu_check.sh [--prepare]" >&2; exit 2 ;;
+  *) echo "usage: bash tools/gpu_check.sh [--prepare | --pick-time]" >&2; exit 2 ;;
 esac

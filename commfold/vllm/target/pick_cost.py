@@ -36,7 +36,8 @@ def slower(mode: str, rows: int, dtype: torch.dtype, device: str, comm_spec: str
     it)."""
     if not enabled():
         return None
-    rule = cost.LOCAL_LOGPROBS if mode in ("logprobs", "sample_logprobs") else cost.LOCAL_PICK
+    rule = (cost.SAMPLED_PICK if mode in ("sample", "sample_logprobs", "verify_sampled")
+            else cost.LOCAL_LOGPROBS if mode == "logprobs" else cost.LOCAL_PICK)
     return cost.why_slower(cost.pick_site(rule, device, _comm(comm_spec, device), dtype,
                                           rows, vocab, world))
 
