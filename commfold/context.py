@@ -6,7 +6,8 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from commfold.config import Config
-from commfold.report import AlreadyDone, Comm, NearMiss, Report, Rewrite, source_location
+from commfold.report import (AlreadyDone, Comm, NearMiss, Report, Rewrite, source_code,
+                             source_location)
 
 
 @dataclass
@@ -26,7 +27,7 @@ class PassContext:
         """Record a near-miss. `reason` must not hold rank-local values (shard bounds,
         handles): reasons enter the rank-consistency fingerprint."""
         self.report.near_misses.append(
-            NearMiss(self.pass_name, pattern, source_location(node), reason))
+            NearMiss(self.pass_name, pattern, source_location(node), reason, source_code(node)))
 
     def already(self, pattern: str, node: fx.Node, by: str) -> None:
         """Record a site another library already rewrote as this pass would."""

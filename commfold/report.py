@@ -44,6 +44,7 @@ class NearMiss:
     pattern: str
     location: str
     reason: str
+    code: str = ""  # the user's line of source at location (source_code), if known
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,7 @@ class Report:
             lines.append(f"  already done [{a.pass_name}/{a.pattern}] at {a.location}: by {a.by}")
         for m in self.near_misses:
             lines.append(f"  near-miss [{m.pass_name}/{m.pattern}] at {m.location}: {m.reason}")
+            lines += code_lines(m.code)
         for e in self.errors:
             lines.append(f"  ERROR in {e.pass_name}: {e.error} (graph left unchanged by it)")
         return "\n".join(lines)
@@ -164,15 +166,49 @@ _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 def source_location(node) -> str:
     """`file:line (function)` of the user code that produced node, from its stack trace,
     and ` in <module path>` when the node came from inside an nn.Module (a shared
-    helper's line - vLLM's RMSNorm op, say - then still says which layer it was)."""
-    trace = node.meta.get("stack_trace") or ""
-    frames = _FRAME.findall(trace)
+    helper's line - vLLM's RMSNorm op, say - then still says which layer it was).
+    The user's code is the innermost frame outside torch itself (`dist.all_reduce`'s
+    own frames, F.rms_norm's, are not what a user edits)."""
+    frames = _frames(node)
     if not frames:
         return f"<graph node {node.name}>"
-    path, line, fn = frames[-1]
+    path, line, fn, _ = frames[-1]
     short = "/".join(path.split("/")[-2:])
     module = module_path(node)
     return f"{short}:{line} ({fn})" + (f" in {module}" if module else "")
+
+
+def source_code(node) -> str:
+    """The user's line of source that produced node (`h = residual + out`), as its
+    stack trace quotes it under source_location's frame; '' when there is none."""
+    frames = _frames(node)
+    return frames[-1][3] if frames else ""
+
+
+def _frames(node) -> list[tuple[str, str, str, str]]:
+    """(path, line, function, code) of node's stack trace, innermost last; torch's own
+    frames dropped when any other is left."""
+    lines = (node.meta.get("stack_trace") or "").splitlines()
+    frames = []
+    for i, ln in enumerate(lines):
+        m = _FRAME.search(ln)
+        if m:
+            after = lines[i + 1] if i + 1 < len(lines) else ""
+            frames.append((m[1], m[2], m[3], "" if _FRAME.search(after) else after.strip()))
+    torch_dir = _torch_dir()
+    mine = [f for f in frames if not f[0].startswith(torch_dir)]
+    return mine or frames
+
+
+def _torch_dir() -> str:
+    import torch
+
+    return os.path.dirname(torch.__file__) + os.sep
+
+
+def code_lines(code: str, indent: str = "      ") -> list[str]:
+    """A near-miss's source line as reports print it, under the near-miss ('' : none)."""
+    return [f"{indent}| {code}"] if code else []
 
 
 def module_path(node) -> str:

@@ -16,8 +16,9 @@ program runs several rewrite sites (and distractors) in ONE compiled graph:
   branch (``x * c`` or ``x / c``: Granite's residual multiplier, MiniCPM's scale_depth;
   by a 0-d tensor of x's dtype, a graph input: Gemma's ``x *= normalizer``)
   -> optional residual add (also over a leading size-1 dim: a hook's [T, H] output
-  added to a [1, T, H] residual stream) -> RMSNorm (hand-written, F.rms_norm, Gemma 1 + w) in
-  f32 / bf16. Distractor: a max / avg / min reduction (not a sum): no fusion.
+  added to a [1, T, H] residual stream, or viewed back to [1, T, H] first) -> RMSNorm
+  (hand-written, F.rms_norm, Gemma 1 + w) in f32 / bf16. Distractor: a max / avg /
+  min reduction (not a sum): no fusion.
 - ``embed``: vocab-parallel embedding (range mask, offset, lookup, zero rows,
   all-reduce) with masked_fill or where, funcol or in-place all-reduce.
 - ``lm_head``: hidden @ weight shard.T -> gather -> slice -> argmax.
@@ -46,6 +47,10 @@ TOPK, STATS = "local_topk", "local_softmax_stats"
 PICK_PASS = {"argmax": LA, "max": LA, "topk": LA, "topk3": TOPK, "logprob": STATS}
 
 # ------------------------------------------------------------------ strategies
+
+# views of the reduced [T, H] value adding the leading 1 back before the residual add:
+# y.unsqueeze(0), y.reshape(1, -1, H), y.view(1, T, H), y[None]
+VIEWS_BACK = ("unsqueeze", "reshape", "view", "index")
 
 seeds = st.integers(0, 2**16)
 
@@ -89,8 +94,8 @@ norm_block = st.fixed_dictionaries({
                                  st.sampled_from([0.22, -1.5, 45.25]))),
     # a hook's TP spelling, broadcast over a leading 1 (patterns.broadcast): the
     # residual [1, T, H] ("res1"), the all-reduced input [1, T, H] ("x1"), or the
-    # reduced value unsqueezed before the add ("unsqueeze", residual [1, T, H])
-    "broadcast": st.sampled_from([None, None, "res1", "x1", "unsqueeze"]),
+    # reduced value viewed as [1, T, H] before the add (VIEWS_BACK, residual [1, T, H])
+    "broadcast": st.sampled_from([None, None, "res1", "x1", *VIEWS_BACK]),
 })
 embed_block = st.fixed_dictionaries({
     "kind": st.just("embed"), "seed": seeds,
@@ -207,7 +212,7 @@ def block_inputs(b: dict) -> list:
         x, r = xs[rank], r
         if b.get("broadcast") == "x1":
             x = x.unsqueeze(0)
-        elif b.get("broadcast") in ("res1", "unsqueeze"):
+        elif b.get("broadcast") in ("res1", *VIEWS_BACK):
             r = r.unsqueeze(0)
         return [x.to(dtype), r.to(dtype), w.to(dtype)]
     if b["kind"] == "embed":
@@ -338,11 +343,22 @@ def _norm(b, x, r, w):
         y = scale_branch(y, scale[1], scale[0])
     elif scale is not None:
         y = y * scale
-    if b.get("broadcast") == "unsqueeze" and b["residual"]:
-        y = y.unsqueeze(0)
+    if b.get("broadcast") in VIEWS_BACK and b["residual"]:
+        y = _view_back(y, b["broadcast"])
     if b["residual"]:
         y = y + r
     return _rms(y, w, b["eps"], b["norm"]), y
+
+
+def _view_back(y, how):
+    """The reduced [T, H] value viewed as [1, T, H] before the residual add."""
+    if how == "unsqueeze":
+        return y.unsqueeze(0)
+    if how == "reshape":
+        return y.reshape(1, -1, y.shape[-1])
+    if how == "view":
+        return y.view(1, *y.shape)
+    return y[None]  # "index"
 
 
 def _embed(b, ids, shard):

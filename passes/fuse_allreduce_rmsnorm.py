@@ -54,6 +54,7 @@ from __future__ import annotations
 import operator
 
 import torch
+import torch.fx as fx
 from torch._higher_order_ops.auto_functionalize import auto_functionalized
 from torch._inductor import config as inductor_config
 from torch._inductor.fx_utils import get_node_storage
@@ -84,7 +85,11 @@ def run(ctx: PassContext) -> None:
     two_shot = ctx.config.two_shot_min_bytes
     for ar, scale, norm in ctx.matches(PATTERN, allreduce_candidates(ctx.graph),
                                        _allreduce_norm):
-        why = _unsafe(ar, scale, norm) or (ctx.config.fuse_cost_rule and _slower(ar))
+        unsafe = _unsafe(ar, scale, norm)
+        if unsafe is not None:  # recorded at the node that failed: the user's line
+            ctx.skipped(PATTERN, *unsafe)
+            continue
+        why = ctx.config.fuse_cost_rule and _slower(ar)
         if why:
             ctx.skipped(PATTERN, norm.output, why)
             continue
@@ -125,27 +130,33 @@ def _slower(ar: AllReduce) -> str | None:
     return cost.why_slower(cost.Site(cost.FUSE, device, comm, x.dtype, min_nbytes(x)))
 
 
-def _unsafe(ar: AllReduce, scale: ResidualScale | None, norm: RMSNorm) -> str | None:
+def _unsafe(ar: AllReduce, scale: ResidualScale | None,
+            norm: RMSNorm) -> tuple[fx.Node, str] | None:
+    """(the node that fails, why) when the fusion would change the program, else None."""
     if ar.reduce_op != "sum":
-        return f"'{ar.reduce_op}' all-reduce (only a sum can be fused with the add)"
+        return ar.collective, \
+            f"'{ar.reduce_op}' all-reduce (only a sum can be fused with the add)"
     dtype = fake_tensor(ar.input).dtype
     if dtype not in SUPPORTED_DTYPES or norm.dtype != dtype:
-        return f"unsupported dtype {dtype} (norm input {norm.dtype})"
+        return ar.collective, f"unsupported dtype {dtype} (norm input {norm.dtype})"
     if scale is not None and len(ar.reduced.users) > 1:
-        return "the reduced value is read besides its scale (the op returns the scaled value)"
+        return scale.scaled, \
+            "the reduced value is read besides its scale (the op returns the scaled value)"
     if norm.residual is not None and (len(norm.x.users) > 1 or norm.x_view is not None
                                       and len(norm.x_view.users) > 1):
-        return (f"the {'scaled' if scale else 'reduced'} value is read besides the residual "
-                "add (the op returns only the sum with the residual)")
+        return norm.h or norm.output, (
+            f"the {'scaled' if scale else 'reduced'} value is read besides the residual "
+            "add (the op returns only the sum with the residual)")
     if scale is not None and not scale.identity \
             and fake_tensor(ar.input).device.type in flashinfer_norm.DEVICE_TYPES:
-        return flashinfer_norm.NO_SCALE
+        return scale.scaled, flashinfer_norm.NO_SCALE
     # FX nodes compare by graph position (O(1)): no per-match walk of the graph
     last_input = _last_operand(ar, scale, norm)
     readers = [u for n in (norm.h, norm.output) if n is not None for u in n.users
                if u not in norm.inner and u is not norm.output]
-    if any(not u > last_input for u in readers):
-        return "the norm's operands are defined after readers of its result"
+    early = [u for u in readers if not u > last_input]
+    if early:
+        return early[0], "the norm's operands are defined after readers of its result"
     return None
 
 

@@ -73,4 +73,4 @@ def match_allreduce(coll: fx.Node) -> Verdict[AllReduce]:
                         coll)
         return AllReduce(data, outs[0], "sum", CommKind.VLLM_SHM.spec(handle), coll,
                          (coll, outs[0]))
-    return Miss("not an all-reduce", coll)
+    return Miss("not an all-reduce spelling commfold knows", coll)

@@ -11,9 +11,10 @@ number or a 0-d tensor of the value's dtype (patterns.residual_scale), one resid
 add of a tensor of the same dtype and shape (or one differing by leading size-1
 dims, read through a view adding or removing them: patterns.broadcast), casts
 to f32 anywhere. The first op
-that breaks this order is named; when the path fits it and still nothing matched, the
-norm's first op is. An add that would repeat an operand's elements (a true
-broadcast) is named with whose.
+that breaks this order is named with the property that failed (an add of another
+dtype, an add that would repeat an operand's elements - a true broadcast - and whose,
+a view that is not a leading-1 view, a second scale or add, a scale by a tensor);
+when the path fits it and still nothing matched, the norm's first op is.
 """
 from __future__ import annotations
 
@@ -33,23 +34,21 @@ _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default,
           aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default, aten.expand.default,
           aten.permute.default, aten.slice.Tensor, aten.select.int, aten._to_copy.default,
           aten.alias.default)
+_CASTS = (aten._to_copy.default,)
 
 
 def unmatched_norm(value: fx.Node, hops: int = HOPS) -> Miss | None:
     """A Miss naming what stops the fusion when an RMSNorm is within `hops`
-    elementwise ops of value (call it when no recognizer matched); else None."""
+    elementwise ops of value (call it when no recognizer matched), and the property
+    of that op that failed (shape, dtype, order); else None."""
     path = norm_path(value, hops)
     if path is None:
         return None
     stop = _first_off_spelling(path)
     if stop is not None:
-        node, prev = stop
-        other = _other(node, prev)  # an add of a tensor that repeats elements: whose
-        who = repeated(prev, other, node) if other is not None else None
-        if other is not None and who is not None:
-            return Miss(f"{op_label(node)} broadcasts the all-reduce's {shape_text(prev)} "
-                        f"against {shape_text(other)}: {who} elements would be repeated", node)
-        return Miss(f"{op_label(node)} between all_reduce and rmsnorm", node)
+        node, prev, why = stop
+        return Miss(why or f"{op_label(node)} between all_reduce and rmsnorm: "
+                    "not a residual add, one scale by a constant or a float32 upcast", node)
     return Miss(f"rmsnorm starting at {op_label(path[-1])} matched no spelling", path[-1])
 
 
@@ -108,9 +107,9 @@ def _elementwise(node: fx.Node) -> bool:
     return isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags
 
 
-def _first_off_spelling(path: list[fx.Node]) -> tuple[fx.Node, fx.Node] | None:
+def _first_off_spelling(path: list[fx.Node]) -> tuple[fx.Node, fx.Node, str | None] | None:
     """The first op between the ends of path that the spellings do not take there,
-    and the value on the path it reads."""
+    the value on the path it reads, and why (None: no more specific reason)."""
     scale_ok, add_ok = True, True
     prev = path[0]
     for i, n in enumerate(path[1:-1], 1):
@@ -123,9 +122,50 @@ def _first_off_spelling(path: list[fx.Node]) -> tuple[fx.Node, fx.Node] | None:
         elif _upcast(n):
             scale_ok = False
         else:
-            return n, prev
+            return n, prev, _why(n, prev, add_ok)
         prev = n
     return None
+
+
+def _why(node: fx.Node, x: fx.Node, add_ok: bool) -> str | None:
+    """What of node, reading the value x on the way to the norm, no spelling takes."""
+    label = op_label(node)
+    if is_call(node, aten.add.Tensor) and add_ok:
+        other = _operand(node, x)
+        if other is not None and dtype_of(other) != dtype_of(x):
+            return (f"{label} adds the all-reduce's {dtype_of(x)} {shape_text(x)} to a "
+                    f"{dtype_of(other)} operand: dtypes differ (the fused op adds in the "
+                    "all-reduce's dtype)")
+        if other is not None:
+            who = repeated(x, other, node)
+            if who is not None:
+                return (f"{label} broadcasts the all-reduce's {shape_text(x)} against "
+                        f"{shape_text(other)}: {who} elements would be repeated")
+    if node.target in _VIEWS and node.target not in _CASTS:
+        return (f"{label} views the all-reduce's {shape_text(x)} as {shape_text(node)}: "
+                "not only leading size-1 dims added or removed before a residual add")
+    if scale_of(node, x) is not None:
+        return (f"{label} scales the all-reduce's value a second time (one scale is fused)"
+                if add_ok else f"{label} scales the sum after the residual add (a scale is "
+                "fused only before the add)")
+    other = _operand(node, x)
+    if is_call(node, aten.mul.Tensor, aten.div.Tensor) and other is not None:
+        verb = "multiplies" if is_call(node, aten.mul.Tensor) else "divides"
+        return (f"{label} {verb} the all-reduce's {dtype_of(x)} {shape_text(x)} by a "
+                f"{dtype_of(other)} {shape_text(other)} tensor: a scale is a number or a 0-d "
+                "tensor of the value's dtype")
+    if is_call(node, aten.add.Tensor) and not add_ok:
+        return f"{label} is a second add after the residual add (one add is fused)"
+    return None
+
+
+def _operand(node: fx.Node, x: fx.Node) -> fx.Node | None:
+    """The other tensor operand of a binary node reading x once."""
+    if len(node.args) != 2:
+        return None
+    a, b = node.args
+    other = b if a is x else a if b is x else None
+    return other if isinstance(other, fx.Node) and other is not x else None
 
 
 def _residual_add(node: fx.Node, x: fx.Node) -> bool:

@@ -103,7 +103,7 @@ def _adds_of(x: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
 def _match_f32_sum(x, up, s) -> Recognized[RMSNorm]:
     """s = convert(x, f32) + convert(residual, f32): vLLM's fused add + norm."""
     cr = _other(s, up)
-    if isinstance(cr, fx.Node) and dtype_of(cr) == torch.float32 and same_shape(cr, x) \
+    if isinstance(cr, fx.Node) and dtype_of(cr) == torch.float32 and leading_ones_only(cr, x) \
             and not _cast_to(cr, torch.float32) and any(_is_square(u, s) for u in s.users):
         return Miss(f"the residual is float32, not {dtype_of(x)}: {F32_STREAM}", s)
     if not (isinstance(cr, fx.Node) and _cast_to(cr, torch.float32)):

@@ -109,7 +109,8 @@ def _build(x, residual, node, a, out, h, inner, sum_in_f32=True):
         if v is None or v.dim() != 1 or not same_shape(v.shape, [fake_tensor(x).shape[-1]]):
             return Miss("norm weight is not a [hidden] vector", node)
         if v.dtype not in (torch.float32, dtype):
-            return Miss(f"vllm_ir norm weight in {v.dtype}, input in {dtype}", node)
+            return Miss(f"vllm_ir norm weight dtype {v.dtype} differs from the input's {dtype}",
+                        node)
         round_before = v.dtype != torch.float32
     return RMSNorm(x, residual, h, weight, float(eps), 0.0, False, round_before, dtype,
                    out, tuple(inner), sum_in_f32=sum_in_f32, eager=True)

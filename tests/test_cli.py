@@ -280,3 +280,38 @@ def test_console_script_entry_point():
 
     [ep] = [e for e in entry_points(group="console_scripts") if e.name == "commfold"]
     assert ep.value == "commfold.cli:main" and ep.load() is cli.main
+
+
+def test_diff_summary_prints_each_near_miss_with_its_source_line(tmp_path):
+    """A near-miss's line of user code (from its node's stack trace, torch's own frames
+    skipped) is printed under it; a report written before the field existed prints
+    the reason alone."""
+    import os
+
+    import torch
+    import torch.fx as fx
+
+    from commfold.cli.diff.summary import summary
+    from commfold.report import NearMiss, source_code, source_location
+
+    g = fx.Graph()
+    n = g.placeholder("x")
+    n.meta["stack_trace"] = (
+        '  File "/work/model.py", line 40, in forward\n    out = self.attn(x)\n'
+        '  File "/work/tp.py", line 12, in <lambda>\n'
+        '    h = residual + funcol.all_reduce(out[0], "sum", ranks)\n'
+        f'  File "{os.path.dirname(torch.__file__)}/distributed/_functional_collectives.py", '
+        'line 179, in all_reduce\n    tensor = torch.ops._c10d_functional.all_reduce(\n')
+    assert source_location(n) == "work/tp.py:12 (<lambda>)"
+    assert source_code(n) == 'h = residual + funcol.all_reduce(out[0], "sum", ranks)'
+    assert source_code(g.placeholder("y")) == ""
+    miss = NearMiss("fuse_allreduce_rmsnorm", "all_reduce->rmsnorm", source_location(n),
+                    "aten.add.Tensor broadcasts ...", source_code(n))
+    old = {k: v for k, v in vars(miss).items() if k != "code"}
+    graphs = [{"graph": 0, "rewrites": [], "errors": [], "fingerprint": "f",
+               "near_misses": [vars(miss), old]}]
+    lines = summary([graphs], tmp_path).splitlines()
+    at = [i for i, ln in enumerate(lines) if "at work/tp.py:12 (<lambda>): aten.add" in ln]
+    assert len(at) == 2, lines
+    assert lines[at[0] + 1] == '      | h = residual + funcol.all_reduce(out[0], "sum", ranks)'
+    assert lines[at[1] + 1] == "ranks: all 1 decided the same on every graph", lines

@@ -159,9 +159,13 @@ def _double_scale(group):
     return fn
 
 
-UNFUSABLE = {"_tanh": "aten.tanh.default between all_reduce and rmsnorm",
-             "_scale_after_add": "aten.mul.Tensor between all_reduce and rmsnorm",
-             "_double_scale": "aten.mul.Tensor between all_reduce and rmsnorm"}
+TANH = ("aten.tanh.default between all_reduce and rmsnorm: not a residual add, one scale by "
+        "a constant or a float32 upcast")
+UNFUSABLE = {"_tanh": TANH,
+             "_scale_after_add": "aten.mul.Tensor scales the sum after the residual add (a "
+                                 "scale is fused only before the add)",
+             "_double_scale": "aten.mul.Tensor scales the all-reduce's value a second time "
+                              "(one scale is fused)"}
 
 
 @pytest.mark.parametrize("name", sorted(UNFUSABLE))
@@ -181,7 +185,7 @@ def test_an_unfused_reduced_value_reaching_a_fused_norm_is_explained(group):
 
     rep = assert_fused_or_explained(fn, *_block_inputs(torch.float32), fused=1)
     assert [m.reason for m in rep.near_misses] == \
-        ["aten.tanh.default between all_reduce and rmsnorm"]
+        [TANH]
 
 
 def test_flashinfer_devices_keep_scaled_sites_unfused(group, monkeypatch):

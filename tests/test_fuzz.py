@@ -68,6 +68,18 @@ COVERAGE = [
        G],  # and one good site among the distractors
 ]
 
+# A hook's [T, H] all-reduce meeting a [1, T, H] residual stream in every spelling
+# (the residual widened, the input widened, each view adding the leading 1 back), at 2
+# and 4 ranks (test_broadcast_spellings).
+BROADCAST = [_norm(coll, norm, dtype, True, seed=10 + i, broadcast=bc, scale=scale)
+             for i, (coll, norm, dtype, bc, scale) in enumerate([
+                 ("funcol", "hand", "bf16", "res1", None),
+                 ("inplace", "functional", "f32", "x1", ("tensor", 0.22)),
+                 ("dtensor", "gemma", "bf16", "unsqueeze", None),
+                 ("funcol_wait", "hand", "f32", "reshape", 12.0),
+                 ("inplace", "gemma", "f32", "view", None),
+                 ("funcol", "functional", "bf16", "index", ("div", 3.0))])]
+
 TALLY = {"programs": 0, "blocks": 0, "rewrites": 0, "distractors": 0}
 
 
@@ -89,6 +101,15 @@ def _run_batch(ranks2, programs, **run_kwargs):
 @pytest.mark.parametrize("i", range(len(COVERAGE)))
 def test_every_spelling(ranks2, i):
     _run_batch(ranks2, [COVERAGE[i]])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_broadcast_spellings(ranks2, ranks4, world):
+    """Every leading-1 broadcast spelling, and one drawn program whose norm blocks all
+    broadcast (harness.draws: the same every run), at 2 and 4 ranks."""
+    drawn_norms = drawn(st.lists(fp.norm_block.filter(
+        lambda b: b["broadcast"] is not None and b["residual"]), min_size=2, max_size=3), 1)
+    _run_batch({2: ranks2, 4: ranks4}[world], [BROADCAST, *drawn_norms])
 
 
 def test_random_programs(ranks2):

@@ -59,7 +59,8 @@ def test_explicit_wait_and_avg(group):
 
 def test_all_reduce_misses(group):
     g = post_grad(lambda x: funcol.all_reduce(x, "sum", group) * 2, torch.randn(B, VS))
-    assert_miss(match_allreduce(node(g, aten.mul.Tensor)), "not an all-reduce")
+    assert_miss(match_allreduce(node(g, aten.mul.Tensor)),
+                "not an all-reduce spelling commfold knows")
     coll, wait = node(g, c10d.all_reduce.default), node(g, c10d.wait_tensor.default)
     wait.replace_all_uses_with(coll)
     g.erase_node(wait)

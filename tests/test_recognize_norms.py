@@ -283,7 +283,8 @@ def test_vllm_ir_misses(ir):
           "vllm_ir norm with variance_size (a partial-row variance)")
     check(fused, "norm weight is not a [hidden] vector",
           (*_inputs(bf16)[:2], torch.randn(2 * H, dtype=bf16)[:H].reshape(1, H)))
-    check(fused, "vllm_ir norm weight in torch.float16, input in torch.bfloat16",
+    check(fused,
+          "vllm_ir norm weight dtype torch.float16 differs from the input's torch.bfloat16",
           _inputs(bf16, f16))
     g = post_grad(fused, *_inputs(bf16))
     af = node(g, hop.auto_functionalized)

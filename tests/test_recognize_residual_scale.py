@@ -70,8 +70,9 @@ def test_a_0d_tensor_of_another_dtype_is_no_scale():
     g = post_grad(lambda x, r, w, t: _rms(r + x * t, w), *_inputs(bf16), t)
     x = placeholders(g)[0]
     assert match_residual_scale(x) is None
-    assert_miss(unmatched_norm(x), "aten.mul.Tensor between all_reduce and rmsnorm",
-                nodes(g, aten.mul.Tensor)[0])
+    assert_miss(unmatched_norm(x), "aten.mul.Tensor multiplies the all-reduce's "
+                "torch.bfloat16 [3, 16] by a torch.float32 [] tensor: a scale is a number or a "
+                "0-d tensor of the value's dtype", nodes(g, aten.mul.Tensor)[0])
 
 
 def test_identity_and_not_a_scale():
@@ -138,19 +139,29 @@ def _miss(fn, reason, at, inputs=None):
 
 
 def test_the_op_in_the_way_is_named():
+    """The op no spelling takes, and which of its properties failed."""
     _miss(lambda x, r, w: _rms(r + torch.tanh(x), w),
-          "aten.tanh.default between all_reduce and rmsnorm", lambda g: node(g, aten.tanh.default))
+          "aten.tanh.default between all_reduce and rmsnorm: not a residual add, one scale "
+          "by a constant or a float32 upcast", lambda g: node(g, aten.tanh.default))
     _miss(lambda x, r, w: _rms((x + r) * 0.5, w),  # the scale after the add
-          "aten.mul.Tensor between all_reduce and rmsnorm", lambda g: nodes(g, aten.mul.Tensor)[0])
+          "aten.mul.Tensor scales the sum after the residual add (a scale is fused only "
+          "before the add)", lambda g: nodes(g, aten.mul.Tensor)[0])
     _miss(lambda x, r, w: _rms(x * 2.0 * 3.0 + r, w),  # a second scale
-          "aten.mul.Tensor between all_reduce and rmsnorm", lambda g: nodes(g, aten.mul.Tensor)[1])
+          "aten.mul.Tensor scales the all-reduce's value a second time (one scale is fused)",
+          lambda g: nodes(g, aten.mul.Tensor)[1])
+    _miss(lambda x, r, w: _rms(x + r + r, w),  # a second add
+          "aten.add.Tensor is a second add after the residual add (one add is fused)",
+          lambda g: nodes(g, aten.add.Tensor)[1])
     _miss(lambda x, r, w: _rms(x + w, w),  # a broadcast add repeating w: no residual
           "aten.add.Tensor broadcasts the all-reduce's [3, 16] against [16]: the other "
           "operand's elements would be repeated", lambda g: nodes(g, aten.add.Tensor)[0])
     _miss(lambda x, r, w: _rms(x + r.float(), w.float()),  # the residual in another dtype
-          "aten.add.Tensor between all_reduce and rmsnorm", lambda g: nodes(g, aten.add.Tensor)[0])
+          "aten.add.Tensor adds the all-reduce's torch.bfloat16 [3, 16] to a torch.float32 "
+          "operand: dtypes differ (the fused op adds in the all-reduce's dtype)",
+          lambda g: nodes(g, aten.add.Tensor)[0])
     _miss(lambda x, r, w: _rms(x.unsqueeze(1) + r, w)[0],  # [T, 1, H]: no leading 1
-          "aten.unsqueeze.default between all_reduce and rmsnorm",
+          "aten.unsqueeze.default views the all-reduce's [3, 16] as [3, 1, 16]: not only "
+          "leading size-1 dims added or removed before a residual add",
           lambda g: node(g, aten.unsqueeze.default))
 
 

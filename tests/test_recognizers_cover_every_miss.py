@@ -11,7 +11,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # functions that return a reason (text) a caller wraps in a Miss
-REASON_HELPERS = {"monotone_step", "_pick_problem", "_leaf", "_served_ranges", "_near", "_miss"}
+REASON_HELPERS = {"monotone_step", "_pick_problem", "_leaf", "_served_ranges", "_near", "_miss",
+                  "_why"}
 
 
 def _texts(node) -> list[ast.AST]:
@@ -82,3 +83,68 @@ def test_every_miss_reason_is_asserted():
     missing = [f"{where}: {pattern}" for pattern, where in reason_templates().items()
                if not any(re.fullmatch(pattern, t) for t in texts)]
     assert not missing, "no recognizer test asserts these reasons:\n" + "\n".join(missing)
+
+
+# ---- the fused norm's near-misses say why -------------------------------------------
+
+# the recognizers of the all-reduce + RMSNorm fusion, and its pass
+FUSE_PATH = ("allreduce.py", "rmsnorm.py", "rmsnorm_vllm.py", "norm_reach.py",
+             "residual_scale.py", "broadcast.py", "vendor_fused.py")
+# the property a reason names: shape, dtype, another consumer, group, reduce op, or
+# where the op sits (order): one of these words in each
+PROPERTIES = {
+    "shape": r"shape|dims?\b|\\\[|vector|view|broadcast|repeated|row",
+    "dtype": r"dtype|float32|f32|torch\\\.",
+    "consumer": r"read|getitem",
+    "group": r"group|handle",
+    "reduce op": r"only\\ a\\ sum|'\.\+'",
+    "order": r"followed|between|after|before|without|once|twice|second|spelling|number|scale",
+}
+
+
+# a guard no program built in a test reaches: a reader of the norm's result placed
+# before one of the fused op's operands (FX graphs in traced order never hold one)
+NOT_BUILT = {re.escape("the norm's operands are defined after readers of its result")}
+
+
+def _passes_reasons() -> dict[str, str]:
+    """{regex: 'file:line'} of the reasons fuse_allreduce_rmsnorm's _unsafe returns."""
+    path = ROOT / "passes" / "fuse_allreduce_rmsnorm.py"
+    found = {}
+    for fn in ast.walk(ast.parse(path.read_text())):
+        if isinstance(fn, ast.FunctionDef) and fn.name == "_unsafe":
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Return) and isinstance(node.value, ast.Tuple):
+                    for t in _texts(node.value.elts[-1]):
+                        found[_template(t)] = f"{path.name}:{t.lineno}"
+    return found
+
+
+def test_every_miss_is_attached_to_a_node():
+    """A near-miss names its node: the report's location and source line are the node's."""
+    unplaced = []
+    for path in sorted((ROOT / "patterns").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Miss" \
+                    and len(node.args) < 2 and not any(k.arg == "node" for k in node.keywords):
+                unplaced.append(f"{path.name}:{node.lineno}")
+    assert not unplaced, f"Miss without its node: {unplaced}"
+
+
+def test_fused_norm_reasons_name_the_property_that_failed():
+    reasons = {t: w for t, w in reason_templates().items() if w.split(":")[0] in FUSE_PATH}
+    unsafe = _passes_reasons()
+    assert len(reasons) > 30 and len(unsafe) >= 4, (len(reasons), unsafe)
+    vague = [f"{w}: {t}" for t, w in {**reasons, **unsafe}.items()
+             if not any(re.search(p, t) for p in PROPERTIES.values())]
+    assert not vague, "reasons that name no property (shape, dtype, reader, group, " \
+        "reduce op, order):\n" + "\n".join(vague)
+    # the pass's own reasons are asserted by a fusion test, as the recognizers' are
+    texts = set()
+    for path in (ROOT / "tests").glob("test_*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                texts.add(node.value)
+    untested = [f"{w}: {t}" for t, w in unsafe.items() if t not in NOT_BUILT
+                and not any(re.fullmatch(t, s) for s in texts)]
+    assert not untested, "no test asserts these reasons:\n" + "\n".join(untested)

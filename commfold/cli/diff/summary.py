@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from commfold.report import Comm, format_bytes
+from commfold.report import Comm, code_lines, format_bytes
 
 
 def load_reports(path: Path) -> list[dict]:
@@ -43,8 +43,10 @@ def summary(graphs_per_rank: list[list[dict]], out_dir: Path) -> str:
         lines.append("  no rewrites")
     if misses:
         lines.append("near-misses:")
-        lines += [f"  graph {g} [{m['pass_name']}/{m['pattern']}] at {m['location']}: {m['reason']}"
-                  for g, m in misses]
+        for g, m in misses:  # the reason, then the user's line it points at
+            lines.append(f"  graph {g} [{m['pass_name']}/{m['pattern']}] at {m['location']}: "
+                         f"{m['reason']}")
+            lines += code_lines(m.get("code", ""))
     for g, e in errors:
         first = (e["error"].splitlines() or [""])[0][:200]
         lines.append(f"  ERROR graph {g} in {e['pass_name']}: {first} (graph left unchanged by it)")
