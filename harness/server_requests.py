@@ -26,10 +26,11 @@ JSON_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"},
                                                 "name": {"type": "string"}},
                "required": ["n", "name"]}
 MODEL = "m"
-IGNORE_EOS = {"ignore_eos": True}
-# logprobs name tokens by id ("token_id:N"): the tiny tokenizer has ~300 tokens of the
-# model's 1000, so most ids decode to "" and text keys would collide
-BY_ID = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+# every answer carries its token ids, and logprobs name tokens by id ("token_id:N"):
+# the tiny tokenizer has ~300 tokens of the model's 1000, so most ids decode to "" (a
+# text alone would hide a different token, and text keys of top logprobs collide)
+IGNORE_EOS = {"ignore_eos": True, "return_token_ids": True}
+BY_ID = {**IGNORE_EOS, "return_tokens_as_token_ids": True}
 _DROP = {"id", "created", "system_fingerprint", "service_tier", "prompt_token_ids_details"}
 
 
@@ -102,8 +103,10 @@ def sequential(client) -> dict:
     def c(name, **kw):
         out[name] = normalize(cmpl(model=MODEL, **kw))
 
-    c("greedy", prompt=PROMPTS[0], max_tokens=12, temperature=0,
-      extra_body=dict(IGNORE_EOS, return_token_ids=True))
+    c("greedy", prompt=PROMPTS[0], max_tokens=12, temperature=0, extra_body=IGNORE_EOS)
+    for i in (1, 2):  # what the edge-but-valid requests below must answer
+        c(f"greedy_{i}", prompt=PROMPTS[i], max_tokens=8, temperature=0,
+          extra_body=IGNORE_EOS)
     c("sampled", prompt=PROMPTS[1], max_tokens=12, temperature=0.8, seed=7,
       extra_body=IGNORE_EOS)
     c("n2", prompt=PROMPTS[2], max_tokens=10, temperature=0.9, seed=5, n=2,
@@ -128,13 +131,13 @@ def sequential(client) -> dict:
     tid = out["greedy"]["choices"][0]["token_ids"][0]
     biased = (tid + 7) % 250
     c("logit_bias", prompt=PROMPTS[0], max_tokens=6, temperature=0,
-      logit_bias={str(biased): 100}, extra_body=dict(IGNORE_EOS, return_token_ids=True))
+      logit_bias={str(biased): 100}, extra_body=IGNORE_EOS)
     out["logit_bias"]["biased"] = biased
     c("penalties", prompt=PROMPTS[1], max_tokens=12, temperature=0.8, seed=9,
       presence_penalty=0.5, frequency_penalty=0.5,
       extra_body=dict(IGNORE_EOS, repetition_penalty=1.3))
     c("min_tokens", prompt=PROMPTS[2], max_tokens=12, temperature=0.9, seed=10,
-      extra_body=dict(min_tokens=8))
+      extra_body=dict(min_tokens=8, return_token_ids=True))
     c("top_k_min_p", prompt=PROMPTS[0], max_tokens=10, temperature=0.9, seed=12,
       extra_body=dict(IGNORE_EOS, top_k=20, min_p=0.05))
     # edge but valid: a top_p that keeps one token, a near-zero temperature with top_k=1
@@ -295,7 +298,7 @@ def run_suite(server) -> dict:
     count("bad", lambda: bad_inputs(client))
     count("after_bad", lambda: normalize(client.completions.create(
         model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0,
-        extra_body=dict(IGNORE_EOS, return_token_ids=True))))
+        extra_body=IGNORE_EOS)))
     reqs = burst_requests()
     count("burst", lambda: asyncio.run(_burst(server.async_client(), reqs)))
     count("burst_alone", lambda: [normalize(client.completions.create(**kw)) for kw in reqs])

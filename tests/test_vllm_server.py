@@ -81,6 +81,9 @@ def test_each_request_answered_as_without_commfold(served):
     top = on["chat_top_logprobs"]["choices"][0]["logprobs"]["content"]
     assert len(top) == 8 and all(len(t["top_logprobs"]) == 5 for t in top)
     # top_p=1e-9 and temperature=1e-6 with top_k=1 keep one token: the greedy one
+    for edge, i in (("top_p_tiny", 1), ("temp_tiny_top_k1", 2)):
+        assert on[edge]["choices"][0]["token_ids"] == \
+            on[f"greedy_{i}"]["choices"][0]["token_ids"], edge
     assert on["long_prompt_again"]["choices"] == on["long_prompt"]["choices"]
     js = off["json_schema"]
     if "ok" in js:  # vLLM runs structured output here: the schema's object, or its

@@ -66,7 +66,8 @@ async def traffic(server, seconds: float, concurrency: int, results: dict, error
             return dict(aborted_after=n)
         r = normalize(await client.completions.create(**kw))
         c = r["choices"][0]
-        return dict(text=c["text"], tokens=r["usage"]["completion_tokens"],
+        return dict(text=c["text"], token_ids=c["token_ids"],
+                    tokens=r["usage"]["completion_tokens"],
                     logprobs=(c["logprobs"] or {}).get("token_logprobs"))
 
     async def worker():
@@ -120,7 +121,7 @@ def compare(off: dict, on: dict, atol: float = 1e-4) -> dict:
     differ = []
     for k in common:
         a, b = off["results"][k], on["results"][k]
-        if a.get("text") != b.get("text") or a.get("aborted_after") != b.get("aborted_after"):
+        if any(a.get(x) != b.get(x) for x in ("text", "token_ids", "aborted_after")):
             differ.append(k)
         elif a.get("logprobs") and any(abs(x - y) > atol for x, y in
                                        zip(a["logprobs"], b["logprobs"])):
