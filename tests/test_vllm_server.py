@@ -162,7 +162,7 @@ def test_prefix_cache_and_chunked_prefill(served):
 def test_served_steps_vocab_gathers(served):
     """Both ranks logged the same steps; with commfold every step the target pick took
     moved no vocab-wide rows, and the steps that still gathered the vocabulary are the
-    ones it left to vLLM (the reason noted); without it every sampled step gathered."""
+    ones it left to vLLM (the reason noted); without it every served step gathered."""
     for name in ("off", "on"):
         by_rank = served[name]["steps"]
         assert sorted(by_rank) == [0, 1], name
@@ -189,6 +189,8 @@ def test_served_steps_vocab_gathers(served):
     local = [s for s in on[0] if s.info.get("target_pick") in LOCAL_PICKS]
     assert local and all(not s.in_phase("logits", "sampling").vocab_gathers(VOCAB_SHARD)
                          for s in local)
-    off = served["off"]["steps"][0]
-    sampled_off = [s for s in off if s.info.get("tokens") and s.in_phase("sampling").calls()]
-    assert sampled_off and all(s.vocab_gathers(VOCAB_SHARD) for s in sampled_off)
+    # without commfold every served step gathered its logits' rows (V1: in the logits
+    # processor), as many steps as with it
+    off = [s for s in served["off"]["steps"][0] if s.info.get("tokens")]
+    assert off and all(s.in_phase("logits").vocab_gathers(VOCAB_SHARD) for s in off)
+    assert abs(len(off) - sum(1 for s in on[0] if s.info.get("tokens"))) <= 5
