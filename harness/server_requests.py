@@ -198,13 +198,14 @@ def burst_requests(n: int = 8) -> list[dict]:
 
 async def _burst(aclient, reqs):
     outs = await asyncio.gather(*(aclient.completions.create(**kw) for kw in reqs))
+    await aclient.close()  # in this loop: asyncio.run closes it next
     return [normalize(o) for o in outs]
 
 
 async def streams(aclient, kws: list[dict], stop_after: dict[int, int] | None = None):
     """The completions `kws` streamed at once; the client of stream i in `stop_after`
     stops reading after that many chunks and closes it (an abort). Per stream: its
-    text and token count, or {"aborted_after": chunks}."""
+    text and chunks read, or {"aborted_after": chunks}. Closes the client."""
     stop_after = stop_after or {}
 
     async def read(i, kw):
@@ -218,7 +219,9 @@ async def streams(aclient, kws: list[dict], stop_after: dict[int, int] | None = 
                 return dict(aborted_after=n)
         return dict(text="".join(parts), chunks=n)
 
-    return await asyncio.gather(*(read(i, kw) for i, kw in enumerate(kws)))
+    out = await asyncio.gather(*(read(i, kw) for i, kw in enumerate(kws)))
+    await aclient.close()  # in this loop: asyncio.run closes it next
+    return out
 
 
 def _abort_in_batch(server):

@@ -79,6 +79,7 @@ async def traffic(server, seconds: float, concurrency: int, results: dict, error
                 errors.append(f"request {k}: {type(e).__name__}: {e}"[:300])
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
+    await client.close()  # in this loop: asyncio.run closes it next
 
 
 def soak_one(server, seconds: float, concurrency: int) -> dict:
