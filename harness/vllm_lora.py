@@ -3,8 +3,16 @@ rank-8 adapter on q/k/v/o/gate/up/down written offline with a seed (the PEFT fil
 loads: adapter_config.json + adapter_model.safetensors; no peft needed), served with
 ``--lora-target-modules`` naming those projections (so no adapter can touch the LM
 head: commfold.vllm.target.lora_head). Each run generates PROMPTS greedily twice in one
-batch, with the adapter and without. ``python -m harness.vllm_lora TMP '<json runs>'``
-(each run: the environment it adds): a TOKENS_MARK line (harness.vllm_engine)."""
+batch, with the adapter and without, then once more without it alone.
+``python -m harness.vllm_lora TMP '<json runs>'`` (each run: the environment it adds): a
+TOKENS_MARK line (harness.vllm_engine).
+
+``max_loras=2`` though one adapter is served: vLLM's CPU LoRA ops (vllm/lora/ops/torch_ops,
+0.32) gather each token's adapter slot by index, and a request without an adapter has
+index -1, which Python's indexing reads as the last slot. With one slot that is the
+served adapter, so in a batch mixing both kinds every request gets the adapter (a batch
+without adapter requests skips LoRA and is right). With two, the adapter takes slot 0 and
+-1 reads slot 1, all zeros: the requests without it get the base model's tokens."""
 from __future__ import annotations
 
 import json
@@ -49,7 +57,8 @@ def write_adapter(out: Path, model: Path, seed: int = 0) -> Path:
 
 
 def run(model: Path, adapter: Path, max_tokens: int = 8) -> dict:
-    """Greedy tokens of PROMPTS with the adapter, then without it, in one batch."""
+    """Greedy tokens of PROMPTS with the adapter (``adapter``) and without it
+    (``base``) in one batch, then without it in a batch of their own (``alone``)."""
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
 
@@ -58,14 +67,15 @@ def run(model: Path, adapter: Path, max_tokens: int = 8) -> dict:
     llm = LLM(model=str(model), tensor_parallel_size=2, dtype="bfloat16", max_model_len=128,
               max_num_seqs=8, max_num_batched_tokens=128, seed=0,
               distributed_executor_backend="mp", enable_lora=True, max_lora_rank=RANK,
-              max_loras=1, lora_target_modules=list(TARGETS))
+              max_loras=2, lora_target_modules=list(TARGETS))
     lora = LoRARequest("seeded", 1, str(adapter))
-    outs = llm.generate(PROMPTS * 2, SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                    ignore_eos=True),
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate(PROMPTS * 2, params,
                         lora_request=[lora] * len(PROMPTS) + [None] * len(PROMPTS))
     tokens = [list(o.outputs[0].token_ids) for o in outs]
+    alone = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params)]
     del llm
-    return dict(adapter=tokens[:len(PROMPTS)], base=tokens[len(PROMPTS):])
+    return dict(adapter=tokens[:len(PROMPTS)], base=tokens[len(PROMPTS):], alone=alone)
 
 
 if __name__ == "__main__":
