@@ -74,8 +74,11 @@ def test_lora_adapter_changes_tokens(lora_pair):
 def test_lora_target_pick_local(lora_pair):
     by_rank = lora_pair["steps"]["on"]
     assert sorted(by_rank) == [0, 1]
+    # the engine's shutdown can cut a worker's last lines: only token-less ones
     r0, r1 = by_rank[0], by_rank[1]
-    assert [s.info for s in r0] == [s.info for s in r1]
+    n = min(len(r0), len(r1))
+    assert [s.info for s in r0[:n]] == [s.info for s in r1[:n]]
+    assert not any(s.info["tokens"] for s in r0[n:] + r1[n:]), (r0[n:], r1[n:])
     picks = [s.info.get("target_pick") for s in r0 if s.info["tokens"]]
     assert picks and set(picks) == {"greedy"}, picks
     for s in r0:
