@@ -224,7 +224,7 @@ def test_plugin_lines_print_through_vllms_logging():
     assert plain.returncode == 0, err[-3000:]
     assert json.loads(out.strip().splitlines()[-1]) == {"handlers": 1}
     printed = out + err
-    assert "commfold: a line at INFO" in printed and "commfold: graph passes on" in printed
+    assert "commfold: a line at INFO" in printed and "commfold: target pick on" in printed
     assert printed.count("commfold: a second line") == 1, printed[-2000:]
     out, err = own.communicate(timeout=300)
     assert own.returncode == 0, err[-3000:]

@@ -102,12 +102,18 @@ def main(argv=None) -> int:
     sub.add_parser("bench", add_help=False,
                    help="performance suite: commfold vs plain Inductor side by side, JSON + "
                         "markdown + plots (needs a source checkout; `commfold bench --help`)")
-    sub.add_parser("doctor", help="which of commfold's vLLM hooks would act here, and why "
-                                  "not (no engine started; exit 0)")
+    sub.add_parser("doctor", add_help=False,
+                   help="which of commfold's vLLM hooks would act here, and why not (no "
+                        "engine started; exit 0); vLLM's engine flags after it, e.g. "
+                        "--model M --enable-lora: that engine's compilation config")
     if argv[:1] == ["demo"]:  # the demo owns its options
         from commfold.cli.demo import main as demo_main
 
         return demo_main(argv[1:])
+    if argv[:1] == ["doctor"]:  # vLLM's engine arguments follow it
+        from commfold.vllm.observe.doctor import main as doctor_main
+
+        return doctor_main(argv[1:])
     if argv[:1] == ["bench"]:  # so does the suite
         return _bench(argv[1:])
     args = parser.parse_args(argv)
@@ -117,10 +123,6 @@ def main(argv=None) -> int:
         passes = [p for p in (args.passes or "").split(",") if p] or None
         return run_diff(args.target, world_size=args.world_size, out=args.out,
                         passes=passes, timeout=args.timeout)
-    if args.command == "doctor":
-        from commfold.vllm.observe.doctor import main as doctor_main
-
-        return doctor_main()
     parser.print_help()
     return 2
 

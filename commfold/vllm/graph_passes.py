@@ -11,6 +11,7 @@ import sys
 
 from commfold.config import ALL_PASSES, FUSED_SAMPLER_STEPS, Config, unknown_passes
 from commfold.manager import CommfoldPass
+from commfold.vllm import compile_state
 from commfold.vllm.compat import hook_points, runtime
 from commfold.vllm.compat.runtime import HookState
 
@@ -22,7 +23,7 @@ ENV_COST_RULE = "COMMFOLD_FUSE_COST_RULE"
 ENV_FUSED_SAMPLER = "COMMFOLD_FUSED_SAMPLER_STEPS"
 PASS_KEY = "post_grad_custom_post_pass"
 INDUCTOR_PASS_MODULE = "vllm.compilation.passes.inductor_pass"
-PASSES_HOOK = "graph passes"
+PASSES_HOOK = compile_state.HOOK
 # what it relies on in vLLM (tools/vllm_compat.py lists them; hook_points)
 HOOK_POINTS = (("vllm.config:VllmConfig.__post_init__", None),
                (f"{INDUCTOR_PASS_MODULE}:InductorPass", None))
@@ -110,33 +111,54 @@ def _unwrap(pass_):
 
 
 def configure(vllm_config) -> None:
-    """Key vLLM's caches on commfold's uuid, and add commfold when COMMFOLD_VLLM=1."""
+    """Key vLLM's caches on commfold's uuid, and add commfold when COMMFOLD_VLLM=1; then
+    log whether the passes run under this final config (compile_state, once)."""
     compile_config = vllm_config.compilation_config.inductor_compile_config
     current = compile_config.get(PASS_KEY)
     unwrapped = _unwrap(current)
-    if isinstance(unwrapped, CommfoldPass):
+    named = isinstance(unwrapped, CommfoldPass)
+    if named:
         if not isinstance(unwrapped, VllmCommfoldPass):  # same state, vLLM's interface
             unwrapped = copy.copy(unwrapped)
             unwrapped.__class__ = VllmCommfoldPass
         compile_config[PASS_KEY] = unwrapped
     elif enabled():
         compile_config[PASS_KEY] = VllmCommfoldPass(then=current)  # options: environment
+    compile_state.log_final(vllm_config, _unwrap(compile_config.get(PASS_KEY))
+                            if named or enabled() else None)
     if enabled() and assumed_runner is not None:
         runtime.confirm_runner(vllm_config, assumed_runner)
 
 
-def passes_state(environ=os.environ) -> HookState:
+def has_pass(vllm_config) -> bool:
+    """Whether commfold's pass is in this config's post-grad passes."""
+    current = vllm_config.compilation_config.inductor_compile_config.get(PASS_KEY)
+    return isinstance(_unwrap(current), CommfoldPass)
+
+
+def passes_state(environ=os.environ, vllm_config=None) -> HookState:
+    """The graph passes' state: under `vllm_config`, an engine's final config, whether a
+    graph reaches them (compile_state); without one, only whether they are asked for."""
+    if vllm_config is not None:
+        there = has_pass(vllm_config) or enabled(environ)
+        return compile_state.state(vllm_config, there, there, environ)
     if enabled(environ):
         return HookState(PASSES_HOOK, True, f"{ENV_ON}=1: added to every VllmConfig's "
-                         "post-grad passes (V1 and V2 runners alike)")
+                         "post-grad passes; whether a graph reaches them is the engine's "
+                         "final compilation config's answer (logged once it is final)")
     return HookState(PASSES_HOOK, False, f"{ENV_ON} unset (a compilation_config naming "
                      "commfold.vllm_pass still runs them)")
 
 
 def install(environ=os.environ) -> bool:
-    """The graph passes' hook: every VllmConfig through ``configure``; logs its line."""
+    """The graph passes' hook: every VllmConfig through ``configure``. With
+    COMMFOLD_VLLM=1 its line waits for the engine's final compilation config
+    (compile_state: nothing at load, where the mode is not known yet); unset, the line
+    is logged now. True when the passes are asked for."""
     _hook_vllm_config()
-    return passes_state(environ).log().on
+    if not enabled(environ):
+        passes_state(environ).log()
+    return enabled(environ)
 
 
 def _hook_vllm_config() -> None:

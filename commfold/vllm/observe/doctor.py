@@ -6,6 +6,13 @@ lines the plugin logs at load (commfold.vllm.plugin.hook_states). Nothing is
 installed, no engine starts, no device is initialized (vLLM is imported, as its
 workers import it). COMMFOLD_VLLM unset reads as set (what `COMMFOLD_VLLM=1` would
 give), and the table says so. Always exit 0: a missing or broken vLLM is an answer.
+
+The graph passes' row is the answer of an engine's final compilation config
+(commfold.vllm.compile_state, the line the engine logs): the VllmConfig that vLLM's own
+engine arguments build, ``commfold doctor --model M --enable-lora ...`` (the flags of
+``vllm serve``; no engine, no device), or without arguments vLLM's default config on
+this platform (no model: enforce_eager unknown). commfold's own plugin is kept out of
+that build (VLLM_PLUGINS lists the others): the doctor installs nothing.
 """
 from __future__ import annotations
 
@@ -15,12 +22,12 @@ import sys
 
 def main(argv=None, out=None) -> int:
     out = out or sys.stdout
-    for line in report(dict(os.environ)):
+    for line in report(dict(os.environ), list(argv or [])):
         print(line, file=out)
     return 0
 
 
-def report(environ: dict) -> list[str]:
+def report(environ: dict, engine_args: list[str] | None = None) -> list[str]:
     import torch
 
     lines = [f"torch {torch.__version__}"]
@@ -51,6 +58,11 @@ def report(environ: dict) -> list[str]:
         states = plugin.hook_states(environ, runner)
     except plugin.EnvError as e:
         return lines + [str(e)]
+    config, built = engine_config(engine_args or [])
+    lines.append(f"compilation: {built}")
+    if config is not None:
+        passes = plugin.passes_state(environ, config)
+        states = [passes if s.hook == passes.hook else s for s in states]
     width = max(len(s.hook) for s in states)
     lines.append(f"{'hook':<{width}}  on   reason")
     lines += [f"{s.hook:<{width}}  {'on ' if s.on else 'off'}  {s.reason}" for s in states]
@@ -83,3 +95,35 @@ def _torch_pin(found, torch_version: str) -> str:
         if pin and pin.split("+")[0] != torch_version.split("+")[0]:
             return f"; it requires {head}, torch here is {torch_version}"
     return ""
+
+
+def engine_config(engine_args: list[str]):
+    """(the VllmConfig vLLM builds from `engine_args`, what it is) - or (None, why not).
+    The build runs vLLM's config code: its platform may set variables in os.environ,
+    as it does in every engine process."""
+    from importlib.metadata import entry_points
+
+    others = [e.name for e in entry_points(group="vllm.general_plugins")
+              if not e.value.startswith("commfold.")]
+    saved = os.environ.get("VLLM_PLUGINS")
+    if saved is None:  # vLLM loads every plugin but commfold's, which would install hooks
+        os.environ["VLLM_PLUGINS"] = ",".join(others)
+    try:
+        if not engine_args:
+            from vllm.config import VllmConfig
+
+            return VllmConfig(), ("vLLM's default config on this platform (no model; "
+                                  "give the engine's flags, e.g. `commfold doctor --model M "
+                                  "--enable-lora`, for its own answer)")
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="commfold doctor"))
+        args = EngineArgs.from_cli_args(parser.parse_args(engine_args))
+        return args.create_engine_config(), "the config vLLM builds from " \
+            + " ".join(engine_args)
+    except Exception as e:  # noqa: BLE001 - an answer, not a crash
+        return None, f"not built ({type(e).__name__}: {e})"
+    finally:
+        if saved is None:
+            os.environ.pop("VLLM_PLUGINS", None)

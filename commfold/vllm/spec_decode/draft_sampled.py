@@ -258,7 +258,7 @@ def _find_head(spec):
         return None, "its drafter maps a draft vocab into the target's (EAGLE-3's d2t)"
     config = getattr(spec, "vllm_config", None)
     pp = getattr(getattr(config, "parallel_config", None), "pipeline_parallel_size", 1)
-    head, why = LogitsHead.of(model, lora=bool(getattr(config, "lora_config", None)),
+    head, why = LogitsHead.of(model, lora=getattr(config, "lora_config", None),
                               pipeline=pp > 1)
     if head is None:
         return None, why

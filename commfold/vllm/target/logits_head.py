@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from commfold.distributed.collectives import CommKind
+from commfold.vllm.target.lora_head import head_touched
 
 log = logging.getLogger("commfold")
 
@@ -37,16 +38,18 @@ class LogitsHead:
         the same on every rank."""
         pp = getattr(getattr(runner, "parallel_config", None), "pipeline_parallel_size", 1)
         return LogitsHead.of(getattr(runner, "model", None),
-                             lora=bool(getattr(runner, "lora_config", None)),
+                             lora=getattr(runner, "lora_config", None),
                              pipeline=pp > 1 or bool(getattr(runner, "broadcast_pp_output",
                                                              False)))
 
     @staticmethod
-    def of(model, *, lora: bool, pipeline: bool,
+    def of(model, *, lora, pipeline: bool,
            logits_local: bool = False) -> tuple[LogitsHead | None, str]:
-        """(head, "") or (None, why not) for `model`; logits_local: take the shard from
-        the model's own ``compute_logits_local`` where it has one (vLLM's contract for
-        batch-sharded sampling: this rank's [rows, vocab shard] of compute_logits)."""
+        """(head, "") or (None, why not) for `model`; lora: the engine's LoRAConfig (or
+        None; True: LoRA on, config unknown), refused only where an adapter can touch
+        the head (lora_head); logits_local: take the shard from the model's own
+        ``compute_logits_local`` where it has one (vLLM's contract for batch-sharded
+        sampling: this rank's [rows, vocab shard] of compute_logits)."""
         from vllm.distributed import get_tp_group
         from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
@@ -65,8 +68,11 @@ class LogitsHead:
                 "vocab-parallel head"
         if processors[0].logits_as_input or not processors[0].use_all_gather:
             return None, "logits processor without all-gather"
-        if lora or idx.num_added_elements:
-            return None, "LoRA / added vocab"
+        if idx.num_added_elements:
+            return None, f"added vocab ({idx.num_added_elements} rows)"
+        touched = head_touched(lora, model, head)
+        if touched:
+            return None, touched
         if pipeline:
             return None, "pipeline parallel"
         shard = head.weight.shape[0]

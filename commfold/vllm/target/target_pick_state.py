@@ -292,7 +292,7 @@ def _custom_sampler(original):
         custom = original(self, sampler)
         if custom is not None or refusal(self) is not None:  # said at __init__
             return custom
-        head, why = LogitsHead.of(self.model, lora=bool(self.vllm_config.lora_config),
+        head, why = LogitsHead.of(self.model, lora=self.vllm_config.lora_config,
                                   pipeline=self.vllm_config.parallel_config
                                   .pipeline_parallel_size > 1, logits_local=True)
         v2_pick.note_head(self.model, head)
