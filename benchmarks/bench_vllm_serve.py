@@ -122,27 +122,57 @@ def one_server(model: Path, variant: str, a, tmp: Path, log) -> dict:
             proc.wait()
 
 
+def _ok(run: dict | None) -> bool:
+    return bool(run and run.get("completed"))
+
+
 def rows(raw: dict, rates) -> list[dict]:
+    """Per (variant, rate): medians over the rounds whose client completed requests
+    (a server killed mid-round, say by the OOM killer, completes none) and the
+    per-round ratios to vLLM over the rounds both completed."""
     out = []
     for v, servers in raw.items():
         for rate in rates:
-            each = [s[rate] for s in servers]
-            row = {"variant": v, "rate": rate, "rounds": len(each)}
+            each = [s.get(rate) for s in servers]
+            done = [e for e in each if _ok(e)]
+            row = {"variant": v, "rate": rate, "rounds": len(done),
+                   "failed_rounds": len(each) - len(done)}
             for k in METRICS:
-                vals = [e[k] for e in each if e.get(k) is not None]
+                vals = [e[k] for e in done if e.get(k) is not None]
                 row[k] = statistics.median(vals) if vals else None
                 row[f"{k}_each"] = vals
-            base = raw.get("vllm")
-            if base:  # per-round ratios (a round's servers ran minutes apart)
-                ref = [s[rate] for s in base]
+            ref = [s.get(rate) for s in raw.get("vllm", [])]
+            pairs = [(b, e) for b, e in zip(ref, each) if _ok(b) and _ok(e)]
+            if pairs:  # per-round ratios (a round's servers ran minutes apart)
                 row["tpot_vs_vllm"] = statistics.median(
-                    e["median_tpot_ms"] / b["median_tpot_ms"] for b, e in zip(ref, each))
+                    e["median_tpot_ms"] / b["median_tpot_ms"] for b, e in pairs)
                 row["tpot_speedup"] = statistics.median(
-                    b["median_tpot_ms"] / e["median_tpot_ms"] for b, e in zip(ref, each))
+                    b["median_tpot_ms"] / e["median_tpot_ms"] for b, e in pairs)
                 row["throughput_vs_vllm"] = statistics.median(
-                    e["output_throughput"] / b["output_throughput"] for b, e in zip(ref, each))
+                    e["output_throughput"] / b["output_throughput"] for b, e in pairs)
             out.append(row)
     return out
+
+
+def from_logs(logs: Path, rates) -> dict:
+    """The raw results again from a run's log folder (the client's result files,
+    ``VARIANT-RATE-NS.json``, in the order they ran): one dict per round and variant."""
+    raw: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    for v in VARIANTS:
+        for rate in rates:
+            files = sorted(logs.glob(f"{v}-{rate}-*.json"),
+                           key=lambda f: int(f.stem.rsplit("-", 1)[1]))
+            for i, f in enumerate(files):
+                data = json.loads(f.read_text())
+                while len(raw[v]) <= i:
+                    raw[v].append({})
+                raw[v][i][rate] = {k: data.get(k) for k in METRICS}
+    return raw
+
+
+def _failed(row: dict) -> str:
+    n = row.get("failed_rounds")
+    return f" ({n} failed)" if n else ""
 
 
 def markdown(r: dict) -> str:
@@ -161,8 +191,10 @@ def markdown(r: dict) -> str:
                      f"{row['median_tpot_ms']:.1f} | {row.get('tpot_vs_vllm', 0):.3f} | "
                      f"{row['output_throughput']:.1f} | "
                      f"{row.get('throughput_vs_vllm', 0):.3f} | "
-                     f"{' '.join(f'{x:.1f}' for x in row['median_tpot_ms_each'])} |")
-    lines += ["", f"Server start-up seconds: {r['start_s']}"]
+                     f"{' '.join(f'{x:.1f}' for x in row['median_tpot_ms_each'])}"
+                     f"{_failed(row)} |")
+    if any(r.get("start_s", {}).values()):
+        lines += ["", f"Server start-up seconds: {r['start_s']}"]
     if r.get("notes"):
         lines += ["", r["notes"]]
     return "\n".join(lines) + "\n"
@@ -182,6 +214,8 @@ def main(argv=None) -> int:
     ap.add_argument("--start-timeout", type=float, default=900)
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--report", action="store_true", help="only rewrite the table")
+    ap.add_argument("--from-logs", type=Path,
+                    help="rebuild the results from a run's log folder instead of running")
     a = ap.parse_args(argv)
     path = a.out / "vllm_serve.json"
     if a.report:
@@ -190,8 +224,10 @@ def main(argv=None) -> int:
     model = write_shape(Path(tempfile.gettempdir()) / "commfold-bench-shapes", a.shape, a.layers)
     names = list(VARIANTS)
     raw: dict[str, list] = {v: [] for v in names}
-    logs = Path(tempfile.mkdtemp(prefix="commfold-bench-serve-"))  # server and client logs
-    for r in range(a.rounds):
+    if a.from_logs:
+        raw = from_logs(a.from_logs, a.rates)
+    logs = a.from_logs or Path(tempfile.mkdtemp(prefix="commfold-bench-serve-"))
+    for r in range(0 if a.from_logs else a.rounds):
         for v in names[r % 2:] + names[:r % 2]:
             print(f"[serve] round {r + 1}/{a.rounds}: {v} (logs: {logs}) ...", flush=True)
             raw[v].append(one_server(model, v, a, logs, lambda s: print(s, flush=True)))
@@ -208,7 +244,8 @@ def main(argv=None) -> int:
         "client_command": "python -c '" + CLIENT + "' " + " ".join(
             client_cmd(Path("MODEL"), 8000, "RATE", a, Path("OUT/r.json"))[3:]),
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
-        "rows": rows(raw, a.rates), "start_s": {v: [s["start_s"] for s in raw[v]] for v in raw},
+        "rows": rows(raw, a.rates),
+        "start_s": {v: [s["start_s"] for s in raw[v] if "start_s" in s] for v in raw},
         "raw": raw}
     old = json.loads(path.read_text()) if path.exists() else {}
     if old.get("notes"):

@@ -66,8 +66,25 @@ def write_shape(root: Path, shape: str, layers: int | None, seeded: bool = SEEDE
     d = root / f"{shape}-L{sizes['num_hidden_layers']}{'-seeded' if seeded else ''}"
     if not (d / "done").exists():
         write_model(d, arch=arch, weights=seeded, **sizes)
+        if seeded:
+            _bf16(d)
         (d / "done").write_text("ok")
     return d
+
+
+def _bf16(d: Path) -> None:
+    """The weights file in bf16 (written in float32): half the bytes to load, and half
+    the loader's peak memory on a machine shared with other engines."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    f = d / "model.safetensors"
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in load_file(f).items()},
+              f, metadata={"format": "pt"})
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(cfg | {"dtype": "bfloat16"}, indent=2))
 
 
 def prompts(n: int, vocab: int) -> list[list[int]]:
@@ -171,6 +188,16 @@ def rows(raw: dict, concurrency) -> list[dict]:
     return out
 
 
+def pick_ab(rows: list[dict], row: dict) -> float | None:
+    """The target pick's own effect, drift cancelled: in commfold's engine, the paused
+    run's time / the pick's (the two ran back to back), median over rounds."""
+    off = next((x for x in rows if x["variant"] == NO_PICK and x["traffic"] == row["traffic"]
+                and x["concurrency"] == row["concurrency"]), None)
+    if off is None:
+        return None
+    return statistics.median(a / b for a, b in zip(off["seconds"], row["seconds"]))
+
+
 def markdown(results: dict) -> str:
     lines = ["# vLLM engine at real model shapes, TP=2, bf16", "",
              "Output tokens/s of `LLM.generate` (the median over rounds; each round starts "
@@ -179,7 +206,9 @@ def markdown(results: dict) -> str:
              "timed next to the pick's run); vs vLLM = the median "
              "of the per-round ratios (vLLM's time / the variant's), each round's ratios "
              "listed; spread = (slowest - fastest round) / median. Greedy tokens equal "
-             "vLLM's where `same tokens` says yes.",
+             "vLLM's where `same tokens` says yes. Pick A/B: in commfold's engine, the "
+             "run with the target pick paused / the run with it on, back to back, median "
+             "over rounds (> 1: the pick is faster; engine-to-engine drift cancelled).",
              ""]
     for shape, r in results.get("shapes", {}).items():
         lines += [f"## {shape} ({r['layers']} of {r['full_layers']} layers), {r['date']}", "",
@@ -187,16 +216,18 @@ def markdown(results: dict) -> str:
                   f"{r.get('tokens')} new tokens per prompt, {r.get('prompt_len')}-token prompts",
                   f"Command: `{r['command']}`", "",
                   "| traffic | C | variant | tok/s | spread | vs vLLM | per round | "
-                  "same tokens |", "|" + "---|" * 8]
+                  "same tokens | pick A/B |", "|" + "---|" * 9]
         for row in sorted(r["rows"], key=lambda x: (x["traffic"], x["concurrency"],
                                                     x["variant"])):
             same = row.get("same_tokens")
+            ab = pick_ab(r["rows"], row) if row["variant"] == "commfold" else None
             lines.append(
                 f"| {row['traffic']} | {row['concurrency']} | {row['variant']} | "
                 f"{row['tokens_per_s']:.1f} | {row['spread']:.0%} | "
                 f"{row.get('vs_vllm', 0):.3f} | "
                 f"{' '.join(f'{x:.2f}' for x in row.get('vs_vllm_each', []))} | "
-                f"{'' if same is None else 'yes' if same else 'NO'} |")
+                f"{'' if same is None else 'yes' if same else 'NO'} | "
+                f"{'' if ab is None else format(ab, '.3f')} |")
         lines += ["", f"Engine start-up seconds: {r['start_s']}", ""]
         if r.get("notes"):
             lines += [r["notes"], ""]
