@@ -10,6 +10,11 @@ speculative decoding, with ``draft_model`` and with ``eagle3``, each as vLLM shi
         commfold-no-target-pick                             # the target pick's judge
     python -m benchmarks.bench_vllm_engine --methods eagle3 --variants vllm commfold
     python -m benchmarks.bench_vllm_engine --report        # table + plot from the JSON
+    python -m benchmarks.bench_vllm_engine --shape llama-3.2-1b --layers 4  # real shapes
+
+``--shape`` other than ``toy`` (the model below) runs a real model's shape instead,
+greedy and logprobs=5 traffic, the variants interleaved round by round
+(benchmarks/engine_shapes.py; results in vllm_shapes.json / .md).
 
 Models (harness.spec_models, real seeded weights, written once under
 --models): a 4-layer Llama target, hidden 1024, 16 heads (8 KV), V=151936, bf16, whose
@@ -48,6 +53,9 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import engine_shapes  # noqa: E402
+from benchmarks.engine_shapes import SHAPES  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results"
 METHODS = ("none", "draft_model", "eagle3")
@@ -238,7 +246,7 @@ def table_rows(results: dict) -> list[dict]:
                          "gather_ms": row.get("collectives", {}).get("logits_ms"),
                          "pair_ms": row.get("collectives", {}).get("pair_ms"),
                          "pick_ab": row.get("pick_ab", {}).get("ratio"),
-                         "date": r.get("date", ""),
+                         "date": row.get("date", r.get("date", "")),
                          "bytes_per_step": r.get("comm", {}).get("bytes_per_step"),
                          "drafting_bytes": _phase(r, "drafting"),
                          "pick_bytes": _phase(r, "logits", "sampling")})
@@ -343,7 +351,13 @@ def main(argv=None) -> int:
                     default=Path(tempfile.gettempdir()) / "commfold-bench-models")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--report", action="store_true", help="only rewrite table and plot")
+    ap.add_argument("--shape", default="toy", choices=["toy", *SHAPES],
+                    help="toy: the model above; else a real model's shape (dummy weights)")
+    ap.add_argument("--layers", type=int, help="with --shape: cut the decoder to N layers")
     a = ap.parse_args(argv)
+    if a.shape != "toy":
+        FUSE_COST_RULE["on"] = not a.no_fuse_cost_rule
+        return engine_shapes.main(a)
     results = load(a.out)
     if a.report:
         save(a.out, results)
@@ -367,6 +381,13 @@ def main(argv=None) -> int:
         r = measure(models, method, variant, a.concurrency, a.tokens, a.repeats,
                     0 if a.no_comm_log else 16)
         r["date"] = results["meta"]["date"]
+        for row in r["rows"]:
+            row["date"] = r["date"]
+        # a rerun of some concurrencies keeps the others' rows (each row has its date)
+        kept = [row | {"date": row.get("date", results["runs"][key].get("date", ""))}
+                for row in results["runs"].get(key, {}).get("rows", [])
+                if row["concurrency"] not in a.concurrency]
+        r["rows"] = sorted(kept + r["rows"], key=lambda row: row["concurrency"])
         results["runs"][key] = r
         save(a.out, results)
         for row in r["rows"]:

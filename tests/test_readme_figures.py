@@ -7,7 +7,8 @@ A row of the table is `| figure | plain → commfold | speed-up | source |`:
 - source: a link to the results file, then the record in it in backticks: a figure of
   results.json (`local_argmax`, `sampling`, `allreduce_rmsnorm`, `replicate`,
   `decode`), a spec-decoding method of vllm_engine.json (`none`, `draft_model`,
-  `eagle3`), or a traffic kind of traffic_bytes.json (`greedy`, `chat-top-p`, ...);
+  `eagle3`), a traffic kind of traffic_bytes.json (`greedy`, `chat-top-p`, ...), a
+  shape of vllm_shapes.json (`llama-3.2-1b`), or a request rate of vllm_serve.json (`inf`);
 - figure: the row's parameters as the results file names them (B=, V=, T=, H=, r=,
   C=, TP=; TP=2 unless given), plus the words that pick a case (f32 / bf16 / fp16,
   top-k / logprob, embedding / head), and for a replicated layer its full weight
@@ -150,6 +151,40 @@ def _traffic_figure(data: dict, kind: str, label: str, unit: str) -> dict:
     return {"plain": plain, "commfold": mine, "ratio": plain / mine if mine else None}
 
 
+def _shape_figure(data: dict, shape: str, label: str, unit: str) -> dict:
+    """vLLM vs commfold at a real model's shape in vllm_shapes.json: tokens/s at C=,
+    greedy or logprobs=5 traffic ("logprob" in the label); the ratio is the file's
+    median of per-round ratios."""
+    assert unit == "tok/s", f"{label!r}: a shape row is in tok/s"
+    rows = data.get("shapes", {}).get(shape, {}).get("rows", [])
+    c = _label_params(label).get("C")
+    traffic = "logprobs=5" if "logprob" in label else "greedy"
+    pick = {r["variant"]: r for r in rows if r["concurrency"] == c and r["traffic"] == traffic}
+    assert {"vllm", "commfold"} <= set(pick), f"{shape}: no {traffic} rows at C={c}"
+    return {"plain": pick["vllm"]["tokens_per_s"], "commfold": pick["commfold"]["tokens_per_s"],
+            "ratio": pick["commfold"]["vs_vllm"]}
+
+
+def _serve_figure(data: dict, rate: str, label: str, unit: str) -> dict:
+    """vLLM's server vs commfold's in vllm_serve.json at request rate `rate`, as `vllm
+    bench serve` measured them: median TPOT (ms; the ratio: the file's median of
+    per-round vLLM / commfold) or output tok/s."""
+    pick = {r["variant"]: r for r in data.get("rows", []) if r["rate"] == rate}
+    assert {"vllm", "commfold"} <= set(pick), f"vllm_serve.json: no rows at rate {rate}"
+    if unit == "ms":
+        key, ratio = "median_tpot_ms", pick["commfold"]["tpot_speedup"]
+    elif unit == "tok/s":
+        key, ratio = "output_throughput", pick["commfold"]["throughput_vs_vllm"]
+    else:
+        raise AssertionError(f"{label!r}: unit {unit!r} is not one of ms, tok/s")
+    return {"plain": pick["vllm"][key], "commfold": pick["commfold"][key], "ratio": ratio}
+
+
+READERS = {"results.json": _suite_figure, "vllm_engine.json": _engine_figure,
+           "vllm_shapes.json": _shape_figure, "vllm_serve.json": _serve_figure,
+           "traffic_bytes.json": _traffic_figure}
+
+
 def check(readme: str, root: Path = ROOT, only_line: int | None = None) -> list[str]:
     """Every disagreement between the README's performance table and the files it cites
     (only_line: the row on that line of the README only)."""
@@ -185,14 +220,10 @@ def check(readme: str, root: Path = ROOT, only_line: int | None = None) -> list[
         unit = m.group(3)
         data = _load(root / path)
         try:
-            if Path(path).name == "results.json":
-                truth = _suite_figure(data, record.group(1), label, unit)
-            elif Path(path).name == "vllm_engine.json":
-                truth = _engine_figure(data, record.group(1), label, unit)
-            elif Path(path).name == "traffic_bytes.json":
-                truth = _traffic_figure(data, record.group(1), label, unit)
-            else:
+            reader = READERS.get(Path(path).name)
+            if reader is None:
                 raise AssertionError(f"no reader for {path}")
+            truth = reader(data, record.group(1), label, unit)
         except (AssertionError, KeyError) as e:
             problems.append(f"{where}: {e}")
             continue
