@@ -205,19 +205,21 @@ async def _burst(aclient, reqs):
 async def streams(aclient, kws: list[dict], stop_after: dict[int, int] | None = None):
     """The completions `kws` streamed at once; the client of stream i in `stop_after`
     stops reading after that many chunks and closes it (an abort). Per stream: its
-    text and chunks read, or {"aborted_after": chunks}. Closes the client."""
+    text, token ids (where the request asks for them: return_token_ids) and chunks
+    read, or {"aborted_after": chunks}. Closes the client."""
     stop_after = stop_after or {}
 
     async def read(i, kw):
         stream = await aclient.completions.create(stream=True, **kw)
-        parts, n = [], 0
+        parts, ids, n = [], [], 0
         async for ch in stream:
             n += 1
             parts.extend(c.text for c in ch.choices)
+            ids.extend(t for c in ch.choices for t in getattr(c, "token_ids", None) or ())
             if i in stop_after and n >= stop_after[i]:
                 await stream.close()
                 return dict(aborted_after=n)
-        return dict(text="".join(parts), chunks=n)
+        return dict(text="".join(parts), token_ids=ids, chunks=n)
 
     out = await asyncio.gather(*(read(i, kw) for i, kw in enumerate(kws)))
     await aclient.close()  # in this loop: asyncio.run closes it next
