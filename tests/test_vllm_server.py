@@ -127,7 +127,9 @@ def test_faults_while_serving(served):
     *done_on, victim_on = on["abort_in_batch"]
     *done_off, victim_off = off["abort_in_batch"]
     assert victim_on == victim_off == {"aborted_after": 2}
-    assert done_on == done_off and all(d["text"] for d in done_on)
+    # all 16 tokens each (their texts may be empty: the tiny tokenizer decodes most
+    # ids to "")
+    assert done_on == done_off and all(len(d["token_ids"]) == 16 for d in done_on)
     assert on["disconnect"] == off["disconnect"] == 3
     for name in ("off", "on"):
         c = served[name]["counters"]
@@ -159,15 +161,30 @@ def test_prefix_cache_and_chunked_prefill(served):
         assert len(chunks) >= 3, [s.info for s in by_rank[0]][:40]
 
 
+def _served_steps(by_rank, runner: str):
+    """The steps that served requests: V2 also logs its engine's warm-up (the dummy
+    sampler run before any request, no hook involved: vLLM gathers its logits) as
+    step 0, which is left out here."""
+    if runner == "v1":
+        return by_rank
+    for steps in by_rank.values():
+        warm = steps[0]
+        assert warm.step == 0 and "target_pick" not in warm.info, warm
+        assert warm.in_phase("logits").vocab_gathers(VOCAB_SHARD), warm
+    return {rank: steps[1:] for rank, steps in by_rank.items()}
+
+
 def test_served_steps_vocab_gathers(served):
     """Both ranks logged the same steps; with commfold every step the target pick took
     moved no vocab-wide rows, and the steps that still gathered the vocabulary are the
     ones it left to vLLM (the reason noted); without it every served step gathered."""
+    steps = {}
     for name in ("off", "on"):
         by_rank = served[name]["steps"]
         assert sorted(by_rank) == [0, 1], name
         assert [s.info for s in by_rank[0]] == [s.info for s in by_rank[1]], name
-    on = served["on"]["steps"]
+        steps[name] = _served_steps(by_rank, served["runner"])
+    on = steps["on"]
     assert target_pick_problems(on, VOCAB_SHARD) == []
     gathered = vocab_gather_steps(on, VOCAB_SHARD)
     reasons = sorted({f"{g['target_pick']} in {sorted({p for p, _ in g['gathers']})}"
@@ -190,7 +207,13 @@ def test_served_steps_vocab_gathers(served):
     assert local and all(not s.in_phase("logits", "sampling").vocab_gathers(VOCAB_SHARD)
                          for s in local)
     # without commfold every served step gathered its logits' rows (V1: in the logits
-    # processor), as many steps as with it
-    off = [s for s in served["off"]["steps"][0] if s.info.get("tokens")]
-    assert off and all(s.in_phase("logits").vocab_gathers(VOCAB_SHARD) for s in off)
-    assert abs(len(off) - sum(1 for s in on[0] if s.info.get("tokens"))) <= 5
+    # processor; V2: in its sampler, which computes the logits). Both computed the same
+    # tokens (but for the aborted streams' few, which depend on timing) in about as
+    # many steps (how the concurrent parts' requests meet in steps depends on timing)
+    phases = ("logits",) if served["runner"] == "v1" else ("logits", "sampling")
+    off = [s for s in steps["off"][0] if s.info.get("tokens")]
+    assert off and all(s.in_phase(*phases).vocab_gathers(VOCAB_SHARD) for s in off)
+    served_on = [s for s in on[0] if s.info.get("tokens")]
+    assert abs(sum(s.info["tokens"] for s in off) -
+               sum(s.info["tokens"] for s in served_on)) < 40
+    assert abs(len(off) - len(served_on)) <= max(5, len(off) // 20), (len(off), len(served_on))
