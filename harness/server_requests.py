@@ -19,7 +19,14 @@ PROMPTS = ["the quick brown fox", "tensor parallel inference", "hello world, com
 # ~200 tokens of the tiny tokenizer (one a letter): past max-num-batched-tokens (64 in the
 # server tests), so its prefill is chunked
 LONG_PROMPT = " ".join(["a b c d e f g h i j"] * 20)
-TOO_LONG_PROMPT = " ".join(["a b c d e f g h i j"] * 40)  # ~400 tokens > max-model-len
+# the suite's models take max_position_embeddings and their servers --max-model-len
+# SUITE_MAX_MODEL_LEN: room for a stream that is aborted (VICTIM_TOKENS long) to still
+# run when its abort reaches the engine. The API server passes the engine's outputs on
+# behind the engine: on 2 shared cores a 200-token victim of V1 ran 74 tokens past its
+# client's close, once to its end
+SUITE_MAX_MODEL_LEN = 1024
+VICTIM_TOKENS = 1000
+TOO_LONG_PROMPT = " ".join(["a b c d e f g h i j"] * 120)  # ~1200 tokens > max-model-len
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
 JSON_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"},
@@ -205,19 +212,21 @@ async def _burst(aclient, reqs):
 async def streams(aclient, kws: list[dict], stop_after: dict[int, int] | None = None):
     """The completions `kws` streamed at once; the client of stream i in `stop_after`
     stops reading after that many chunks and closes it (an abort). Per stream: its
-    text and chunks read, or {"aborted_after": chunks}. Closes the client."""
+    text, token ids (where the request asks for them: return_token_ids) and chunks
+    read, or {"aborted_after": chunks}. Closes the client."""
     stop_after = stop_after or {}
 
     async def read(i, kw):
         stream = await aclient.completions.create(stream=True, **kw)
-        parts, n = [], 0
+        parts, ids, n = [], [], 0
         async for ch in stream:
             n += 1
             parts.extend(c.text for c in ch.choices)
+            ids.extend(t for c in ch.choices for t in getattr(c, "token_ids", None) or ())
             if i in stop_after and n >= stop_after[i]:
                 await stream.close()
                 return dict(aborted_after=n)
-        return dict(text="".join(parts), chunks=n)
+        return dict(text="".join(parts), token_ids=ids, chunks=n)
 
     out = await asyncio.gather(*(read(i, kw) for i, kw in enumerate(kws)))
     await aclient.close()  # in this loop: asyncio.run closes it next
@@ -229,7 +238,8 @@ def _abort_in_batch(server):
     after two chunks and closes the stream: the four complete."""
     kws = [dict(model=MODEL, prompt=PROMPTS[i % 3], max_tokens=16, temperature=0.9,
                 seed=200 + i, extra_body=IGNORE_EOS) for i in range(4)]
-    victim = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=200, temperature=0.9, seed=299,
+    victim = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=VICTIM_TOKENS, temperature=0.9,
+                  seed=299,
                   extra_body=IGNORE_EOS)
     return asyncio.run(streams(server.async_client(), [*kws, victim], {4: 2}))
 
@@ -242,7 +252,7 @@ def _disconnect_mid_stream(server) -> int:
 
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
     conn.request("POST", "/v1/completions", json.dumps(dict(
-        model=MODEL, prompt=PROMPTS[1], max_tokens=200, temperature=0.9, seed=300,
+        model=MODEL, prompt=PROMPTS[1], max_tokens=VICTIM_TOKENS, temperature=0.9, seed=300,
         stream=True, ignore_eos=True)), {"Content-Type": "application/json"})
     resp = conn.getresponse()
     events = 0

@@ -28,7 +28,8 @@ from harness.vllm_models import require_vllm_installed, write_model
 pytestmark = [*require_vllm_installed(group="module"), pytest.mark.engine]
 
 from commfold.vllm.observe.step_checks import LOCAL_PICKS, target_pick_problems  # noqa: E402
-from harness.server_requests import CHAT_TEMPLATE, differences, run_suite  # noqa: E402
+from harness.server_requests import CHAT_TEMPLATE, SUITE_MAX_MODEL_LEN, VICTIM_TOKENS, \
+    differences, run_suite  # noqa: E402
 from harness.vllm_server import Server, vocab_gather_steps  # noqa: E402
 
 VOCAB_SHARD = 512  # vocab 1000, padded to 1024 at TP=2
@@ -42,9 +43,11 @@ def served(request, tmp_path_factory):
     process group, before the next starts)."""
     v2 = request.param == "v2"
     tmp = tmp_path_factory.mktemp(f"server-{request.param}")
-    model = write_model(tmp / "model", "llama", weights=True, texts=JSON_TEXTS)
+    model = write_model(tmp / "model", "llama", weights=True, texts=JSON_TEXTS,
+                        max_position_embeddings=SUITE_MAX_MODEL_LEN)
     (tmp / "chat.jinja").write_text(CHAT_TEMPLATE)
-    args = ("--chat-template", str(tmp / "chat.jinja"), "--enable-prefix-caching",
+    args = ("--max-model-len", str(SUITE_MAX_MODEL_LEN),
+            "--chat-template", str(tmp / "chat.jinja"), "--enable-prefix-caching",
             "--enable-chunked-prefill", "--max-num-batched-tokens", str(CHUNK))
     out = {}
     for name in ("off", "on"):
@@ -127,19 +130,22 @@ def test_faults_while_serving(served):
     *done_on, victim_on = on["abort_in_batch"]
     *done_off, victim_off = off["abort_in_batch"]
     assert victim_on == victim_off == {"aborted_after": 2}
-    assert done_on == done_off and all(d["text"] for d in done_on)
+    # all 16 tokens each (their texts may be empty: the tiny tokenizer decodes most
+    # ids to "")
+    assert done_on == done_off and all(len(d["token_ids"]) == 16 for d in done_on)
     assert on["disconnect"] == off["disconnect"] == 3
     for name in ("off", "on"):
         c = served[name]["counters"]
         # the aborted and the disconnected request end (none left running or waiting,
         # neither counted as a success); the four others finish once each, all their
-        # tokens generated once, the aborted one's few
+        # tokens generated once, the aborted ones stopped before their end (how far
+        # they ran past the close depends on how far the API server lags the engine)
         a = c["abort_in_batch"]
         assert a["running"] == a["waiting"] == 0 and a["request_success_total"] == 4, c
-        assert 4 * 16 <= a["generation_tokens_total"] < 4 * 16 + 20, c
+        assert 4 * 16 <= a["generation_tokens_total"] < 4 * 16 + VICTIM_TOKENS, c
         d = c["disconnect"]
         assert d["running"] == d["waiting"] == d["request_success_total"] == 0, c
-        assert d["generation_tokens_total"] < 20, c
+        assert d["generation_tokens_total"] < VICTIM_TOKENS, c
     # still serving after the faults: a burst request answered as before them
     assert on["after_faults"] == on["burst_alone"][1]
     assert differences(on["after_faults"], off["after_faults"], ATOL, "after") == []
@@ -159,15 +165,30 @@ def test_prefix_cache_and_chunked_prefill(served):
         assert len(chunks) >= 3, [s.info for s in by_rank[0]][:40]
 
 
+def _served_steps(by_rank, runner: str):
+    """The steps that served requests: V2 also logs its engine's warm-up (the dummy
+    sampler run before any request, no hook involved: vLLM gathers its logits) as
+    step 0, which is left out here."""
+    if runner == "v1":
+        return by_rank
+    for steps in by_rank.values():
+        warm = steps[0]
+        assert warm.step == 0 and "target_pick" not in warm.info, warm
+        assert warm.in_phase("logits").vocab_gathers(VOCAB_SHARD), warm
+    return {rank: steps[1:] for rank, steps in by_rank.items()}
+
+
 def test_served_steps_vocab_gathers(served):
     """Both ranks logged the same steps; with commfold every step the target pick took
     moved no vocab-wide rows, and the steps that still gathered the vocabulary are the
     ones it left to vLLM (the reason noted); without it every served step gathered."""
+    steps = {}
     for name in ("off", "on"):
         by_rank = served[name]["steps"]
         assert sorted(by_rank) == [0, 1], name
         assert [s.info for s in by_rank[0]] == [s.info for s in by_rank[1]], name
-    on = served["on"]["steps"]
+        steps[name] = _served_steps(by_rank, served["runner"])
+    on = steps["on"]
     assert target_pick_problems(on, VOCAB_SHARD) == []
     gathered = vocab_gather_steps(on, VOCAB_SHARD)
     reasons = sorted({f"{g['target_pick']} in {sorted({p for p, _ in g['gathers']})}"
@@ -190,7 +211,23 @@ def test_served_steps_vocab_gathers(served):
     assert local and all(not s.in_phase("logits", "sampling").vocab_gathers(VOCAB_SHARD)
                          for s in local)
     # without commfold every served step gathered its logits' rows (V1: in the logits
-    # processor), as many steps as with it
-    off = [s for s in served["off"]["steps"][0] if s.info.get("tokens")]
-    assert off and all(s.in_phase("logits").vocab_gathers(VOCAB_SHARD) for s in off)
-    assert abs(len(off) - sum(1 for s in on[0] if s.info.get("tokens"))) <= 5
+    # processor; V2: in its sampler, which computes the logits). Both computed the same
+    # tokens but for those the aborted streams ran past their close (timing decides how
+    # many: vLLM's counters say), in about as many steps (how the concurrent parts'
+    # requests meet in steps depends on timing too)
+    phases = ("logits",) if served["runner"] == "v1" else ("logits", "sampling")
+    off = [s for s in steps["off"][0] if s.info.get("tokens")]
+    assert off and all(s.in_phase(*phases).vocab_gathers(VOCAB_SHARD) for s in off)
+    served_on = [s for s in on[0] if s.info.get("tokens")]
+    late = {name: _aborted_tokens(served[name]["counters"]) for name in ("off", "on")}
+    tokens = {name: sum(s.info["tokens"] for s in run) - late[name]
+              for name, run in (("off", off), ("on", served_on))}
+    assert abs(tokens["off"] - tokens["on"]) <= 2, (tokens, late)
+    n_off, n_on = len(off) - late["off"], len(served_on) - late["on"]
+    assert abs(n_off - n_on) <= max(5, n_off // 20), (n_off, n_on, late)
+
+
+def _aborted_tokens(counters) -> int:
+    """The tokens the aborted and the disconnected streams generated."""
+    return int(counters["abort_in_batch"]["generation_tokens_total"] - 4 * 16 +
+               counters["disconnect"]["generation_tokens_total"])
