@@ -354,6 +354,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="toy", choices=["toy", *SHAPES],
                     help="toy: the model above; else a real model's shape (dummy weights)")
     ap.add_argument("--layers", type=int, help="with --shape: cut the decoder to N layers")
+    ap.add_argument("--runs", type=int, default=3,
+                    help="with --shape: timed runs per row per round (their median)")
     a = ap.parse_args(argv)
     if a.shape != "toy":
         FUSE_COST_RULE["on"] = not a.no_fuse_cost_rule

@@ -106,12 +106,23 @@ def generate(llm, batch, tokens: int, traffic: str) -> dict:
     return {"seconds": secs, "output_tokens": sum(map(len, toks)), "tokens": toks}
 
 
-def one_engine(model: Path, engine_variant: str, concurrency, tokens, warmup, r) -> dict:
+def timed(llm, batch, tokens: int, traffic: str, runs: int) -> dict:
+    """`runs` timed generations of one batch: the round's figure is their median time
+    (a single short run on this 2-core machine, where four processes spin on shared
+    memory, is off by up to ~10% either way), every run's time kept; tokens must agree."""
+    each = [generate(llm, batch, tokens, traffic) for _ in range(runs)]
+    assert all(x["tokens"] == each[0]["tokens"] for x in each), "runs disagree on tokens"
+    secs = [x["seconds"] for x in each]
+    return dict(each[0], seconds=statistics.median(secs), runs_s=secs)
+
+
+def one_engine(model: Path, engine_variant: str, concurrency, tokens, warmup, r,
+               runs: int = 1) -> dict:
     """One engine: vLLM as shipped, or commfold. Per (traffic, C) a warm-up run of
-    `warmup` tokens, then one timed run; in commfold's engine, one with the target pick
-    paused too (vLLM's gather and sampler on commfold's compiled forward), the two in
-    an order alternating with the round `r`. Returns {variant: {traffic/C: run}} and
-    the start-up seconds."""
+    `warmup` tokens, then `runs` timed runs (their median: `timed`); in commfold's
+    engine, as many with the target pick paused too (vLLM's gather and sampler on
+    commfold's compiled forward), the two variants in an order alternating with the
+    round `r`. Returns {variant: {traffic/C: run}} and the start-up seconds."""
     from benchmarks.bench_vllm_engine import FUSE_COST_RULE
     from harness.vllm_engine import pause_target_pick
     from harness.vllm_spec import engine, engine_env
@@ -137,14 +148,15 @@ def one_engine(model: Path, engine_variant: str, concurrency, tokens, warmup, r)
                 for v in names:
                     if commfold:
                         llm.collective_rpc(pause_target_pick, args=(v == NO_PICK,))
-                    out[v][f"{traffic}/{c}"] = generate(llm, all_prompts[:c], tokens, traffic)
+                    out[v][f"{traffic}/{c}"] = timed(llm, all_prompts[:c], tokens, traffic,
+                                                    runs)
         if commfold:
             llm.collective_rpc(pause_target_pick, args=(False,))
         start = llm.start_s
     return {"runs": out, "start_s": start}
 
 
-def run(shape, layers, concurrency, tokens, rounds, warmup=4, log=print) -> dict:
+def run(shape, layers, concurrency, tokens, rounds, warmup=4, log=print, runs=1) -> dict:
     """Every round: vLLM's engine and commfold's, one at a time, the order alternating;
     the rows from them."""
     model = write_shape(Path(tempfile.gettempdir()) / "commfold-bench-shapes", shape, layers)
@@ -153,13 +165,13 @@ def run(shape, layers, concurrency, tokens, rounds, warmup=4, log=print) -> dict
     for r in range(rounds):
         for ev in (["vllm", "commfold"] if r % 2 == 0 else ["commfold", "vllm"]):
             log(f"[shapes] {shape} round {r + 1}/{rounds}: {ev} engine ...")
-            e = one_engine(model, ev, concurrency, tokens, warmup, r)
+            e = one_engine(model, ev, concurrency, tokens, warmup, r, runs)
             start[ev].append(e["start_s"])
-            for v, runs in e["runs"].items():
-                raw[v].append(runs)
+            for v, timings in e["runs"].items():
+                raw[v].append(timings)
                 log(f"[shapes] {v}: " + ", ".join(
                     f"{k} {x['output_tokens'] / x['seconds']:.1f} tok/s"
-                    for k, x in runs.items()))
+                    for k, x in timings.items()))
     return {"rows": rows(raw, concurrency), "start_s": start}
 
 
@@ -213,7 +225,8 @@ def markdown(results: dict) -> str:
     for shape, r in results.get("shapes", {}).items():
         lines += [f"## {shape} ({r['layers']} of {r['full_layers']} layers), {r['date']}", "",
                   f"Config: {r['config']}; weights: {r.get('weights', '')}; "
-                  f"{r.get('tokens')} new tokens per prompt, {r.get('prompt_len')}-token prompts",
+                  f"{r.get('tokens')} new tokens per prompt, {r.get('prompt_len')}-token prompts; "
+                  f"{r.get('runs_per_round', 1)} timed run(s) per row per round, their median",
                   f"Command: `{r['command']}`", "",
                   "| traffic | C | variant | tok/s | spread | vs vLLM | per round | "
                   "same tokens | pick A/B |", "|" + "---|" * 9]
@@ -246,13 +259,13 @@ def main(a) -> int:
     arch, sizes = SHAPES[a.shape]
     layers = a.layers or sizes["num_hidden_layers"]
     r = run(a.shape, a.layers, a.concurrency, a.tokens, a.repeats,
-            log=lambda s: print(s, flush=True))
+            log=lambda s: print(s, flush=True), runs=a.runs)
     r.update(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
              layers=layers, full_layers=sizes["num_hidden_layers"],
              config=f"{arch} {dict(sizes, num_hidden_layers=layers)}",
              weights="seeded (transformers' init scale)" if SEEDED else "vLLM's dummy",
              machine=f"{platform.machine()}, {os.cpu_count()} CPUs",
-             tokens=a.tokens, prompt_len=PROMPT_LEN,
+             tokens=a.tokens, prompt_len=PROMPT_LEN, runs_per_round=a.runs,
              command="python " + " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]))
     old = results["shapes"].get(a.shape, {})
     if old.get("notes"):
