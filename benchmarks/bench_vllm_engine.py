@@ -356,6 +356,10 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, help="with --shape: cut the decoder to N layers")
     ap.add_argument("--runs", type=int, default=3,
                     help="with --shape: timed runs per row per round (their median)")
+    ap.add_argument("--sequential", action="store_true",
+                    help="with --shape: one engine at a time, alternating per round "
+                         "(less memory; engines minutes apart), instead of both kept "
+                         "and their runs paired")
     a = ap.parse_args(argv)
     if a.shape != "toy":
         FUSE_COST_RULE["on"] = not a.no_fuse_cost_rule

@@ -1,12 +1,12 @@
 """Real model shapes on vLLM's engine (TP=2, bf16): vLLM as shipped vs
 commfold vs commfold with the target pick off, greedy and ``logprobs=5`` traffic,
-side by side in one run. The machine is shared and drifts, so the variants are
-interleaved: each round starts vLLM's engine and commfold's (one at a time, the
-order alternating), times every (traffic, C) once after a short warm-up, and stops
-it; in commfold's engine the pick-off variant is the same engine with the target pick
-paused (vLLM's gather and sampler), timed right next to the pick's run. Figures
-are medians over rounds; ``vs_vllm`` is the median of the per-round ratios
-(a round's engines ran minutes apart, not hours).
+side by side in one run. The machine drifts (its cores change speed by ~25% for
+minutes at a time), so the variants are paired: both engines are started once and
+kept, and per round and (traffic, C) the three variants run back to back, seconds
+apart (``run_paired``; ``--sequential``: one engine at a time, alternating per round,
+for less memory). The pick-off variant is commfold's engine with the target pick
+paused (vLLM's gather and sampler). Each figure is the median of ``--runs`` timed
+runs; ``vs_vllm`` is the median of the per-round ratios.
 
     python -m benchmarks.bench_vllm_engine --shape llama-3.2-1b --layers 4
 
@@ -24,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 # shape -> (tiny_models arch, the Hugging Face config's sizes)
@@ -116,6 +117,33 @@ def timed(llm, batch, tokens: int, traffic: str, runs: int) -> dict:
     return dict(each[0], seconds=statistics.median(secs), runs_s=secs)
 
 
+@contextmanager
+def open_engine(model: Path, engine_variant: str, concurrency, tokens):
+    """vLLM's engine as shipped ("vllm") or commfold's ("commfold"), started for these
+    runs and stopped on exit."""
+    from benchmarks.bench_vllm_engine import FUSE_COST_RULE
+    from harness.tiny_models import load_format
+    from harness.vllm_spec import engine, engine_env
+
+    env = engine_env(engine_variant == "commfold", None, comm_log=False,
+                     cache=Path(tempfile.gettempdir()) / "commfold-bench-shapes-cache")
+    env["COMMFOLD_FUSE_COST_RULE"] = "1" if FUSE_COST_RULE["on"] else "0"
+    env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc(pause_target_pick)
+    c_max = max(concurrency)
+    with engine(str(model), None, env, dtype="bfloat16", load_format=load_format(model),
+                max_model_len=PROMPT_LEN + tokens + 16, max_num_seqs=c_max,
+                max_num_batched_tokens=max(2048, c_max * PROMPT_LEN)) as llm:
+        yield llm
+
+
+def _select(llm, variant: str) -> None:
+    """In commfold's engine, the target pick on (commfold) or paused (NO_PICK)."""
+    from harness.vllm_engine import pause_target_pick
+
+    if variant != "vllm":
+        llm.collective_rpc(pause_target_pick, args=(variant == NO_PICK,))
+
+
 def one_engine(model: Path, engine_variant: str, concurrency, tokens, warmup, r,
                runs: int = 1) -> dict:
     """One engine: vLLM as shipped, or commfold. Per (traffic, C) a warm-up run of
@@ -123,37 +151,63 @@ def one_engine(model: Path, engine_variant: str, concurrency, tokens, warmup, r,
     engine, as many with the target pick paused too (vLLM's gather and sampler on
     commfold's compiled forward), the two variants in an order alternating with the
     round `r`. Returns {variant: {traffic/C: run}} and the start-up seconds."""
-    from benchmarks.bench_vllm_engine import FUSE_COST_RULE
-    from harness.vllm_engine import pause_target_pick
-    from harness.vllm_spec import engine, engine_env
-
     commfold = engine_variant == "commfold"
-    env = engine_env(commfold, None, comm_log=False,
-                     cache=Path(tempfile.gettempdir()) / "commfold-bench-shapes-cache")
-    env["COMMFOLD_FUSE_COST_RULE"] = "1" if FUSE_COST_RULE["on"] else "0"
-    env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc(pause_target_pick)
-    c_max = max(concurrency)
     names = ["commfold", NO_PICK][::1 if r % 2 == 0 else -1] if commfold else ["vllm"]
     out: dict[str, dict] = {v: {} for v in names}
-    from harness.tiny_models import load_format
-
-    with engine(str(model), None, env, dtype="bfloat16", load_format=load_format(model),
-                max_model_len=PROMPT_LEN + tokens + 16, max_num_seqs=c_max,
-                max_num_batched_tokens=max(2048, c_max * PROMPT_LEN)) as llm:
-        vocab = llm.llm_engine.model_config.get_vocab_size()
-        all_prompts = prompts(c_max, vocab)
+    with open_engine(model, engine_variant, concurrency, tokens) as llm:
+        all_prompts = prompts(max(concurrency), llm.llm_engine.model_config.get_vocab_size())
         for traffic in TRAFFIC:
             for c in concurrency:
                 generate(llm, all_prompts[:c], warmup, traffic)
                 for v in names:
-                    if commfold:
-                        llm.collective_rpc(pause_target_pick, args=(v == NO_PICK,))
+                    _select(llm, v)
                     out[v][f"{traffic}/{c}"] = timed(llm, all_prompts[:c], tokens, traffic,
                                                     runs)
-        if commfold:
-            llm.collective_rpc(pause_target_pick, args=(False,))
+        _select(llm, "commfold" if commfold else "vllm")
         start = llm.start_s
     return {"runs": out, "start_s": start}
+
+
+# vLLM's workers spin on shared memory for 1 s after their last step (SpinCondition's
+# busy_loop_s) before they sleep: the engine not timed is left that long first
+IDLE_S = 1.5
+
+
+def run_paired(shape, layers, concurrency, tokens, rounds, warmup=4, log=print,
+               runs=1) -> dict:
+    """Both engines started once and kept; per round and (traffic, C), the three
+    variants timed back to back (the order rotating with the round), each after the
+    other engine went idle. This VM's cores change speed by ~25% for minutes at a
+    time (its neighbours' load, invisible from inside: the same engine, same runs,
+    read 48 then 36 tok/s), so runs seconds apart are compared, not engines minutes
+    apart."""
+    model = write_shape(Path(tempfile.gettempdir()) / "commfold-bench-shapes", shape, layers)
+    raw: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    log(f"[shapes] {shape}: starting vLLM's engine and commfold's (paired) ...")
+    with open_engine(model, "vllm", concurrency, tokens) as plain, \
+            open_engine(model, "commfold", concurrency, tokens) as mine:
+        start = {"vllm": [plain.start_s], "commfold": [mine.start_s]}
+        all_prompts = prompts(max(concurrency), plain.llm_engine.model_config.get_vocab_size())
+        for r in range(rounds):
+            got: dict[str, dict] = {v: {} for v in VARIANTS}
+            for traffic in TRAFFIC:
+                for c in concurrency:
+                    batch = all_prompts[:c]
+                    order = VARIANTS[r % 3:] + VARIANTS[:r % 3]
+                    for v in order:
+                        llm = plain if v == "vllm" else mine
+                        _select(llm, v)
+                        time.sleep(IDLE_S)
+                        if r == 0 and v != NO_PICK:
+                            generate(llm, batch, warmup, traffic)
+                        got[v][f"{traffic}/{c}"] = timed(llm, batch, tokens, traffic, runs)
+            for v in VARIANTS:
+                raw[v].append(got[v])
+            log(f"[shapes] {shape} round {r + 1}/{rounds}: " + "; ".join(
+                f"{v} " + ", ".join(f"{k} {x['output_tokens'] / x['seconds']:.1f}"
+                                    for k, x in got[v].items()) for v in VARIANTS))
+        _select(mine, "commfold")
+    return {"rows": rows(raw, concurrency), "start_s": start}
 
 
 def run(shape, layers, concurrency, tokens, rounds, warmup=4, log=print, runs=1) -> dict:
@@ -226,7 +280,8 @@ def markdown(results: dict) -> str:
         lines += [f"## {shape} ({r['layers']} of {r['full_layers']} layers), {r['date']}", "",
                   f"Config: {r['config']}; weights: {r.get('weights', '')}; "
                   f"{r.get('tokens')} new tokens per prompt, {r.get('prompt_len')}-token prompts; "
-                  f"{r.get('runs_per_round', 1)} timed run(s) per row per round, their median",
+                  f"{r.get('runs_per_round', 1)} timed run(s) per row per round, their median; "
+                  f"engines: {r.get('engines', 'one at a time, alternating')}",
                   f"Command: `{r['command']}`", "",
                   "| traffic | C | variant | tok/s | spread | vs vLLM | per round | "
                   "same tokens | pick A/B |", "|" + "---|" * 9]
@@ -258,7 +313,8 @@ def main(a) -> int:
     results = json.loads(path.read_text()) if path.exists() else {"shapes": {}}
     arch, sizes = SHAPES[a.shape]
     layers = a.layers or sizes["num_hidden_layers"]
-    r = run(a.shape, a.layers, a.concurrency, a.tokens, a.repeats,
+    how = run if a.sequential else run_paired
+    r = how(a.shape, a.layers, a.concurrency, a.tokens, a.repeats,
             log=lambda s: print(s, flush=True), runs=a.runs)
     r.update(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
              layers=layers, full_layers=sizes["num_hidden_layers"],
@@ -266,6 +322,7 @@ def main(a) -> int:
              weights="seeded (transformers' init scale)" if SEEDED else "vLLM's dummy",
              machine=f"{platform.machine()}, {os.cpu_count()} CPUs",
              tokens=a.tokens, prompt_len=PROMPT_LEN, runs_per_round=a.runs,
+             engines="one at a time, alternating" if a.sequential else "both kept, paired runs",
              command="python " + " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]))
     old = results["shapes"].get(a.shape, {})
     if old.get("notes"):

@@ -80,3 +80,47 @@ def test_the_table_says_how_many_runs_a_round_took(fake_engines):
     md = engine_shapes.markdown({"shapes": {"qwen3-1.7b": r}})
     assert "3 timed run(s) per row per round, their median" in md
     assert md.count("| greedy | 8 |") == 3  # vllm, commfold, pick paused
+
+
+def test_paired_runs_rotate_and_compare_runs_seconds_apart(monkeypatch):
+    """run_paired keeps both engines, times the three variants back to back per row
+    (the order rotating by round) and pauses the pick only for the paused variant."""
+    from contextlib import contextmanager
+
+    calls: list[tuple[str, str, bool]] = []  # (engine, traffic/C, pick paused)
+
+    class Engine:
+        def __init__(self, name):
+            self.name, self.paused, self.start_s = name, False, 1.0
+            self.llm_engine = type("E", (), {"model_config": type(
+                "M", (), {"get_vocab_size": staticmethod(lambda: 100)})()})()
+
+        def collective_rpc(self, fn, args):
+            self.paused = args[0]
+
+    @contextmanager
+    def open_engine(model, variant, concurrency, tokens):
+        yield Engine(variant)
+
+    def generate(llm, batch, tokens, traffic):
+        calls.append((llm.name, f"{traffic}/{len(batch)}", llm.paused, tokens))
+        secs = {"vllm": 2.0, "commfold": 1.0}[llm.name] * (1.5 if llm.paused else 1.0)
+        return {"seconds": secs, "output_tokens": tokens * len(batch),
+                "tokens": [[3] * tokens for _ in batch]}
+
+    monkeypatch.setattr(engine_shapes, "open_engine", open_engine)
+    monkeypatch.setattr(engine_shapes, "generate", generate)
+    monkeypatch.setattr(engine_shapes, "write_shape", lambda *a, **k: None)
+    monkeypatch.setattr(engine_shapes, "IDLE_S", 0)
+    r = engine_shapes.run_paired("qwen3-1.7b", 4, [1, 8], tokens=8, rounds=3,
+                                 log=lambda s: None, runs=1)
+    timed_calls = [c for c in calls if c[3] == 8]
+    # per round 2 traffic kinds x 2 C x 3 variants; the first variant rotates
+    assert len(timed_calls) == 3 * 2 * 2 * 3
+    firsts = [timed_calls[i * 12] for i in range(3)]
+    assert [(e, p) for e, _, p, _ in firsts] == [
+        ("vllm", False), ("commfold", False), ("commfold", True)]
+    row = {x["variant"]: x for x in r["rows"]
+           if x["traffic"] == "logprobs=5" and x["concurrency"] == 8}
+    assert row["commfold"]["vs_vllm_each"] == [2.0, 2.0, 2.0]
+    assert row[engine_shapes.NO_PICK]["vs_vllm"] == pytest.approx(2.0 / 1.5)
