@@ -352,7 +352,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--report", action="store_true", help="only rewrite table and plot")
     ap.add_argument("--shape", default="toy", choices=["toy", *SHAPES],
-                    help="toy: the model above; else a real model's shape (dummy weights)")
+                    help="toy: the model above; else a real model's shape (seeded weights)")
     ap.add_argument("--layers", type=int, help="with --shape: cut the decoder to N layers")
     ap.add_argument("--runs", type=int, default=3,
                     help="with --shape: timed runs per row per round (their median)")
